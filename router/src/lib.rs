@@ -1,0 +1,22 @@
+//! quiver-router: the OpenAI-compatible HTTP front of quiver.
+//!
+//! A request flows: `http` (axum handlers) → `validation` (OpenAI body → `GenerationRequest`)
+//! → `scheduler` (queues, KV blocks, continuous batching) → `shard` (gRPC client), and back as
+//! token events → `detokenizer` → `stop` → SSE or JSON.
+
+pub mod config;
+pub mod detokenizer;
+pub mod error;
+pub mod http;
+pub mod openai;
+pub mod scheduler;
+pub mod shard;
+pub mod stop;
+pub mod template;
+pub mod tokenizer;
+pub mod validation;
+
+/// Code generated from `proto/quiver/v1/shard.proto` by build.rs.
+pub mod pb {
+    tonic::include_proto!("quiver.v1");
+}

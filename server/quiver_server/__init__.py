@@ -1,0 +1,1 @@
+"""quiver shard: model weights, paged KV cache, batched prefill/decode over gRPC."""
