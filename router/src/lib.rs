@@ -8,6 +8,7 @@ pub mod config;
 pub mod detokenizer;
 pub mod error;
 pub mod http;
+pub mod metrics;
 pub mod openai;
 pub mod scheduler;
 pub mod shard;
