@@ -1,0 +1,147 @@
+"""`quiver-server`: serve a model shard, download a model, or write the demo model.
+
+    quiver-server serve MODEL_ID --uds-path PATH [--revision REV] [--dtype ...] [--device ...]
+                        [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
+                        [--gpu-memory-fraction 0.9] [--json-logs]
+    quiver-server download MODEL_ID [--revision REV]      # prints the local path
+    quiver-server demo-model DIR                          # tiny random Llama + real tokenizer
+
+Every failure a user can cause (missing model, unsupported architecture, socket in use) ends the
+process with exit status 1 and one log line that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from quiver_server.logging_setup import setup_logging
+
+logger = logging.getLogger("quiver_server")
+
+EXIT_FAILURE = 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--json-logs",
+        action="store_true",
+        help='log one JSON object per line on stderr ({"level","message","target"})',
+    )
+
+    parser = argparse.ArgumentParser(prog="quiver-server", description="quiver's model shard")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", parents=[common], help="serve a model over gRPC on a unix socket")
+    serve.add_argument("model_id", metavar="MODEL_ID", help="local model directory or Hugging Face Hub repo id")
+    serve.add_argument("--uds-path", required=True, help="unix socket to listen on")
+    serve.add_argument("--revision", help="hub revision (branch, tag or commit)")
+    serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                       help="auto: the config's torch_dtype on CUDA, float32 on CPU")
+    serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                       help="auto: cuda if available")
+    serve.add_argument("--rank", type=int, default=0, help="this shard's rank among --world-size shards")
+    serve.add_argument("--world-size", type=int, default=1, help="number of shards serving this model")
+    serve.add_argument("--cpu-kv-cache-gib", type=float, default=1.0,
+                       help="KV cache size when running on the CPU")
+    serve.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                       help="share of GPU memory the weights, activations and KV cache may use")
+
+    download = commands.add_parser("download", parents=[common],
+                                   help="fetch a model from the hub and print its local path")
+    download.add_argument("model_id", metavar="MODEL_ID")
+    download.add_argument("--revision", help="hub revision (branch, tag or commit)")
+
+    demo = commands.add_parser("demo-model", parents=[common],
+                               help="write the demo model (tiny random Llama, real tokenizer, ChatML)")
+    demo.add_argument("dir", metavar="DIR", help="directory to create")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(json_logs=args.json_logs)
+    handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model}
+    return handlers[args.command](args)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.world_size < 1 or not 0 <= args.rank < args.world_size:
+        logger.error("invalid --rank %d for --world-size %d", args.rank, args.world_size)
+        return EXIT_FAILURE
+    if args.world_size > 1:
+        # Tensor parallelism is not implemented yet: each rank holds the whole model and computes
+        # the same steps, which is correct (the router uses rank 0's answer) but no faster.
+        logger.warning("--world-size %d: every rank runs the full model (no tensor parallelism yet)",
+                       args.world_size)
+
+    from quiver_server.hub import ModelNotFoundError, resolve_model
+
+    try:
+        model_path = resolve_model(args.model_id, revision=args.revision)
+    except ModelNotFoundError as error:
+        logger.error("cannot load model: %s", error)
+        return EXIT_FAILURE
+
+    # Imported late: torch takes seconds to import and `download`/`--help` don't need it.
+    from quiver_server.engine import Engine
+    from quiver_server.server import SocketInUseError, serve
+    from quiver_server.service import ShardService
+
+    logger.info("loading %s from %s", args.model_id, model_path)
+    try:
+        engine = Engine(
+            model_path,
+            args.model_id,
+            dtype=args.dtype,
+            device=args.device,
+            cpu_kv_cache_gib=args.cpu_kv_cache_gib,
+            gpu_memory_fraction=args.gpu_memory_fraction,
+        )
+    except (ValueError, NotImplementedError, OSError) as error:
+        # Unsupported model_type, missing or malformed files: the message says it all.
+        logger.error("cannot load model %s: %s", args.model_id, error)
+        return EXIT_FAILURE
+    except Exception:
+        logger.exception("cannot load model %s", args.model_id)
+        return EXIT_FAILURE
+
+    service = ShardService(engine, rank=args.rank, world_size=args.world_size)
+    try:
+        asyncio.run(serve(service, args.uds_path))
+    except (SocketInUseError, ValueError, OSError) as error:
+        logger.error("cannot serve on %s: %s", args.uds_path, error)
+        return EXIT_FAILURE
+    return 0
+
+
+def _download(args: argparse.Namespace) -> int:
+    from quiver_server.hub import ModelNotFoundError, resolve_model
+
+    try:
+        path = resolve_model(args.model_id, revision=args.revision)
+    except ModelNotFoundError as error:
+        logger.error("%s", error)
+        return EXIT_FAILURE
+    print(path)
+    return 0
+
+
+def _demo_model(args: argparse.Namespace) -> int:
+    from quiver_server.demo_model import write_demo_model
+
+    try:
+        path = write_demo_model(args.dir)
+    except FileExistsError as error:
+        logger.error("%s", error)
+        return EXIT_FAILURE
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Writes quiver's demo model: a tiny random-weight Llama with a real tokenizer and chat template.
+
+It lets `quiver-launcher` with no `--model-id` serve something on any machine without a download.
+Its answers are random text; what is real is everything around the weights: a byte-level BPE
+tokenizer (trained here, from text that ships with Python), ChatML special tokens and template,
+EOS ids in generation_config.json, and the files laid out exactly as `save_pretrained` writes
+them, so the whole serving path is exercised as with a hub model.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import importlib
+import inspect
+import io
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+# Shapes: small enough to generate in a second and serve fast on a laptop CPU, large enough to
+# have several heads, grouped-query attention and more than one layer.
+VOCAB_SIZE = 1024
+HIDDEN_SIZE = 128
+INTERMEDIATE_SIZE = 384
+NUM_LAYERS = 4
+NUM_HEADS = 4
+NUM_KV_HEADS = 2
+MAX_POSITIONS = 4096
+
+# A little hand-written text (including non-ASCII, so common multi-byte sequences get merges)
+# to go with the standard library's docstrings.
+_OWN_TEXT = """\
+quiver serves one base language model and any number of LoRA adapters behind an
+OpenAI-compatible HTTP API. This is its demo model. Its weights are random numbers, so it
+answers with random text; it exists so that you can try the server, the API and the tooling
+before you download a real model.
+
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single
+step. Hello! How are you today? I am fine, thank you. What is the capital of France? Paris is
+the capital of France. Tell me a joke. Why did the chicken cross the road? To get to the other
+side. The user asks a question and the assistant answers it, one token at a time.
+
+Café, naïve, résumé, façade, jalapeño, Größe, Straße, smörgåsbord. Ça va? ¿Qué tal? Grüß Gott!
+Привет, мир. Γειά σου κόσμε. 你好，世界。こんにちは世界。안녕하세요. 👋 🎉 ✓ — « » “ ” ‘ ’ …
+"""
+
+# Modules whose docstrings (module, public functions and classes) are English prose that ships
+# with every Python, so training needs no download.
+_DOC_MODULES = (
+    "argparse", "json", "collections", "functools", "itertools", "textwrap", "string", "pathlib",
+    "dataclasses", "contextlib", "heapq", "bisect", "fractions", "statistics", "random", "difflib",
+    "calendar", "csv", "shlex", "enum",
+)
+
+
+def training_corpus() -> list[str]:
+    """Offline English text: our own paragraphs, the Zen of Python, and stdlib docstrings."""
+    with contextlib.redirect_stdout(io.StringIO()):  # `import this` prints the Zen
+        import this
+    texts = [_OWN_TEXT, codecs.decode(this.s, "rot13")]
+    for name in _DOC_MODULES:
+        module = importlib.import_module(name)
+        texts.append(inspect.getdoc(module) or "")
+        for attr, value in vars(module).items():
+            if attr.startswith("_") or getattr(value, "__module__", None) != name:
+                continue
+            if inspect.isfunction(value) or inspect.isclass(value):
+                texts.append(inspect.getdoc(value) or "")
+    return [t for t in texts if t]
+
+
+def train_tokenizer(vocab_size: int = VOCAB_SIZE):
+    """A byte-level BPE (GPT-2 style pre-tokenization) with ChatML special tokens at ids 0-2."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        # All 256 byte symbols, so any text (any language, emoji) can be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_corpus(), trainer=trainer)
+    return tokenizer
+
+
+def write_demo_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
+    """Writes the demo model into `target_dir` (which must not exist or be empty); returns its path.
+
+    Files are written to a temporary sibling directory and renamed into place, so a reader that
+    sees `target_dir` (the launcher checking its cache) always sees a complete model.
+    """
+    target = Path(target_dir).expanduser().resolve()
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(f"{target} already exists and is not an empty directory")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        _write_files(staging, seed)
+        _apply_umask(staging)
+        if target.exists():
+            target.rmdir()
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("demo model written to %s", target)
+    return str(target)
+
+
+def _apply_umask(root: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only files; give them the usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    root.chmod(0o777 & ~umask)
+    for path in root.iterdir():
+        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def _write_files(out: Path, seed: int) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=train_tokenizer(),
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    tokenizer.model_max_length = MAX_POSITIONS
+    tokenizer.save_pretrained(out)
+
+    token_id = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    config = LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=HIDDEN_SIZE,
+        intermediate_size=INTERMEDIATE_SIZE,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=NUM_HEADS,
+        num_key_value_heads=NUM_KV_HEADS,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False,
+        bos_token_id=token_id[ENDOFTEXT],
+        eos_token_id=token_id[IM_END],
+        pad_token_id=token_id[ENDOFTEXT],
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.generation_config = GenerationConfig(
+        bos_token_id=token_id[ENDOFTEXT],
+        # Like Qwen2 instruct models: the end of a turn or of the text both stop generation.
+        eos_token_id=[token_id[IM_END], token_id[ENDOFTEXT]],
+        pad_token_id=token_id[ENDOFTEXT],
+    )
+    model.save_pretrained(out)
+    (out / "README.md").write_text(
+        "# quiver demo model\n\n"
+        "A tiny Llama with **random weights**, written by `quiver-server demo-model`: it answers\n"
+        "with random text. The tokenizer (byte-level BPE, ChatML special tokens) is real, so the\n"
+        "whole serving path works as with a real model. Serve a real model with\n"
+        "`quiver-launcher --model-id <hub id or directory>`.\n"
+    )

@@ -1,0 +1,60 @@
+"""Turns exceptions raised by the servicer into gRPC statuses the router can act on.
+
+`ValueError` is the engine's way of saying "this request is wrong" (unknown batch id, block
+table too short, token id out of range): INVALID_ARGUMENT with the engine's message, which the
+router can show its caller. Anything else is a shard bug or a device failure: INTERNAL, logged
+with its traceback here because the router only ever sees the one-line message.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from grpc import aio
+
+logger = logging.getLogger(__name__)
+
+UnaryHandler = Callable[[Any, aio.ServicerContext], Awaitable[Any]]
+
+
+def _method_name(full_method: str) -> str:
+    return full_method.rsplit("/", 1)[-1]
+
+
+class ErrorInterceptor(aio.ServerInterceptor):
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        # The shard service is unary-unary only; anything else (or an unknown method, for which
+        # handler is None) passes through untouched.
+        if handler is None or handler.unary_unary is None:
+            return handler
+        wrapped = _guard(_method_name(handler_call_details.method), handler.unary_unary)
+        return grpc.unary_unary_rpc_method_handler(
+            wrapped,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+
+def _guard(method: str, behaviour: UnaryHandler) -> UnaryHandler:
+    async def guarded(request: Any, context: aio.ServicerContext) -> Any:
+        try:
+            return await behaviour(request, context)
+        except aio.AbortError:
+            # The servicer already chose a status via context.abort(); keep it.
+            raise
+        except ValueError as error:
+            logger.warning("%s rejected: %s", method, error)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)
+        except Exception as error:  # noqa: BLE001  (the whole point: nothing escapes unlabelled)
+            logger.exception("%s failed", method)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(error).__name__}: {error}")
+
+    return guarded

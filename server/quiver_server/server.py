@@ -1,0 +1,111 @@
+"""Runs the shard's grpc.aio server on a unix socket until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+from pathlib import Path
+
+from grpc import aio
+
+from quiver_server.interceptor import ErrorInterceptor
+from quiver_server.pb import shard_pb2_grpc
+from quiver_server.service import ShardService
+
+logger = logging.getLogger(__name__)
+
+# A prefill of many long prompts is one message; gRPC's 4 MiB default is too small for that.
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_UDS_PATH_BYTES = 107
+# How long an RPC in flight at shutdown may take to finish (a CPU prefill can take seconds).
+DEFAULT_GRACE_S = 10.0
+
+
+class SocketInUseError(RuntimeError):
+    pass
+
+
+def prepare_socket_path(uds_path: str) -> Path:
+    """Creates the socket's directory and removes a socket left behind by a dead shard.
+
+    Refuses to delete anything that is not a socket, or a socket some live process still
+    listens on (two shards on one path would silently steal each other's traffic).
+    """
+    path = Path(uds_path)
+    if len(os.fsencode(path)) > MAX_UDS_PATH_BYTES:
+        raise ValueError(f"unix socket path is longer than {MAX_UDS_PATH_BYTES} bytes: {uds_path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return path
+    if not stat.S_ISSOCK(mode):
+        raise SocketInUseError(f"{uds_path} exists and is not a socket; refusing to replace it")
+    if _someone_listens(path):
+        raise SocketInUseError(f"another process is already serving on {uds_path}")
+    logger.info("removing stale socket %s", uds_path)
+    path.unlink()
+    return path
+
+
+def _someone_listens(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT, then stops gracefully."""
+    path = prepare_socket_path(uds_path)
+    server = aio.server(
+        interceptors=[ErrorInterceptor()],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ],
+    )
+    shard_pb2_grpc.add_ShardServicer_to_server(service, server)
+    server.add_insecure_port(f"unix://{path}")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, _on_signal, signum, stop)
+
+    await server.start()
+    info = service.info
+    logger.info(
+        "shard ready: model %s (%s, %s on %s), rank %d/%d, listening on unix://%s",
+        info.model_id,
+        info.model_type,
+        info.dtype,
+        info.device,
+        info.rank,
+        info.world_size,
+        path,
+    )
+    try:
+        await stop.wait()
+    finally:
+        logger.info("shutting down: finishing RPCs in flight (up to %.0fs)", grace_s)
+        await server.stop(grace_s)
+        service.close()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        path.unlink(missing_ok=True)
+        logger.info("shard stopped")
+
+
+def _on_signal(signum: int, stop: asyncio.Event) -> None:
+    logger.info("received %s", signal.Signals(signum).name)
+    stop.set()

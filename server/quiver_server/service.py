@@ -1,0 +1,151 @@
+"""The gRPC face of the shard: protobuf in, `Engine` call, protobuf out. No logic of its own.
+
+Engine calls block (torch), so they run on one dedicated worker thread: the event loop stays free
+to answer `Health` during a long prefill, and the engine never sees two calls at once (its batch
+state and KV cache are not thread-safe, and the router never overlaps steps anyway).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, TypeVar
+
+from grpc import aio
+
+from quiver_server.batch_types import ModelInfo, RequestSpec, SamplingParams, StepResult
+from quiver_server.pb import shard_pb2, shard_pb2_grpc
+
+if TYPE_CHECKING:
+    from quiver_server.engine import Engine
+
+T = TypeVar("T")
+
+
+def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
+    sampling = request.sampling
+    return RequestSpec(
+        id=request.id,
+        input_ids=list(request.input_ids),
+        blocks=list(request.blocks),
+        sampling=SamplingParams(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty,
+            seed=sampling.seed,
+        ),
+        max_new_tokens=request.max_new_tokens,
+        adapter_id=request.adapter_id,
+    )
+
+
+def info_to_pb(info: ModelInfo) -> shard_pb2.InfoResponse:
+    return shard_pb2.InfoResponse(
+        model_id=info.model_id,
+        model_type=info.model_type,
+        dtype=info.dtype,
+        device=info.device,
+        vocab_size=info.vocab_size,
+        max_position_embeddings=info.max_position_embeddings,
+        rank=info.rank,
+        world_size=info.world_size,
+        eos_token_ids=info.eos_token_ids,
+        model_path=info.model_path,
+    )
+
+
+def _generations_to_pb(step: StepResult) -> list[shard_pb2.Generation]:
+    return [
+        shard_pb2.Generation(request_id=g.request_id, token_id=g.token_id, logprob=g.logprob)
+        for g in step.generations
+    ]
+
+
+def _batch_to_pb(batch_id: int, request_ids: list[int]) -> shard_pb2.CachedBatch:
+    return shard_pb2.CachedBatch(id=batch_id, request_ids=request_ids)
+
+
+class ShardService(shard_pb2_grpc.ShardServicer):
+    """Implements `quiver.v1.Shard` by delegating to one `Engine`.
+
+    `rank`/`world_size` come from the command line: they describe this process's place among the
+    shards, which the engine (a single-process model runner) does not know.
+    """
+
+    def __init__(self, engine: Engine, rank: int = 0, world_size: int = 1) -> None:
+        self._engine = engine
+        self._info = dataclasses.replace(engine.info, rank=rank, world_size=world_size)
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-engine")
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    async def _run(self, call: Callable[..., T], *args: object) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._worker, call, *args)
+
+    def close(self) -> None:
+        """Waits for the engine call in progress (if any), then stops the worker thread."""
+        self._worker.shutdown(wait=True)
+
+    async def Info(self, request: shard_pb2.InfoRequest, context: aio.ServicerContext) -> shard_pb2.InfoResponse:
+        return info_to_pb(self._info)
+
+    async def Health(
+        self, request: shard_pb2.HealthRequest, context: aio.ServicerContext
+    ) -> shard_pb2.HealthResponse:
+        # The server only starts listening once the model is loaded, so answering at all is
+        # the health signal.
+        return shard_pb2.HealthResponse()
+
+    async def Warmup(
+        self, request: shard_pb2.WarmupRequest, context: aio.ServicerContext
+    ) -> shard_pb2.WarmupResponse:
+        block_size, num_blocks = await self._run(
+            self._engine.warmup,
+            request.max_batch_prefill_tokens,
+            request.max_total_tokens,
+            request.max_batch_size,
+            request.max_batch_total_tokens,
+        )
+        return shard_pb2.WarmupResponse(block_size=block_size, num_blocks=num_blocks)
+
+    async def Prefill(
+        self, request: shard_pb2.PrefillRequest, context: aio.ServicerContext
+    ) -> shard_pb2.PrefillResponse:
+        specs = [request_from_pb(r) for r in request.requests]
+        step = await self._run(self._engine.prefill, request.batch_id, specs)
+        return shard_pb2.PrefillResponse(
+            generations=_generations_to_pb(step),
+            batch=_batch_to_pb(step.batch_id, step.request_ids),
+            forward_ns=step.forward_ns,
+        )
+
+    async def Decode(
+        self, request: shard_pb2.DecodeRequest, context: aio.ServicerContext
+    ) -> shard_pb2.DecodeResponse:
+        # Membership of each cached batch lives in the engine (FilterBatch updates it); only the
+        # ids are needed here.
+        step = await self._run(self._engine.decode, [b.id for b in request.batches])
+        return shard_pb2.DecodeResponse(
+            generations=_generations_to_pb(step),
+            batch=_batch_to_pb(step.batch_id, step.request_ids),
+            forward_ns=step.forward_ns,
+        )
+
+    async def FilterBatch(
+        self, request: shard_pb2.FilterBatchRequest, context: aio.ServicerContext
+    ) -> shard_pb2.FilterBatchResponse:
+        kept = await self._run(self._engine.filter_batch, request.batch_id, list(request.request_ids))
+        return shard_pb2.FilterBatchResponse(batch=_batch_to_pb(request.batch_id, kept))
+
+    async def ClearCache(
+        self, request: shard_pb2.ClearCacheRequest, context: aio.ServicerContext
+    ) -> shard_pb2.ClearCacheResponse:
+        batch_id = request.batch_id if request.HasField("batch_id") else None
+        await self._run(self._engine.clear_cache, batch_id)
+        return shard_pb2.ClearCacheResponse()
