@@ -1,0 +1,73 @@
+"""State of the running requests between steps: what the engine keeps per cached batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quiver_server.batch_types import SamplingParams
+from quiver_server.sampling import SamplingBatch
+
+
+@dataclass
+class RequestState:
+    id: int
+    blocks: list[int]  # block table from the router
+    length: int  # tokens whose K/V are in the cache (= position of `last_token`)
+    last_token: int  # sampled, not yet fed through the model
+    sampling: SamplingParams
+    generator: torch.Generator
+    # [vocab] bool: prompt and output tokens, kept only when repetition_penalty != 1. Inside a
+    # batch it is a row view of the batch's seen matrix, so one scatter updates every request.
+    seen: torch.Tensor | None = None
+
+
+class CachedBatch:
+    """A fixed list of requests; merging or filtering builds a new one. Device tensors that only
+    depend on the composition (block table, sampling parameters, seen matrix) are built lazily
+    once and reused by every decode step."""
+
+    def __init__(self, requests: list[RequestState]) -> None:
+        self.requests = requests
+        self._block_table: torch.Tensor | None = None
+        self._sampling: SamplingBatch | None = None
+        self._seen: torch.Tensor | None = None
+
+    @property
+    def request_ids(self) -> list[int]:
+        return [r.id for r in self.requests]
+
+    def block_table(self, device: torch.device) -> torch.Tensor:
+        """[B, max_blocks] long; short tables are padded with block 0 (never read: masked)."""
+        if self._block_table is None:
+            width = max(len(r.blocks) for r in self.requests)
+            rows = [r.blocks + [0] * (width - len(r.blocks)) for r in self.requests]
+            self._block_table = torch.tensor(rows, dtype=torch.long).to(device)
+        return self._block_table
+
+    def sampling(self, device: torch.device) -> SamplingBatch:
+        if self._sampling is None:
+            self._sampling = SamplingBatch.from_params([r.sampling for r in self.requests], device)
+        return self._sampling
+
+    def seen_matrix(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """[B, vocab] bool when some request has a repetition penalty, else None."""
+        if not self.sampling(device).uses_penalty:
+            return None
+        if self._seen is None:
+            empty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+            self._seen = torch.stack([r.seen if r.seen is not None else empty for r in self.requests])
+            for row, request in enumerate(self.requests):
+                if request.seen is not None:
+                    request.seen = self._seen[row]
+        return self._seen
+
+    def record(self, tokens: torch.Tensor, token_list: list[int], fed_last_token: bool) -> None:
+        """Stores the tokens just sampled (their K/V get cached by the next step); after a decode
+        step the previous last token (`fed_last_token`) is now in the cache."""
+        for request, token in zip(self.requests, token_list):
+            request.length += fed_last_token
+            request.last_token = token
+        if self._seen is not None:
+            self._seen[torch.arange(len(self.requests), device=tokens.device), tokens] = True

@@ -1,0 +1,308 @@
+"""The shard's compute core: the model, the paged KV cache and the running batches.
+
+The router owns scheduling and block accounting; the engine runs what it is told. A request's
+life: `prefill` runs its prompt, writes the prompt's K/V into the blocks the router gave it and
+samples the first token; each `decode` feeds the last sampled token of every request of the
+merged batches, writes its K/V and samples the next; `filter_batch` drops finished requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from quiver_server import sampling
+from quiver_server.batch_state import CachedBatch, RequestState
+from quiver_server.batch_types import ModelInfo, RequestSpec, StepResult, TokenOut
+from quiver_server.forward_batch import ForwardBatch, build_decode, build_prefill
+from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.models import family_for, load_model
+from quiver_server.weights import config_dtype, eos_token_ids, load_config
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def resolve_dtype(dtype: str, config: dict, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPU kernels for half types are slow and the reference runs float32 on CPU.
+        return (config_dtype(config) or torch.float32) if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class Engine:
+    def __init__(
+        self,
+        model_path: str,
+        model_id: str,
+        dtype: str = "auto",
+        device: str = "auto",
+        cpu_kv_cache_gib: float = 1.0,
+        gpu_memory_fraction: float = 0.9,
+    ) -> None:
+        path = Path(model_path)
+        config = load_config(path)
+        family_for(config)  # an unsupported model_type fails before any weight is read
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, config, self.device)
+        self.cpu_kv_cache_gib = cpu_kv_cache_gib
+        self.gpu_memory_fraction = gpu_memory_fraction
+        self.model = load_model(path, config, self.dtype, self.device)
+        shape = self.model.config
+        self.vocab_size = shape.vocab_size
+        self.max_position_embeddings = shape.max_position_embeddings
+        self.kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, BLOCK_SIZE)
+        self.info = ModelInfo(
+            model_id=model_id,
+            model_type=str(config["model_type"]),
+            dtype=str(self.dtype).removeprefix("torch."),
+            device=str(self.device),
+            vocab_size=shape.vocab_size,
+            max_position_embeddings=shape.max_position_embeddings,
+            eos_token_ids=eos_token_ids(path, config),
+            model_path=str(path),
+        )
+        self.kv_cache: PagedKVCache | None = None
+        self.batches: dict[int, CachedBatch] = {}
+
+    # ---- warmup -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def warmup(
+        self,
+        max_batch_prefill_tokens: int,
+        max_total_tokens: int,
+        max_batch_size: int,
+        max_batch_total_tokens: int = 0,
+    ) -> tuple[int, int]:
+        """Allocates the paged KV cache; returns (block_size, num_blocks)."""
+        if min(max_batch_prefill_tokens, max_total_tokens, max_batch_size) < 1:
+            raise ValueError("warmup limits must be positive")
+        self.batches.clear()
+        self.kv_cache = None
+        if self.device.type == "cuda":
+            num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
+        else:
+            self._dry_run(min(max_batch_prefill_tokens, 64), max_total_tokens)
+            num_blocks = int(self.cpu_kv_cache_gib * 2**30) // self.kv_spec.bytes_per_block()
+        if max_batch_total_tokens > 0:
+            num_blocks = min(num_blocks, self.kv_spec.blocks_for_tokens(max_batch_total_tokens))
+        if num_blocks < self.kv_spec.blocks_for_tokens(max_total_tokens):
+            raise ValueError(
+                f"the KV cache holds {num_blocks} blocks of {BLOCK_SIZE} tokens, fewer than one request "
+                f"of max_total_tokens={max_total_tokens} needs"
+            )
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
+        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, BLOCK_SIZE,
+                 num_blocks * self.kv_spec.bytes_per_block() / 2**30)
+        return BLOCK_SIZE, num_blocks
+
+    def _dry_run(self, num_tokens: int, max_total_tokens: int) -> None:
+        """A prefill of `num_tokens` prompt tokens (sequences of at most max_total_tokens) and one
+        decode step, on a scratch cache: proves the forward works and warms the kernels."""
+        seq_len = max(1, min(max_total_tokens, self.max_position_embeddings - 1, num_tokens))
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        blocks_per_seq = self.kv_spec.blocks_for_tokens(seq_len + 1)
+        scratch = PagedKVCache(self.kv_spec, blocks_per_seq * len(lens), self.device)
+        table = torch.arange(blocks_per_seq * len(lens), dtype=torch.long).view(len(lens), blocks_per_seq)
+        input_ids = (torch.arange(num_tokens) % self.vocab_size).to(self.device)
+        self.model(input_ids, build_prefill(lens, table, BLOCK_SIZE, self.device), scratch)
+        decode_ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
+        self.model(decode_ids, build_decode(lens, table.to(self.device), BLOCK_SIZE, self.device), scratch)
+        del scratch
+
+    def _cuda_blocks(self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int) -> int:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        self._dry_run(max_batch_prefill_tokens, max_total_tokens)
+        torch.cuda.synchronize(self.device)
+        forward_peak = torch.cuda.max_memory_allocated(self.device) - before
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Decode gathers one layer's K and V for the whole batch (padded to the longest request),
+        # and attention may copy them once more.
+        element = torch.empty((), dtype=self.dtype).element_size()
+        gather = 4 * max_batch_size * max_total_tokens * self.kv_spec.num_kv_heads * self.kv_spec.head_dim * element
+        budget = free - (1.0 - self.gpu_memory_fraction) * total - forward_peak - gather
+        log.info("warmup: forward peak %.2f GiB, decode gather %.2f GiB, free %.2f of %.2f GiB",
+                 forward_peak / 2**30, gather / 2**30, free / 2**30, total / 2**30)
+        return max(int(budget // self.kv_spec.bytes_per_block()), 0)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, batch_id: int, requests: list[RequestSpec]) -> StepResult:
+        kv_cache = self._require_cache()
+        if batch_id in self.batches:
+            raise ValueError(f"batch id {batch_id} is already in use")
+        if not requests:
+            raise ValueError("prefill needs at least one request")
+        if len({r.id for r in requests}) != len(requests):
+            raise ValueError("prefill has duplicate request ids")
+        for request in requests:
+            self._validate(request, kv_cache.num_blocks)
+
+        start = time.perf_counter_ns()
+        states = [self._new_state(r) for r in requests]
+        batch = CachedBatch(states)
+        input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
+        forward = build_prefill(
+            [len(r.input_ids) for r in requests], batch.block_table(self.device), BLOCK_SIZE, self.device
+        )
+        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start)
+        self.batches[batch_id] = batch
+        return result
+
+    @torch.inference_mode()
+    def decode(self, batch_ids: list[int]) -> StepResult:
+        kv_cache = self._require_cache()
+        if not batch_ids:
+            raise ValueError("decode needs at least one batch id")
+        if len(set(batch_ids)) != len(batch_ids):
+            raise ValueError(f"decode got a batch id twice: {batch_ids}")
+        requests = [r for batch_id in batch_ids for r in self._batch(batch_id).requests]
+        for request in requests:
+            if request.length >= len(request.blocks) * BLOCK_SIZE:
+                raise ValueError(f"request {request.id} has filled its {len(request.blocks)} KV blocks")
+            if request.length >= self.max_position_embeddings:
+                raise ValueError(f"request {request.id} reached max_position_embeddings")
+        start = time.perf_counter_ns()
+        batch = self.batches[batch_ids[0]]
+        if len(batch_ids) > 1:
+            batch = CachedBatch(requests)
+            for batch_id in batch_ids[1:]:
+                del self.batches[batch_id]
+            self.batches[batch_ids[0]] = batch
+        if not batch.requests:
+            return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
+        input_ids = torch.tensor([r.last_token for r in batch.requests], dtype=torch.long).to(self.device)
+        forward = build_decode(
+            [r.length for r in batch.requests], batch.block_table(self.device), BLOCK_SIZE, self.device
+        )
+        return self._step(batch_ids[0], batch, input_ids, forward, kv_cache, fed_last_token=True, start=start)
+
+    def _step(
+        self,
+        batch_id: int,
+        batch: CachedBatch,
+        input_ids: torch.Tensor,
+        forward: ForwardBatch,
+        kv_cache: PagedKVCache,
+        fed_last_token: bool,
+        start: int,
+    ) -> StepResult:
+        logits = self.model(input_ids, forward, kv_cache)
+        tokens, logprobs = sampling.sample(
+            logits,
+            batch.sampling(self.device),
+            [r.generator for r in batch.requests],
+            batch.seen_matrix(self.vocab_size, self.device),
+        )
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
+        batch.record(tokens, token_list, fed_last_token)
+        generations = [
+            TokenOut(request_id=r.id, token_id=t, logprob=lp)
+            for r, t, lp in zip(batch.requests, token_list, logprob_list)
+        ]
+        return StepResult(
+            generations=generations,
+            batch_id=batch_id,
+            request_ids=batch.request_ids,
+            forward_ns=time.perf_counter_ns() - start,
+        )
+
+    # ---- batch bookkeeping --------------------------------------------------------------------
+
+    def filter_batch(self, batch_id: int, keep_request_ids: list[int]) -> list[int]:
+        """Keeps the listed requests (in the batch's order); an emptied batch is dropped."""
+        batch = self._batch(batch_id)
+        present = set(batch.request_ids)
+        unknown = [i for i in keep_request_ids if i not in present]
+        if unknown:
+            raise ValueError(f"requests {unknown} are not in batch {batch_id}")
+        keep = set(keep_request_ids)
+        if keep == present:
+            return batch.request_ids
+        if not keep:
+            del self.batches[batch_id]
+            return []
+        filtered = CachedBatch([r for r in batch.requests if r.id in keep])
+        self.batches[batch_id] = filtered
+        return filtered.request_ids
+
+    def clear_cache(self, batch_id: int | None = None) -> None:
+        """Drops one cached batch (unknown ids are ignored: clearing is idempotent) or all."""
+        if batch_id is None:
+            self.batches.clear()
+        else:
+            self.batches.pop(batch_id, None)
+
+    def _batch(self, batch_id: int) -> CachedBatch:
+        batch = self.batches.get(batch_id)
+        if batch is None:
+            raise ValueError(f"unknown batch id {batch_id}")
+        return batch
+
+    def _require_cache(self) -> PagedKVCache:
+        if self.kv_cache is None:
+            raise ValueError("the KV cache is not allocated: call warmup first")
+        return self.kv_cache
+
+    def _validate(self, request: RequestSpec, num_blocks: int) -> None:
+        rid = request.id
+        if request.adapter_id:
+            raise ValueError("adapters are not supported yet")
+        if not request.input_ids:
+            raise ValueError(f"request {rid}: empty prompt")
+        if max(request.input_ids) >= self.vocab_size or min(request.input_ids) < 0:
+            bad = next(t for t in request.input_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"request {rid}: token id {bad} is out of range for vocab size {self.vocab_size}")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
+        total = len(request.input_ids) + request.max_new_tokens
+        if total > self.max_position_embeddings:
+            raise ValueError(
+                f"request {rid}: len(prompt) + max_new_tokens = {total} exceeds "
+                f"max_position_embeddings = {self.max_position_embeddings}"
+            )
+        needed = self.kv_spec.blocks_for_tokens(total)
+        if len(request.blocks) < needed:
+            raise ValueError(
+                f"request {rid}: block table too short: len(prompt) + max_new_tokens = {total} tokens need "
+                f"{needed} blocks of {BLOCK_SIZE}, got {len(request.blocks)}"
+            )
+        if min(request.blocks) < 0 or max(request.blocks) >= num_blocks:
+            raise ValueError(f"request {rid}: block ids must be in [0, {num_blocks})")
+        sampling.validate(request.sampling)
+
+    def _new_state(self, request: RequestSpec) -> RequestState:
+        seen = None
+        if request.sampling.repetition_penalty != 1.0:
+            seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+            seen[torch.tensor(request.input_ids, device=self.device)] = True
+        return RequestState(
+            id=request.id,
+            blocks=list(request.blocks),
+            length=len(request.input_ids),
+            last_token=-1,
+            sampling=request.sampling,
+            generator=sampling.new_generator(request.sampling.seed),
+            seen=seen,
+        )

@@ -1,0 +1,90 @@
+"""Metadata of one forward pass over a flattened batch of tokens (no padding between sequences).
+
+Prefill: the prompts of B requests are concatenated into T = sum(len) tokens; sequence i owns
+the token range [cu_seqlens[i], cu_seqlens[i+1]). Decode: one token per sequence (T = B).
+Every token writes its K/V at `slot_mapping[t]` = block * block_size + offset, where block is
+taken from its request's block table at position // block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    is_prefill: bool
+    positions: torch.Tensor  # [T] long, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot each token writes
+    logits_indices: torch.Tensor  # [B] long, rows whose logits are wanted (last token of each sequence)
+    # Prefill only: token counts per sequence (host ints; attention runs per sequence).
+    seq_lens_host: list[int] = field(default_factory=list)
+    # Decode only: block tables cut to the longest sequence, and lengths including the new token.
+    block_tables: torch.Tensor | None = None  # [B, nb] long
+    seq_lens: torch.Tensor | None = None  # [B] long
+    kv_span: int = 0  # decode: nb * block_size, the number of gathered key slots per sequence
+    _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.logits_indices.shape[0])
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """[B, 1, 1, nb * block_size] bool, True where the new token may attend; computed once
+        per forward and shared by every layer with the same window."""
+        mask = self._decode_masks.get(sliding_window)
+        if mask is None:
+            assert self.block_tables is not None and self.seq_lens is not None
+            kv_pos = torch.arange(self.kv_span, device=self.seq_lens.device)[None, :]
+            mask = kv_pos < self.seq_lens[:, None]
+            if sliding_window is not None:
+                # The new token sits at seq_len - 1 and sees keys with kv > q - window.
+                mask &= kv_pos > (self.seq_lens[:, None] - 1 - sliding_window)
+            mask = mask[:, None, None, :]
+            self._decode_masks[sliding_window] = mask
+        return mask
+
+
+def _slots(block_table: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    return block_table[seq_index, positions // block_size] * block_size + positions % block_size
+
+
+def build_prefill(
+    prompt_lens: list[int], block_table: torch.Tensor, block_size: int, device: torch.device
+) -> ForwardBatch:
+    """block_table: [B, max_blocks] long (rows padded with any valid id), on any device."""
+    lens = torch.tensor(prompt_lens, dtype=torch.long)
+    num_seqs = len(prompt_lens)
+    seq_index = torch.repeat_interleave(torch.arange(num_seqs), lens)
+    starts = torch.cumsum(lens, 0) - lens
+    positions = torch.arange(int(lens.sum())) - starts[seq_index]
+    slots = _slots(block_table.cpu(), seq_index, positions, block_size)
+    return ForwardBatch(
+        is_prefill=True,
+        positions=positions.to(device, non_blocking=True),
+        slot_mapping=slots.to(device, non_blocking=True),
+        logits_indices=(starts + lens - 1).to(device, non_blocking=True),
+        seq_lens_host=list(prompt_lens),
+    )
+
+
+def build_decode(
+    lengths: list[int], block_table: torch.Tensor, block_size: int, device: torch.device
+) -> ForwardBatch:
+    """lengths: tokens already cached per sequence (= position of the new token);
+    block_table: [B, max_blocks] long on `device`."""
+    positions = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
+    num_seqs = len(lengths)
+    seq_index = torch.arange(num_seqs, device=device)
+    num_blocks = (max(lengths) + block_size) // block_size  # blocks covering max(lengths) + 1 tokens
+    return ForwardBatch(
+        is_prefill=False,
+        positions=positions,
+        slot_mapping=_slots(block_table, seq_index, positions, block_size),
+        logits_indices=seq_index,
+        block_tables=block_table[:, :num_blocks],
+        seq_lens=positions + 1,
+        kv_span=num_blocks * block_size,
+    )

@@ -1,0 +1,253 @@
+"""The Llama family — Llama, Mistral, Qwen2 — on the paged KV cache.
+
+One decoder shape covers all three; what differs is read from config.json in
+`LlamaConfig.from_hf`: Qwen2 has q/k/v biases, Mistral (and Qwen2 when enabled) a sliding
+attention window, Llama optional attention/MLP biases and RoPE scaling.
+
+Module and parameter names mirror transformers' (model.layers.N.self_attn...), except that
+q/k/v and gate/up are fused into one `Linear` each; `load_weights` maps checkpoint names onto
+the fused parts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quiver_server.forward_batch import ForwardBatch
+from quiver_server.kv_cache import PagedKVCache
+from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
+from quiver_server.layers.linear import Linear
+from quiver_server.layers.norm import RMSNorm
+from quiver_server.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from quiver_server.weights import iter_tensors
+
+MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# Checkpoint projection name -> the fused Linear (sibling module) that holds it.
+FUSED_INTO = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "o_proj": "o_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+    "down_proj": "down_proj",
+}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full causal attention
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> LlamaConfig:
+        model_type = config.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type {model_type!r} is not in the Llama family {MODEL_TYPES}")
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (the Llama family uses silu)")
+        num_layers = int(config["num_hidden_layers"])
+        num_heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        qkv_bias = o_bias = bool(config.get("attention_bias", False))
+        windows: list[int | None] = [None] * num_layers
+        if model_type == "qwen2":
+            # Qwen2 always has q/k/v biases and never an o_proj bias.
+            qkv_bias, o_bias = True, False
+            if config.get("use_sliding_window", False) and config.get("sliding_window") is not None:
+                layer_types = config.get("layer_types") or [
+                    "sliding_attention" if i >= config.get("max_window_layers", 28) else "full_attention"
+                    for i in range(num_layers)
+                ]
+                windows = [int(config["sliding_window"]) if t == "sliding_attention" else None for t in layer_types]
+        elif model_type == "mistral" and config.get("sliding_window") is not None:
+            windows = [int(config["sliding_window"])] * num_layers
+        return cls(
+            model_type=model_type,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+            head_dim=int(config.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rope=RopeConfig.from_hf(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias,
+            o_bias=o_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            sliding_windows=tuple(windows),
+        )
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.sliding_window = cfg.sliding_windows[layer_index]
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = Linear(
+            cfg.hidden_size, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=cfg.qkv_bias
+        )
+        self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x, batch).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        # q and k heads sit side by side, so one rotary application covers both.
+        qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        if batch.is_prefill:
+            out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window)
+        else:
+            out = decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(tokens, heads * self.head_dim), batch)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        width = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": width, "up_proj": width}, bias=cfg.mlp_bias)
+        self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, batch).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up, batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x), batch)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary: RotaryEmbedding | None = None  # built on the target device by `load`
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]."""
+        assert self.rotary is not None, "use LlamaForCausalLM.load"
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, batch, kv_cache.k[index], kv_cache.v[index])
+        return self.lm_head(self.model.norm(x[batch.logits_indices]))
+
+    @classmethod
+    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+        cfg = LlamaConfig.from_hf(config)
+        with torch.device("meta"):
+            model = cls(cfg)
+        # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
+        model = model.to(dtype).to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
+        model.load_weights(iter_tensors(model_dir, device))
+        return model.eval()
+
+    def checkpoint_names(self) -> set[str]:
+        """The tensor names a transformers checkpoint of this config must contain."""
+        names: set[str] = set()
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear):
+                parent = module_name.rpartition(".")[0]
+                kinds = ("weight", "bias") if module.bias is not None else ("weight",)
+                names.update(f"{parent}.{part}.{kind}" for part in module.parts for kind in kinds)
+            else:
+                names.update(f"{module_name}.{name}" for name, _ in module.named_parameters(recurse=False))
+        if self.config.tie_word_embeddings:
+            names.discard("lm_head.weight")
+        return names
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        expected = self.checkpoint_names()
+        loaded: set[str] = set()
+        for name, tensor in tensors:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store the (recomputed) RoPE buffer
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
+            if name not in expected:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint for {self.config.model_type}")
+            module_path, _, kind = name.rpartition(".")
+            parent, _, projection = module_path.rpartition(".")
+            if projection in FUSED_INTO:
+                linear = self.get_submodule(f"{parent}.{FUSED_INTO[projection]}")
+                assert isinstance(linear, Linear)
+                linear.load_part(projection, kind, tensor)
+            else:
+                param = params[name]
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+                param.data.copy_(tensor)
+            loaded.add(name)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
