@@ -1,0 +1,104 @@
+"""Fixtures: tiny models on disk, one running stack per model for the whole session, and
+OpenAI SDK clients pointed at it."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import openai
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from stack import Stack, StackConfig  # noqa: E402
+from tiny_models import build_model_dir  # noqa: E402
+
+ARCHS = ["llama", "mistral", "qwen2"]
+# Distinct weights per architecture (llama and mistral share a layout).
+_SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3}
+# Scales the LM head's EOS row so that the test prompts end some greedy continuations with EOS
+# and run others to max_tokens (see tiny_models; tuned once for these seeds).
+EOS_BOOST = 2.5
+
+# Limits the bad-input tests run against; every stack of the pool serves with them.
+MAX_INPUT_TOKENS = 128
+MAX_TOTAL_TOKENS = 1024
+
+
+@dataclass
+class Served:
+    """A running stack and what a test needs to talk to it."""
+
+    arch: str
+    model_dir: Path
+    stack: Stack
+    model: str  # the served model name
+
+    def client(self) -> openai.OpenAI:
+        # No retries: a 429/5xx must surface as the error it is, not be retried away.
+        return openai.OpenAI(base_url=self.stack.base_url + "/v1", api_key="unused",
+                             max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.stack.base_url + "/v1", api_key="unused",
+                                  max_retries=0, timeout=120)
+
+
+class StackPool:
+    """Starts at most one stack per architecture per session, on first use."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._served: dict[str, Served] = {}
+        # A stack that failed to start fails every later test fast, with the same log.
+        self._failed: dict[str, BaseException] = {}
+
+    def model_dir(self, arch: str) -> Path:
+        path = self.root / "models" / arch
+        if not (path / "config.json").exists():
+            build_model_dir(arch, path, seed=_SEEDS[arch], eos_boost=EOS_BOOST)
+        return path
+
+    def get(self, arch: str) -> Served:
+        if arch in self._failed:
+            raise self._failed[arch]
+        if arch not in self._served:
+            model_dir = self.model_dir(arch)
+            config = StackConfig(
+                model_id=str(model_dir),
+                served_model_name=f"tiny-{arch}",
+                max_input_tokens=MAX_INPUT_TOKENS,
+                max_total_tokens=MAX_TOTAL_TOKENS,
+            )
+            try:
+                stack = Stack(config, self.root / "logs" / f"{arch}.log").start()
+            except BaseException as err:
+                self._failed[arch] = err
+                raise
+            self._served[arch] = Served(arch, model_dir, stack, f"tiny-{arch}")
+        return self._served[arch]
+
+    def close(self) -> None:
+        for served in self._served.values():
+            served.stack.stop()
+
+
+@pytest.fixture(scope="session")
+def pool(tmp_path_factory) -> StackPool:
+    pool = StackPool(tmp_path_factory.mktemp("quiver"))
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(scope="session")
+def llama(pool) -> Served:
+    """The stack most behaviour tests run against."""
+    return pool.get("llama")
+
+
+@pytest.fixture
+def client(llama) -> openai.OpenAI:
+    with llama.client() as c:
+        yield c

@@ -1,0 +1,80 @@
+"""Validates response bodies against OpenAI's published OpenAPI description.
+
+The description lives beside the repository (`../shared/openai-openapi/openapi.yaml`); its schemas
+are JSON Schema 2020-12 except for the OpenAPI 3.0 keyword `nullable`, which is rewritten into a
+union with null before validating.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from referencing import Registry, Resource
+from referencing.jsonschema import DRAFT202012
+
+OPENAPI_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "openai-openapi" / "openapi.yaml"
+_BASE_URI = "urn:openai-openapi"
+# OpenAI has no schema for legacy-completion stream chunks; they are completion objects whose
+# choices carry `finish_reason: null` until the last one (this is what the API sends).
+COMPLETION_CHUNK = "CreateCompletionStreamChunk"
+
+
+def _rewrite_nullable(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_rewrite_nullable(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: _rewrite_nullable(value) for key, value in node.items()}
+    if node.pop("nullable", False) is not True:
+        return node
+    if "enum" in node and None not in node["enum"]:
+        node["enum"] = [*node["enum"], None]
+    if "type" in node:
+        types = node["type"] if isinstance(node["type"], list) else [node["type"]]
+        node["type"] = [*types, "null"] if "null" not in types else types
+        return node
+    return {"anyOf": [node, {"type": "null"}]}
+
+
+def _completion_chunk_schema(schemas: dict) -> dict:
+    chunk = copy.deepcopy(schemas["CreateCompletionResponse"])
+    reason = chunk["properties"]["choices"]["items"]["properties"]["finish_reason"]
+    reason["type"] = [reason["type"], "null"]
+    reason["enum"] = [*reason["enum"], None]
+    return chunk
+
+
+@lru_cache(maxsize=1)
+def _registry() -> tuple[Registry, dict]:
+    if not OPENAPI_PATH.exists():
+        raise FileNotFoundError(
+            f"OpenAI's OpenAPI description is missing at {OPENAPI_PATH}: the integration tests "
+            "validate responses against it (it ships in ../shared/openai-openapi/)"
+        )
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    with open(OPENAPI_PATH, encoding="utf-8") as f:
+        document = _rewrite_nullable(yaml.load(f, Loader=loader))
+    schemas = document["components"]["schemas"]
+    schemas[COMPLETION_CHUNK] = _completion_chunk_schema(schemas)
+    resource = Resource.from_contents(document, default_specification=DRAFT202012)
+    return Registry().with_resource(_BASE_URI, resource), schemas
+
+
+def validate(instance: Any, schema_name: str) -> None:
+    """Raises jsonschema.ValidationError if `instance` does not match
+    `#/components/schemas/<schema_name>`."""
+    registry, schemas = _registry()
+    if schema_name not in schemas:
+        raise KeyError(f"no schema {schema_name} in {OPENAPI_PATH}")
+    validator = jsonschema.Draft202012Validator(
+        {"$ref": f"{_BASE_URI}#/components/schemas/{schema_name}"}, registry=registry
+    )
+    errors = sorted(validator.iter_errors(instance), key=lambda e: list(e.absolute_path))
+    if errors:
+        detail = "\n".join(f"  at {list(e.absolute_path)}: {e.message}" for e in errors[:10])
+        raise jsonschema.ValidationError(f"{schema_name} violated by {instance!r}:\n{detail}")

@@ -1,0 +1,122 @@
+"""Every bad input of issue 2 gets OpenAI's error object with 400/404 and a message that names
+the problem; the server goes on serving right after each."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+import openai_schema
+from conftest import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS
+
+HELLO = [{"role": "user", "content": "Hello"}]
+
+
+def _chat(model: str, **overrides) -> tuple[str, dict]:
+    return "/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 4, **overrides}
+
+
+def _completion(model: str, **overrides) -> tuple[str, dict]:
+    return "/completions", {"model": model, "prompt": "Hello", "max_tokens": 4, **overrides}
+
+
+def _without(request: tuple[str, dict], key: str) -> tuple[str, dict]:
+    path, body = request
+    return path, {k: v for k, v in body.items() if k != key}
+
+
+# (case id, request builder, expected SDK exception, words one of which the message must hold)
+CASES = [
+    ("messages-wrong-type", lambda m: _chat(m, messages="Hello"), openai.BadRequestError, ["messages"]),
+    ("max-tokens-wrong-type", lambda m: _chat(m, max_tokens="ten"), openai.BadRequestError, ["max_tokens"]),
+    ("temperature-wrong-type", lambda m: _completion(m, temperature="hot"), openai.BadRequestError, ["temperature"]),
+    ("prompt-wrong-type", lambda m: _completion(m, prompt={"text": "Hello"}), openai.BadRequestError, ["prompt"]),
+    ("missing-messages", lambda m: _without(_chat(m), "messages"), openai.BadRequestError, ["messages"]),
+    ("missing-prompt", lambda m: _without(_completion(m), "prompt"), openai.BadRequestError, ["prompt"]),
+    ("empty-messages", lambda m: _chat(m, messages=[]), openai.BadRequestError, ["messages", "empty"]),
+    ("unknown-role", lambda m: _chat(m, messages=[{"role": "wizard", "content": "hi"}]),
+     openai.BadRequestError, ["role", "wizard"]),
+    # The tiny model's template raises for a system message after the first message.
+    ("template-raises", lambda m: _chat(m, messages=HELLO + [{"role": "system", "content": "x"}]),
+     openai.BadRequestError, ["system message must come first"]),
+    ("prompt-too-long", lambda m: _completion(m, prompt="hello " * (4 * MAX_INPUT_TOKENS)),
+     openai.BadRequestError, ["token", "input", "prompt"]),
+    ("chat-prompt-too-long",
+     lambda m: _chat(m, messages=[{"role": "user", "content": "hello " * (4 * MAX_INPUT_TOKENS)}]),
+     openai.BadRequestError, ["token", "input", "prompt"]),
+    ("max-tokens-beyond-total", lambda m: _completion(m, max_tokens=MAX_TOTAL_TOKENS),
+     openai.BadRequestError, ["max_tokens", "token"]),
+    ("max-completion-tokens-beyond-total",
+     lambda m: _without(_chat(m, max_completion_tokens=MAX_TOTAL_TOKENS), "max_tokens"),
+     openai.BadRequestError, ["max_completion_tokens", "max_tokens", "token"]),
+    ("temperature-above-2", lambda m: _chat(m, temperature=2.5), openai.BadRequestError, ["temperature"]),
+    ("temperature-negative", lambda m: _completion(m, temperature=-0.1), openai.BadRequestError, ["temperature"]),
+    ("top-p-zero", lambda m: _chat(m, top_p=0), openai.BadRequestError, ["top_p"]),
+    ("top-p-above-1", lambda m: _completion(m, top_p=1.5), openai.BadRequestError, ["top_p"]),
+    ("unknown-model-chat", lambda m: _chat("no-such-model"), openai.NotFoundError, ["no-such-model"]),
+    ("unknown-model-completion", lambda m: _completion("no-such-model"), openai.NotFoundError, ["no-such-model"]),
+]
+
+
+def _assert_still_serving(client, model: str) -> None:
+    response = client.chat.completions.create(model=model, messages=HELLO, max_tokens=2)
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def _assert_error_body(body: dict, status: int, words: list[str], context: str) -> None:
+    openai_schema.validate(body, "ErrorResponse")
+    message = body["error"]["message"]
+    assert any(w.lower() in message.lower() for w in words), (
+        f"{context}: message {message!r} names none of {words}"
+    )
+    assert body["error"]["type"], context
+    if status == 404:
+        assert body["error"]["type"] in ("invalid_request_error", "not_found_error"), body
+
+
+@pytest.mark.parametrize("name,build,error,words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(client, llama, name, build, error,
+                                                             words, stream):
+    path, body = build(llama.model)
+    if stream:
+        # Refused before the stream starts: a plain error response, not an SSE event.
+        body = {**body, "stream": True}
+    with pytest.raises(error) as caught:
+        client.post(path, body=body, cast_to=object)
+    status = 404 if error is openai.NotFoundError else 400
+    assert caught.value.status_code == status
+    _assert_error_body(caught.value.response.json(), status, words, name)
+    _assert_still_serving(client, llama.model)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"{", b'{"model": "x", "messages": [}', b"not json at all", b"[1, 2, 3]", b""],
+    ids=["unterminated", "bad-array", "not-json", "not-an-object", "empty"],
+)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_malformed_json_gets_400_in_openai_shape(client, llama, raw, path):
+    status, body = llama.stack.post_raw(path, raw)
+    assert status == 400, (status, body)
+    _assert_error_body(json.loads(body), status, ["json", "body", "expected", "parse", "invalid", "syntax", "eof"],
+                       f"{path} {raw!r}")
+    _assert_still_serving(client, llama.model)
+
+
+def test_wrong_content_type_still_answers_in_openai_shape(client, llama):
+    status, body = llama.stack.post_raw("/v1/chat/completions", b"model=x", content_type="text/plain")
+    assert 400 <= status < 500, status
+    openai_schema.validate(json.loads(body), "ErrorResponse")
+    _assert_still_serving(client, llama.model)
+
+
+def test_unknown_fields_are_ignored(client, llama):
+    """Real clients send extras (DESIGN.md): they must not be rejected."""
+    response = client.chat.completions.create(
+        model=llama.model, messages=HELLO, max_tokens=2,
+        extra_body={"some_vendor_field": {"x": 1}, "metadata": {"k": "v"}},
+    )
+    assert response.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,125 @@
+"""Tiny random-weight models with a real tokenizer, written with `save_pretrained`.
+
+The tests serve these through the whole stack and compare against transformers loading the same
+directory. The only quiver code used is the demo model's tokenizer trainer: the tokenizer is an
+input to both sides, not part of the reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import processors
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from quiver_server.demo_model import ENDOFTEXT, IM_END, IM_START, train_tokenizer
+
+# The demo model's tokenizer (byte-level BPE with ChatML tokens), plus a BOS that
+# `tokenizer(prompt)` prepends as Llama tokenizers do: completions must add it, chat prompts
+# (whose template renders it) must not add it twice.
+BOS = "<s>"
+EOS = IM_END
+PAD = ENDOFTEXT
+
+# ChatML with bos_token rendered by the template. It raises for unknown roles and for a
+# misplaced system message, as many real templates do, so the tests can check that
+# raise_exception becomes a 400.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('Unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('The system message must come first') }}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    tok = train_tokenizer(vocab_size)
+    # Few merges cover CJK and emoji, so their tokens split UTF-8 characters: streamed text must
+    # still never carry half a character.
+    tok.add_special_tokens([BOS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))]
+    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
+                                   additional_special_tokens=[IM_START])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        tie_word_embeddings=False,
+        # Larger than the usual 0.02 so that logits are spread out: ties within 1e-4 (which the
+        # correctness rule would excuse) stay rare and the test compares real decisions.
+        initializer_range=0.1,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, rope_theta=10000.0)
+    if arch == "mistral":
+        # Mistral 7B v0.1's window; longer than any test sequence, so it changes no result.
+        return MistralConfig(**common, rope_theta=10000.0, sliding_window=4096)
+    if arch == "qwen2":
+        return Qwen2Config(**common, rope_theta=1000000.0, use_sliding_window=False)
+    raise ValueError(f"unknown architecture {arch}")
+
+
+def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 0.0) -> Path:
+    """Writes a tiny random `arch` model plus tokenizer to `out_dir` and returns it.
+
+    `eos_boost` scales the EOS row of the LM head so that greedy decoding sometimes ends with
+    EOS within a few tokens (random models otherwise almost never produce it).
+    """
+    tokenizer = build_tokenizer()
+    vocab_size = len(tokenizer)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    config = _config(
+        arch,
+        vocab_size,
+        bos_id=tokenizer.convert_tokens_to_ids(BOS),
+        eos_id=eos_id,
+        pad_id=tokenizer.convert_tokens_to_ids(PAD),
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if arch == "qwen2":
+        # q/k/v biases start at zero; random ones make sure the shard really applies them.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0.0, 0.5)
+    if eos_boost:
+        with torch.no_grad():
+            model.lm_head.weight[eos_id] *= eos_boost
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=eos_id, pad_token_id=config.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
