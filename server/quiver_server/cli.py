@@ -18,7 +18,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from quiver_server.logging_setup import setup_logging
+from quiver_server.logging_setup import adopt_transformers_logging, setup_logging
 
 logger = logging.getLogger("quiver_server")
 
@@ -88,6 +88,7 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
     # Imported late: torch takes seconds to import and `download`/`--help` don't need it.
+    adopt_transformers_logging()
     from quiver_server.engine import Engine
     from quiver_server.server import SocketInUseError, serve
     from quiver_server.service import ShardService
@@ -134,6 +135,7 @@ def _download(args: argparse.Namespace) -> int:
 def _demo_model(args: argparse.Namespace) -> int:
     from quiver_server.demo_model import write_demo_model
 
+    adopt_transformers_logging()
     try:
         path = write_demo_model(args.dir)
     except FileExistsError as error:

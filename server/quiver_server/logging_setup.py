@@ -50,20 +50,28 @@ def setup_logging(json_logs: bool = False, level: int | str = logging.INFO) -> N
 
 
 def _adopt_library_loggers() -> None:
-    """Makes transformers and huggingface_hub log through our handler only.
+    """Makes huggingface_hub log through our handler only.
 
-    Both libraries attach their own plain stderr handler to their top logger; left alone, their
-    lines would break the JSON-lines stream (and huggingface_hub's would also appear twice).
+    It attaches its own plain stderr handler to its top logger; left alone, its lines would
+    break the JSON-lines stream and appear twice.
     """
     import huggingface_hub.utils.logging  # noqa: F401  (installs its handler, which we remove)
-    import transformers.utils.logging as transformers_logging
 
-    transformers_logging.disable_default_handler()
-    # Progress bars ("Loading weights", "Writing model shards") are terminal drawings, not log
-    # lines; on a pipe they only garble the stream.
-    transformers_logging.disable_progress_bar()
-    transformers_logging.enable_propagation()
     hub_logger = logging.getLogger("huggingface_hub")
     for existing in list(hub_logger.handlers):
         hub_logger.removeHandler(existing)
     hub_logger.propagate = True
+
+
+def adopt_transformers_logging() -> None:
+    """Same for transformers, called only by commands that load it (importing it takes seconds).
+
+    transformers installs a plain stderr handler and stops propagation; undo both. Its progress
+    bars ("Loading weights", "Writing model shards") are terminal drawings, not log lines; on a
+    pipe they only garble the stream.
+    """
+    import transformers.utils.logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
+    transformers_logging.disable_progress_bar()

@@ -64,8 +64,8 @@ def _someone_listens(path: Path) -> bool:
     return True
 
 
-async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> None:
-    """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT, then stops gracefully."""
+async def start_server(service: ShardService, uds_path: str) -> aio.Server:
+    """Binds `unix://uds_path` (clearing a stale socket first) and starts serving `service`."""
     path = prepare_socket_path(uds_path)
     server = aio.server(
         interceptors=[ErrorInterceptor()],
@@ -76,13 +76,18 @@ async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_G
     )
     shard_pb2_grpc.add_ShardServicer_to_server(service, server)
     server.add_insecure_port(f"unix://{path}")
+    await server.start()
+    return server
 
+
+async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> None:
+    """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT, then stops gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, _on_signal, signum, stop)
 
-    await server.start()
+    server = await start_server(service, uds_path)
     info = service.info
     logger.info(
         "shard ready: model %s (%s, %s on %s), rank %d/%d, listening on unix://%s",
@@ -92,7 +97,7 @@ async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_G
         info.device,
         info.rank,
         info.world_size,
-        path,
+        uds_path,
     )
     try:
         await stop.wait()
@@ -102,7 +107,7 @@ async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_G
         service.close()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
-        path.unlink(missing_ok=True)
+        Path(uds_path).unlink(missing_ok=True)
         logger.info("shard stopped")
 
 
