@@ -1,0 +1,302 @@
+//! The launcher's command line. Every flag also reads `QUIVER_<FLAG>`; the model id also reads
+//! `MODEL_ID`. Flags the router owns are forwarded only when set, so the router keeps one source
+//! of truth for their defaults (the doc comments name them for `--help`).
+
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, ValueEnum};
+
+/// Name the demo model is listed and answered under when no --model-id is given.
+pub const DEMO_SERVED_MODEL_NAME: &str = "quiver-demo";
+
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "quiver-launcher",
+    version,
+    about = "Starts quiver's model shards and router, and supervises them",
+    long_about = "Starts one quiver-server shard per rank, waits until each answers Health, then \
+                  starts quiver-router. SIGTERM/SIGINT drain the router, then stop the shards. If \
+                  any child dies, everything stops and the launcher exits non-zero."
+)]
+pub struct LauncherArgs {
+    /// Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local directory of the model to serve; also
+    /// read from MODEL_ID. Without it, the built-in demo model (random weights) is served.
+    #[arg(long, env = "QUIVER_MODEL_ID")]
+    pub model_id: Option<String>,
+
+    /// Hub revision (branch, tag or commit) of --model-id.
+    #[arg(long, env = "QUIVER_REVISION")]
+    pub revision: Option<String>,
+
+    /// Port the HTTP API listens on.
+    #[arg(long, env = "QUIVER_PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Address the HTTP API listens on (0.0.0.0 to accept connections from other machines).
+    #[arg(long, env = "QUIVER_HOSTNAME", default_value = "127.0.0.1")]
+    pub hostname: String,
+
+    /// Number of shards (tensor-parallel ranks), one process each.
+    #[arg(long, env = "QUIVER_NUM_SHARD", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub num_shard: u32,
+
+    /// Weight and activation dtype; auto = the model's torch_dtype on CUDA, float32 on CPU.
+    #[arg(long, env = "QUIVER_DTYPE", value_enum, default_value_t = Dtype::Auto)]
+    pub dtype: Dtype,
+
+    /// Device the shards run on; auto = CUDA if available, else CPU.
+    #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+
+    /// Longest prompt in tokens (router default: --max-total-tokens - 1).
+    #[arg(long, env = "QUIVER_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<u32>,
+
+    /// Longest prompt + completion in tokens (router default: the model's context, at most 4096).
+    #[arg(long, env = "QUIVER_MAX_TOTAL_TOKENS")]
+    pub max_total_tokens: Option<u32>,
+
+    /// Most prompt tokens in one prefill batch (router default: max(--max-input-tokens, 4096)).
+    #[arg(long, env = "QUIVER_MAX_BATCH_PREFILL_TOKENS")]
+    pub max_batch_prefill_tokens: Option<u32>,
+
+    /// Cap on KV-cache token slots over all running requests (router default: all the shard holds).
+    #[arg(long, env = "QUIVER_MAX_BATCH_TOTAL_TOKENS")]
+    pub max_batch_total_tokens: Option<u32>,
+
+    /// Most requests in one running batch (router default: 256).
+    #[arg(long, env = "QUIVER_MAX_BATCH_SIZE")]
+    pub max_batch_size: Option<u32>,
+
+    /// Requests admitted at once, running + queued; beyond it, 429 (router default: 512).
+    #[arg(long, env = "QUIVER_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<u32>,
+
+    /// Where adapter ids are looked up when a request does not say.
+    #[arg(long, env = "QUIVER_ADAPTER_SOURCE", value_enum, default_value_t = AdapterSource::Hub)]
+    pub adapter_source: AdapterSource,
+
+    /// Root directory of local adapters; local adapter ids resolve only inside it.
+    #[arg(long, env = "QUIVER_ADAPTER_ROOT")]
+    pub adapter_root: Option<PathBuf>,
+
+    /// Adapters to load at start-up (comma-separated ids).
+    #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]
+    pub preload_adapters: Vec<String>,
+
+    /// Adapters resident on the device at once (router default: 8).
+    #[arg(long, env = "QUIVER_MAX_ACTIVE_ADAPTERS")]
+    pub max_active_adapters: Option<u32>,
+
+    /// Name the base model is listed and answered under (default: --model-id, or quiver-demo for
+    /// the demo model).
+    #[arg(long, env = "QUIVER_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+
+    /// If set, requests must send `Authorization: Bearer <key>`. Passed to the router through its
+    /// environment, never on its command line.
+    #[arg(long, env = "QUIVER_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Directory for quiver's own files, such as the demo model (default: ~/.cache/quiver).
+    /// Hub weights go to the Hugging Face cache (HF_HOME).
+    #[arg(long, env = "QUIVER_CACHE_DIR")]
+    pub cache_dir: Option<PathBuf>,
+
+    /// Host memory for the KV cache when the shards run on CPU, in GiB (shard default: 1.0).
+    #[arg(long, env = "QUIVER_CPU_KV_CACHE_GIB")]
+    pub cpu_kv_cache_gib: Option<f64>,
+
+    /// Share of GPU memory the shard may use for weights, activations and KV cache (shard
+    /// default: 0.9).
+    #[arg(long, env = "QUIVER_GPU_MEMORY_FRACTION")]
+    pub gpu_memory_fraction: Option<f64>,
+
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before the router stops.
+    #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]
+    pub graceful_shutdown_secs: u64,
+
+    /// Seconds the shards get to load the model (and download it) and answer Health.
+    #[arg(
+        long,
+        env = "QUIVER_SHARD_STARTUP_TIMEOUT_SECS",
+        default_value_t = 1800
+    )]
+    pub shard_startup_timeout_secs: u64,
+
+    /// Log as JSON lines (one object per line), the children's lines included.
+    #[arg(long, env = "QUIVER_JSON_LOGS")]
+    pub json_logs: bool,
+
+    /// The quiver-router executable (default: next to this launcher, else on PATH).
+    #[arg(long, env = "QUIVER_ROUTER_BIN")]
+    pub router_bin: Option<PathBuf>,
+
+    /// The quiver-server executable (default: next to this launcher, else on PATH).
+    #[arg(long, env = "QUIVER_SERVER_BIN")]
+    pub server_bin: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Dtype {
+    Auto,
+    Float32,
+    Bfloat16,
+    Float16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum AdapterSource {
+    Hub,
+    Local,
+}
+
+/// The spelling a child's command line uses for a value-enum flag.
+pub fn flag_value<T: ValueEnum>(value: T) -> String {
+    value
+        .to_possible_value()
+        .expect("no skipped variants")
+        .get_name()
+        .to_owned()
+}
+
+/// What the launcher serves: the model the user named, or the demo model in the cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    User(String),
+    Demo { dir: PathBuf },
+}
+
+impl ModelSource {
+    /// The id the shards load and the router reports: a hub id or a directory.
+    pub fn model_id(&self) -> String {
+        match self {
+            ModelSource::User(id) => id.clone(),
+            ModelSource::Demo { dir } => dir.display().to_string(),
+        }
+    }
+}
+
+impl LauncherArgs {
+    /// --model-id, else QUIVER_MODEL_ID (both through clap), else MODEL_ID. Empty counts as
+    /// unset, so a deployment can leave the variable blank to get the demo model.
+    pub fn requested_model_id(&self) -> Option<String> {
+        self.model_id
+            .clone()
+            .or_else(|| std::env::var("MODEL_ID").ok())
+            .filter(|id| !id.trim().is_empty())
+    }
+
+    /// --cache-dir / QUIVER_CACHE_DIR, else ~/.cache/quiver.
+    pub fn cache_dir(&self) -> Option<PathBuf> {
+        self.cache_dir.clone().or_else(|| {
+            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache").join("quiver"))
+        })
+    }
+
+    /// The name the base model is served under: the user's, else quiver-demo for the demo
+    /// model, else none (the router then uses the model id).
+    pub fn served_model_name(&self, model: &ModelSource) -> Option<String> {
+        match (&self.served_model_name, model) {
+            (Some(name), _) => Some(name.clone()),
+            (None, ModelSource::Demo { .. }) => Some(DEMO_SERVED_MODEL_NAME.to_owned()),
+            (None, ModelSource::User(_)) => None,
+        }
+    }
+}
+
+/// An explicit path wins; else the binary next to the running launcher (how `make install` lays
+/// them out in .venv/bin); else the bare name, which the spawn looks up on PATH.
+pub fn resolve_binary(explicit: Option<&Path>, name: &str) -> PathBuf {
+    if let Some(path) = explicit {
+        return path.to_owned();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.parent().map(|dir| dir.join(name)));
+    match sibling {
+        Some(path) if path.is_file() => path,
+        _ => PathBuf::from(name),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(argv: &[&str]) -> LauncherArgs {
+        LauncherArgs::try_parse_from(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
+            .unwrap()
+    }
+
+    #[test]
+    fn defaults_match_the_design() {
+        let args = parse(&["--model-id", "m"]);
+        assert_eq!(args.port, 8080);
+        assert_eq!(args.hostname, "127.0.0.1");
+        assert_eq!(args.num_shard, 1);
+        assert_eq!(args.dtype, Dtype::Auto);
+        assert_eq!(args.device, Device::Auto);
+        assert_eq!(args.adapter_source, AdapterSource::Hub);
+        assert_eq!(args.graceful_shutdown_secs, 30);
+        assert!(!args.json_logs);
+    }
+
+    #[test]
+    fn rejects_zero_shards_and_unknown_dtype() {
+        let argv = |extra: &[&'static str]| {
+            let mut v = vec!["quiver-launcher"];
+            v.extend_from_slice(extra);
+            LauncherArgs::try_parse_from(v)
+        };
+        assert!(argv(&["--num-shard", "0"]).is_err());
+        assert!(argv(&["--dtype", "int4"]).is_err());
+        assert!(argv(&["--adapter-source", "s3"]).is_err());
+    }
+
+    #[test]
+    fn demo_model_is_served_as_quiver_demo_unless_renamed() {
+        let demo = ModelSource::Demo {
+            dir: PathBuf::from("/c/demo-model"),
+        };
+        assert_eq!(
+            parse(&[]).served_model_name(&demo).as_deref(),
+            Some("quiver-demo")
+        );
+        assert_eq!(
+            parse(&["--served-model-name", "x"])
+                .served_model_name(&demo)
+                .as_deref(),
+            Some("x")
+        );
+        let user = ModelSource::User("org/m".into());
+        assert_eq!(parse(&[]).served_model_name(&user), None);
+    }
+
+    #[test]
+    fn flag_values_are_kebab_case() {
+        assert_eq!(flag_value(Dtype::Bfloat16), "bfloat16");
+        assert_eq!(flag_value(Device::Cuda), "cuda");
+        assert_eq!(flag_value(AdapterSource::Local), "local");
+    }
+
+    #[test]
+    fn explicit_binary_wins_and_unknown_falls_back_to_path_lookup() {
+        assert_eq!(
+            resolve_binary(Some(Path::new("/x/quiver-router")), "quiver-router"),
+            PathBuf::from("/x/quiver-router")
+        );
+        assert_eq!(
+            resolve_binary(None, "quiver-no-such-binary"),
+            PathBuf::from("quiver-no-such-binary")
+        );
+    }
+}
