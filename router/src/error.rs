@@ -1,1 +1,128 @@
-//! (to be written)
+//! The router's one error type at the HTTP boundary, and the one place errors become an HTTP
+//! status and OpenAI's `{"error": {message, type, param, code}}` body (also used for the final
+//! `data: {"error": ...}` event of a stream that fails after it started).
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use crate::openai::error::{ErrorObject, ErrorResponse};
+use crate::scheduler::{AdmissionError, GenerationError};
+use crate::tokenizer::TokenizerError;
+use crate::validation::ValidationError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The body is not JSON, or a field has the wrong JSON type.
+    #[error("{message}")]
+    BadRequestBody {
+        message: String,
+        param: Option<String>,
+        code: &'static str,
+    },
+    #[error(transparent)]
+    Validation(#[from] ValidationError),
+    #[error("The model `{0}` does not exist.")]
+    ModelNotFound(String),
+    #[error("Incorrect API key provided. Send it as `Authorization: Bearer <key>`.")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    MethodNotAllowed(String),
+    #[error(transparent)]
+    Admission(#[from] AdmissionError),
+    #[error(transparent)]
+    Generation(#[from] GenerationError),
+    #[error("the model shard is not available: {0}")]
+    ShardUnavailable(String),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            Self::BadRequestBody { .. } => StatusCode::BAD_REQUEST,
+            Self::Validation(error) if error.is_client_error() => StatusCode::BAD_REQUEST,
+            Self::Validation(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::Admission(AdmissionError::Overloaded) => StatusCode::TOO_MANY_REQUESTS,
+            // It can never fit, however long the client waits.
+            Self::Admission(AdmissionError::TooLarge { .. }) => StatusCode::BAD_REQUEST,
+            Self::Admission(AdmissionError::ShuttingDown)
+            | Self::Generation(GenerationError::ShuttingDown)
+            | Self::ShardUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            Self::Generation(GenerationError::Shard(_))
+            | Self::Tokenizer(_)
+            | Self::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's `type`, and a stable `code` (also usable as a metric label).
+    fn kind_and_code(&self) -> (&'static str, &'static str) {
+        match self {
+            Self::BadRequestBody { code, .. } => ("invalid_request_error", code),
+            Self::Validation(error) if error.is_client_error() => {
+                ("invalid_request_error", error.code())
+            }
+            Self::Validation(error) => ("server_error", error.code()),
+            Self::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Self::Unauthorized => ("invalid_request_error", "invalid_api_key"),
+            Self::NotFound(_) => ("invalid_request_error", "not_found"),
+            Self::MethodNotAllowed(_) => ("invalid_request_error", "method_not_allowed"),
+            Self::Admission(AdmissionError::Overloaded) => {
+                ("rate_limit_error", "rate_limit_exceeded")
+            }
+            Self::Admission(AdmissionError::TooLarge { .. }) => {
+                ("invalid_request_error", "context_length_exceeded")
+            }
+            Self::Admission(AdmissionError::ShuttingDown)
+            | Self::Generation(GenerationError::ShuttingDown) => {
+                ("server_error", "service_unavailable")
+            }
+            Self::ShardUnavailable(_) => ("server_error", "shard_unavailable"),
+            Self::Generation(GenerationError::Shard(_)) => ("server_error", "shard_error"),
+            Self::Tokenizer(_) => ("server_error", "tokenizer_error"),
+            Self::Internal(_) => ("server_error", "internal_error"),
+        }
+    }
+
+    fn param(&self) -> Option<String> {
+        match self {
+            Self::BadRequestBody { param, .. } => param.clone(),
+            Self::Validation(error) => error.param().map(str::to_owned),
+            Self::ModelNotFound(_) => Some("model".to_owned()),
+            Self::Admission(AdmissionError::TooLarge { .. }) => Some("max_tokens".to_owned()),
+            _ => None,
+        }
+    }
+
+    pub fn to_body(&self) -> ErrorResponse {
+        let (kind, code) = self.kind_and_code();
+        ErrorResponse {
+            error: ErrorObject {
+                message: self.to_string(),
+                kind: kind.to_owned(),
+                param: self.param(),
+                code: Some(code.to_owned()),
+            },
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        if status.is_server_error() {
+            tracing::error!(error = %self, "request failed");
+        } else {
+            tracing::debug!(error = %self, status = status.as_u16(), "request refused");
+        }
+        (status, Json(self.to_body())).into_response()
+    }
+}

@@ -1,7 +1,182 @@
+//! `quiver-router`: connect to the shards, size the KV cache, load the tokenizer and chat
+//! template, serve the OpenAI API, and drain gracefully on SIGTERM/SIGINT.
+
+use std::future::IntoFuture;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
 use clap::Parser;
 use quiver_router::config::RouterArgs;
+use quiver_router::http::{self, AppState, Settings};
+use quiver_router::scheduler::Scheduler;
+use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
+use quiver_router::template::ChatTemplate;
+use quiver_router::tokenizer::TextTokenizer;
+use quiver_router::validation::ModelAssets;
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
 
-fn main() {
+/// How long to keep trying to reach the shards (the launcher starts us once they answer
+/// Health, so this only covers a slow socket).
+const CONNECT_ATTEMPTS: u32 = 60;
+const CONNECT_BACKOFF: Duration = Duration::from_millis(500);
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+#[tokio::main]
+async fn main() -> ExitCode {
     let args = RouterArgs::parse();
-    println!("{args:?}");
+    init_tracing(args.json_logs);
+    match run(args).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            tracing::error!("quiver-router failed: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: RouterArgs) -> Result<(), BoxError> {
+    let shard: Arc<dyn ShardBackend> = Arc::new(connect(&args.shard_uds).await?);
+    let info = shard
+        .info()
+        .await
+        .map_err(|error| format!("shard Info failed: {error}"))?;
+    tracing::info!(
+        model_id = %info.model_id,
+        model_type = %info.model_type,
+        dtype = %info.dtype,
+        device = %info.device,
+        world_size = info.world_size,
+        "connected to the shards"
+    );
+    let assets = load_assets(Path::new(&info.model_path))?;
+    let state = AppState::start(shard, info, assets, Settings::from_args(&args)).await?;
+    tracing::info!(limits = ?state.info.limits, "KV cache sized");
+
+    let listener = TcpListener::bind((args.hostname.as_str(), args.port))
+        .await
+        .map_err(|error| format!("cannot listen on {}:{}: {error}", args.hostname, args.port))?;
+    tracing::info!(
+        "router ready on http://{}:{}",
+        args.hostname,
+        listener.local_addr()?.port()
+    );
+
+    let scheduler = state.scheduler.clone();
+    let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("shutdown requested: no new requests, draining those in flight");
+        scheduler.shutdown();
+        let _ = draining_tx.send(());
+    };
+    let server = axum::serve(listener, http::router(state.clone()))
+        .with_graceful_shutdown(shutdown)
+        .into_future();
+    let grace = Duration::from_secs(args.graceful_shutdown_secs);
+    tokio::select! {
+        result = server => result?,
+        () = grace_expired(draining_rx, grace) => {
+            tracing::warn!(
+                in_flight = state.scheduler.in_flight(),
+                "grace period of {}s over; stopping with requests still in flight",
+                grace.as_secs()
+            );
+        }
+    }
+    drain_scheduler(&state.scheduler).await;
+    tracing::info!("router stopped");
+    Ok(())
+}
+
+/// Resolves `grace` after draining started; never if it did not.
+async fn grace_expired(draining: tokio::sync::oneshot::Receiver<()>, grace: Duration) {
+    if draining.await.is_ok() {
+        tokio::time::sleep(grace).await;
+    } else {
+        std::future::pending::<()>().await;
+    }
+}
+
+/// Connections are closed; give the scheduler a moment to release what it still holds.
+async fn drain_scheduler(scheduler: &Scheduler) {
+    for _ in 0..20 {
+        if scheduler.in_flight() == 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn connect(paths: &[PathBuf]) -> Result<ShardClient, ShardError> {
+    let mut attempt = 1;
+    loop {
+        match ShardClient::connect(paths).await {
+            Ok(client) => return Ok(client),
+            Err(error) if attempt < CONNECT_ATTEMPTS => {
+                tracing::debug!(%error, attempt, "shard not reachable yet");
+                attempt += 1;
+                tokio::time::sleep(CONNECT_BACKOFF).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+fn load_assets(model_path: &Path) -> Result<ModelAssets, BoxError> {
+    let tokenizer = TextTokenizer::from_dir(model_path)?;
+    let template = ChatTemplate::from_dir(model_path)?;
+    if template.is_none() {
+        tracing::warn!(path = %model_path.display(), "the model has no chat template: /v1/chat/completions will answer 400");
+    }
+    Ok(ModelAssets {
+        tokenizer,
+        template,
+    })
+}
+
+async fn shutdown_signal() {
+    let interrupt = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut terminate = match tokio::signal::unix::signal(
+            tokio::signal::unix::SignalKind::terminate(),
+        ) {
+            Ok(signal) => signal,
+            Err(error) => {
+                tracing::warn!(%error, "cannot listen for SIGTERM; only SIGINT stops the router");
+                let _ = interrupt.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = interrupt => {}
+            _ = terminate.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = interrupt.await;
+    }
+}
+
+/// Human-readable logs, or one JSON object per line (`{"timestamp","level","message","target",
+/// ...fields}`) on stderr for the launcher and log collectors. `RUST_LOG` overrides the level.
+fn init_tracing(json: bool) {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if json {
+        builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .init();
+    } else {
+        builder.init();
+    }
 }

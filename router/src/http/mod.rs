@@ -1,1 +1,66 @@
-//! (to be written)
+//! The axum application: routes, authentication, and the fallbacks that keep every error in
+//! OpenAI's shape. A request flows handler (`chat`, `completions`) → `validation` →
+//! `generation` (scheduler, detokenizer, stop strings) → JSON or `sse`.
+
+use axum::extract::Request;
+use axum::middleware;
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::error::ApiError;
+
+mod auth;
+mod chat;
+mod completions;
+mod generation;
+mod health;
+mod json;
+mod models;
+mod sse;
+mod state;
+
+pub use state::{AppState, ServedModels, ServerInfo, Settings, StartupError};
+
+/// The whole HTTP surface over `state`.
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat::chat_completions))
+        .route("/v1/completions", post(completions::completions))
+        .route("/v1/models", get(models::list_models))
+        .route("/v1/models/{id}", get(models::retrieve_model))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ));
+    Router::new()
+        .merge(v1)
+        .route("/health", get(health::health))
+        .route("/info", get(health::info))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+async fn not_found(request: Request) -> ApiError {
+    ApiError::NotFound(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+async fn method_not_allowed(request: Request) -> ApiError {
+    ApiError::MethodNotAllowed(format!(
+        "{} is not allowed on {}",
+        request.method(),
+        request.uri().path()
+    ))
+}
+
+/// The `model` a response reports: what the client asked for, or the served name when it
+/// left `model` empty.
+fn response_model(state: &AppState, requested: Option<String>) -> String {
+    requested
+        .filter(|model| !model.is_empty())
+        .unwrap_or_else(|| state.models.served_name.clone())
+}

@@ -1,1 +1,11 @@
-//! (to be written)
+//! OpenAI's wire types, one module per API surface.
+//!
+//! These are plain data: deserialized request bodies and serialized responses, field for field
+//! as OpenAI's schema names them (plus the documented extensions). What the values mean and
+//! whether they are allowed is decided in `crate::validation`.
+
+pub mod chat;
+pub mod common;
+pub mod completions;
+pub mod error;
+pub mod models;

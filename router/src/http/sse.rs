@@ -1,0 +1,103 @@
+//! The streaming state machine shared by chat and completions: per choice an optional opening
+//! chunk (chat's `role`), its text deltas, exactly one finish chunk; then the usage chunk if
+//! asked for, then `data: [DONE]`. An error after the stream started becomes a final
+//! `data: {"error": ...}` event before `[DONE]`. Dropping the stream (client gone) drops every
+//! choice's receiver, which cancels the requests in the scheduler.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use futures::stream::{self, BoxStream, Stream, StreamExt};
+use serde::Serialize;
+
+use super::generation::ChoiceEvent;
+use crate::error::ApiError;
+use crate::openai::common::{FinishReason, Usage};
+
+/// How one endpoint spells its chunks.
+pub trait ChunkFormat: Send + 'static {
+    type Chunk: Serialize + Send;
+    /// Sent once per choice before any text (chat: `delta: {role, content: ""}`).
+    fn opening(&mut self, index: u32) -> Option<Self::Chunk>;
+    /// `token_ids` is `Some` only when the client asked for them.
+    fn text(&mut self, index: u32, text: String, token_ids: Option<Vec<u32>>) -> Self::Chunk;
+    fn finish(
+        &mut self,
+        index: u32,
+        reason: FinishReason,
+        token_ids: Option<Vec<u32>>,
+    ) -> Self::Chunk;
+    /// The last chunk before `[DONE]` with `stream_options.include_usage`: no choices.
+    fn usage(&mut self, usage: Usage) -> Self::Chunk;
+}
+
+pub struct StreamPlan {
+    pub choices: Vec<BoxStream<'static, ChoiceEvent>>,
+    pub prompt_tokens: u32,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+}
+
+pub fn sse_response<F: ChunkFormat>(
+    format: F,
+    plan: StreamPlan,
+) -> Sse<impl Stream<Item = Result<Event, Infallible>>> {
+    Sse::new(chunk_events(format, plan).map(Ok)).keep_alive(KeepAlive::default())
+}
+
+fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<Item = Event> {
+    let StreamPlan {
+        choices,
+        prompt_tokens,
+        include_usage,
+        return_token_ids,
+    } = plan;
+    let ids = move |token_ids: Vec<u32>| return_token_ids.then_some(token_ids);
+    async_stream::stream! {
+        for index in 0..choices.len() as u32 {
+            if let Some(chunk) = format.opening(index) {
+                yield json_event(&chunk);
+            }
+        }
+        let mut events = stream::select_all(choices);
+        let mut completion_tokens = 0u32;
+        while let Some(event) = events.next().await {
+            match event {
+                ChoiceEvent::Text { index, text, token_ids } => {
+                    yield json_event(&format.text(index, text, ids(token_ids)));
+                }
+                ChoiceEvent::Finish { index, reason, token_ids, completion_tokens: tokens } => {
+                    completion_tokens += tokens;
+                    yield json_event(&format.finish(index, reason, ids(token_ids)));
+                }
+                ChoiceEvent::Failed(error) => {
+                    // Cancel the other choices before telling the client.
+                    drop(events);
+                    tracing::error!(%error, "stream failed after it started");
+                    yield json_event(&error.to_body());
+                    yield done_event();
+                    return;
+                }
+            }
+        }
+        if include_usage {
+            yield json_event(&format.usage(Usage::new(prompt_tokens, completion_tokens)));
+        }
+        yield done_event();
+    }
+}
+
+fn json_event<T: Serialize>(chunk: &T) -> Event {
+    let json = serde_json::to_string(chunk).unwrap_or_else(|error| {
+        // Our chunk types always serialize; keep the stream well-formed if one ever does not.
+        let error = ApiError::Internal(format!("cannot serialize a chunk: {error}"));
+        serde_json::to_value(error.to_body())
+            .unwrap_or_default()
+            .to_string()
+    });
+    Event::default().data(json)
+}
+
+fn done_event() -> Event {
+    Event::default().data("[DONE]")
+}

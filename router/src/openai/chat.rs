@@ -1,0 +1,100 @@
+//! `POST /v1/chat/completions`: request fields of its own and the response/chunk objects.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::common::{FinishReason, Usage};
+
+/// The chat-only request fields; the shared ones are in `GenerationParams`.
+///
+/// Messages stay JSON values: the chat template receives them as the client sent them
+/// (`name`, `tool_calls`, ... included), after validation normalized `role` and `content`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct ChatFields {
+    pub messages: Option<Vec<Value>>,
+    /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does.
+    pub tools: Option<Value>,
+}
+
+/// Roles OpenAI's schema defines for request messages.
+pub const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
+
+pub const OBJECT: &str = "chat.completion";
+pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
+pub const ID_PREFIX: &str = "chatcmpl-";
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+    /// With `return_token_ids` (vLLM's extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChoice {
+    pub index: u32,
+    pub message: AssistantMessage,
+    /// Always null: logprobs are not offered yet.
+    pub logprobs: Option<Value>,
+    pub finish_reason: FinishReason,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+    pub refusal: Option<String>,
+}
+
+impl AssistantMessage {
+    pub fn new(content: String) -> Self {
+        Self {
+            role: "assistant",
+            content,
+            refusal: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    /// Empty in the final usage chunk.
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+    /// With `return_token_ids`, on the first chunk.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: u32,
+    pub delta: ChatDelta,
+    pub logprobs: Option<Value>,
+    /// Null until the choice's last chunk.
+    pub finish_reason: Option<FinishReason>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// `{}` on the finish chunk, `{"role": "assistant", "content": ""}` on the first one.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}

@@ -1,0 +1,141 @@
+//! Request fields and response pieces shared by chat and completions.
+
+use std::fmt;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize};
+
+/// The generation parameters both endpoints accept. Each endpoint's own fields (`messages`,
+/// `prompt`) live in a separate struct read from the same JSON object, so that a type error
+/// in any field is reported with that field's name (serde's `flatten` would lose it).
+///
+/// Every field is optional and `null` means absent, as clients send explicit nulls. Fields
+/// not listed here are ignored.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct GenerationParams {
+    /// "" (or absent), the served model name or the base model id: the base model.
+    pub model: Option<String>,
+    pub max_tokens: Option<u32>,
+    /// The chat API's newer name for `max_tokens`; wins when both are set.
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub n: Option<u32>,
+    pub seed: Option<Seed>,
+    pub stop: Option<StopSequences>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    /// Extension: 0 or -1 disables.
+    pub top_k: Option<i64>,
+    /// Extension: 0 disables.
+    pub min_p: Option<f32>,
+    /// Extension: 1.0 disables.
+    pub repetition_penalty: Option<f32>,
+    /// Extension: keep generating past EOS until the length limit.
+    pub ignore_eos: Option<bool>,
+    /// Extension: EOS is not honoured before this many tokens.
+    pub min_tokens: Option<u32>,
+    /// vLLM's extension: return prompt and completion token ids alongside the text.
+    pub return_token_ids: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    #[serde(default)]
+    pub include_usage: Option<bool>,
+}
+
+/// `seed`: any JSON integer; negative ones are taken modulo 2^64 so every integer a client
+/// may send is a valid seed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seed(pub u64);
+
+impl<'de> Deserialize<'de> for Seed {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct SeedVisitor;
+        impl Visitor<'_> for SeedVisitor {
+            type Value = Seed;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("an integer")
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<Seed, E> {
+                Ok(Seed(v))
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<Seed, E> {
+                Ok(Seed(v as u64))
+            }
+        }
+        deserializer.deserialize_any(SeedVisitor)
+    }
+}
+
+/// `stop`: a string or a list of strings.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StopSequences(pub Vec<String>);
+
+impl<'de> Deserialize<'de> for StopSequences {
+    fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct StopVisitor;
+        impl<'de> Visitor<'de> for StopVisitor {
+            type Value = StopSequences;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string or a list of strings")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<StopSequences, E> {
+                Ok(StopSequences(vec![v.to_owned()]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<StopSequences, A::Error> {
+                let mut stops = Vec::new();
+                while let Some(stop) = seq.next_element::<String>()? {
+                    stops.push(stop);
+                }
+                Ok(StopSequences(stops))
+            }
+        }
+        deserializer.deserialize_any(StopVisitor)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    pub prompt_tokens: u32,
+    pub completion_tokens: u32,
+    pub total_tokens: u32,
+}
+
+impl Usage {
+    pub fn new(prompt_tokens: u32, completion_tokens: u32) -> Self {
+        Self {
+            prompt_tokens,
+            completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
+        }
+    }
+}
+
+/// Why a choice ended, as OpenAI spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// `max_tokens` (or the context) reached.
+    Length,
+}
+
+/// A response id: `prefix` + 24 random alphanumerics (`chatcmpl-…`, `cmpl-…`).
+pub fn random_id(prefix: &str) -> String {
+    use rand::distr::{Alphanumeric, SampleString};
+    format!(
+        "{prefix}{}",
+        Alphanumeric.sample_string(&mut rand::rng(), 24)
+    )
+}
+
+/// Seconds since the Unix epoch, the unit of every `created` field.
+pub fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|elapsed| elapsed.as_secs())
+        .unwrap_or(0)
+}

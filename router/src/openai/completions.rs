@@ -1,0 +1,50 @@
+//! `POST /v1/completions`: request fields of its own and the response object, which OpenAI
+//! uses for streamed chunks too.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::common::{FinishReason, Usage};
+
+/// The completions-only request fields; the shared ones are in `GenerationParams`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct CompletionFields {
+    /// A string, a list of strings, a list of token ids or a list of such lists; parsed by
+    /// validation so each shape gets a precise error message.
+    pub prompt: Option<Value>,
+    /// Not supported (would need the prompt's text and logprobs back); refused, not ignored,
+    /// because a client asking for it relies on the answer.
+    pub echo: Option<bool>,
+    /// Not supported; refused when set to a non-empty string for the same reason.
+    pub suffix: Option<String>,
+}
+
+pub const OBJECT: &str = "text_completion";
+pub const ID_PREFIX: &str = "cmpl-";
+
+/// A whole response, or one streamed chunk (then `usage` is absent except on the last).
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<Usage>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CompletionChoice {
+    pub index: u32,
+    pub text: String,
+    /// Always null: logprobs are not offered yet.
+    pub logprobs: Option<Value>,
+    /// Null on streamed chunks before the choice's last one.
+    pub finish_reason: Option<FinishReason>,
+    /// With `return_token_ids` (vLLM's extension; per choice because each prompt differs).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}

@@ -1,0 +1,45 @@
+//! `GET /v1/models` and `GET /v1/models/{id}`.
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+impl ModelList {
+    pub fn new(data: Vec<ModelCard>) -> Self {
+        Self {
+            object: "list",
+            data,
+        }
+    }
+}
+
+/// One servable model. Adapters will be listed as further cards whose `parent` is the base
+/// model (vLLM's convention); the base model has none.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    /// What the card serves: the base model's id (hub id or directory).
+    pub root: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+impl ModelCard {
+    pub fn base(id: String, root: String, created: u64) -> Self {
+        Self {
+            id,
+            object: "model",
+            created,
+            owned_by: "quiver",
+            root,
+            parent: None,
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! OpenAI request bodies → `GenerationRequest`s the scheduler accepts, plus how to answer.
+//!
+//! Everything a client can get wrong is caught here and named (`param`), before any token
+//! reaches the scheduler: parameter ranges, message shapes, the chat template raising, prompt
+//! and completion lengths against the served limits, token ids against the vocabulary.
+
+mod error;
+mod limits;
+mod messages;
+mod params;
+mod prompt;
+
+pub use error::ValidationError;
+pub use limits::{Limits, RequestedLimits};
+
+use messages::normalize_messages;
+use params::{check_params, CheckedParams};
+use prompt::{parse_prompt, PromptInput};
+
+use crate::openai::chat::ChatFields;
+use crate::openai::common::GenerationParams;
+use crate::openai::completions::CompletionFields;
+use crate::scheduler::{GenerationRequest, SamplingParams};
+use crate::template::ChatTemplate;
+use crate::tokenizer::TextTokenizer;
+
+/// OpenAI allows at most this many stop sequences.
+pub const MAX_STOP_SEQUENCES: usize = 4;
+/// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
+pub const MAX_N: u32 = 128;
+
+/// What a model needs to turn text into tokens and back. One for the base model; adapters
+/// that ship their own tokenizer or template will get their own.
+#[derive(Clone)]
+pub struct ModelAssets {
+    pub tokenizer: TextTokenizer,
+    pub template: Option<ChatTemplate>,
+}
+
+/// How the response is shaped; everything the HTTP layer needs besides the generations.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResponseOptions {
+    pub stream: bool,
+    pub include_usage: bool,
+    pub return_token_ids: bool,
+    /// Ends a choice when it appears in the text; never emitted.
+    pub stop: Vec<String>,
+}
+
+/// A request that passed validation.
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    /// One per choice, in choice-index order (prompt-major, then `n`).
+    pub choices: Vec<GenerationRequest>,
+    /// Prompt tokens counted once per prompt (not per `n`), as OpenAI bills them.
+    pub prompt_tokens: u32,
+    pub options: ResponseOptions,
+}
+
+/// Checks requests against the served limits and the model's vocabulary.
+#[derive(Debug, Clone)]
+pub struct Validator {
+    pub limits: Limits,
+    pub vocab_size: u32,
+    /// Token ids that end a choice with `finish_reason: "stop"`.
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl Validator {
+    /// Chat: normalize messages → render the template with the generation prompt → tokenize
+    /// without special tokens (the template already wrote them).
+    pub async fn chat(
+        &self,
+        assets: &ModelAssets,
+        adapter_id: &str,
+        fields: ChatFields,
+        params: &GenerationParams,
+    ) -> Result<ValidRequest, ValidationError> {
+        let checked = check_params(params)?;
+        let messages = normalize_messages(
+            fields
+                .messages
+                .ok_or_else(|| ValidationError::missing("messages"))?,
+        )?;
+        let template = assets
+            .template
+            .as_ref()
+            .ok_or(ValidationError::NoChatTemplate)?;
+        let prompt = template.render(&messages, fields.tools.as_ref(), true)?;
+        let input_ids = assets.tokenizer.encode(prompt, false).await?;
+        self.build(vec![input_ids], "messages", checked, adapter_id)
+    }
+
+    /// Completions: each prompt is tokenized with special tokens (BOS), or taken as ids.
+    pub async fn completion(
+        &self,
+        assets: &ModelAssets,
+        adapter_id: &str,
+        fields: CompletionFields,
+        params: &GenerationParams,
+    ) -> Result<ValidRequest, ValidationError> {
+        let checked = check_params(params)?;
+        if fields.echo == Some(true) {
+            return Err(ValidationError::invalid("echo", "`echo` is not supported"));
+        }
+        if fields
+            .suffix
+            .as_deref()
+            .is_some_and(|suffix| !suffix.is_empty())
+        {
+            return Err(ValidationError::invalid(
+                "suffix",
+                "`suffix` is not supported",
+            ));
+        }
+        let prompts = parse_prompt(
+            fields
+                .prompt
+                .ok_or_else(|| ValidationError::missing("prompt"))?,
+        )?;
+        let mut prompt_ids = Vec::with_capacity(prompts.len());
+        for prompt in prompts {
+            prompt_ids.push(match prompt {
+                PromptInput::Text(text) => assets.tokenizer.encode(text, true).await?,
+                PromptInput::Ids(ids) => ids,
+            });
+        }
+        self.build(prompt_ids, "prompt", checked, adapter_id)
+    }
+
+    /// Length and vocabulary checks per prompt, then one `GenerationRequest` per choice.
+    fn build(
+        &self,
+        prompts: Vec<Vec<u32>>,
+        prompt_param: &str,
+        checked: CheckedParams,
+        adapter_id: &str,
+    ) -> Result<ValidRequest, ValidationError> {
+        let limits = self.limits;
+        let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
+        let mut prompt_tokens = 0u32;
+        for input_ids in prompts {
+            let length = input_ids.len() as u32;
+            if length == 0 {
+                return Err(ValidationError::invalid(
+                    prompt_param,
+                    "the prompt is empty (0 tokens)",
+                ));
+            }
+            if length > limits.max_input_tokens {
+                return Err(ValidationError::Invalid {
+                    param: prompt_param.to_owned(),
+                    code: "context_length_exceeded",
+                    message: format!(
+                        "the prompt has {length} tokens, but this server accepts at most {} \
+                         input tokens (--max-input-tokens)",
+                        limits.max_input_tokens
+                    ),
+                });
+            }
+            if let Some(&bad) = input_ids.iter().find(|&&id| id >= self.vocab_size) {
+                return Err(ValidationError::invalid(
+                    prompt_param,
+                    format!(
+                        "token id {bad} is out of range: the vocabulary has {} tokens",
+                        self.vocab_size
+                    ),
+                ));
+            }
+            let available = limits.max_total_tokens - length;
+            let max_new_tokens = match checked.max_tokens {
+                Some((requested, field)) if requested > available => {
+                    return Err(ValidationError::Invalid {
+                        param: field.to_owned(),
+                        code: "context_length_exceeded",
+                        message: format!(
+                            "`{field}` is {requested}, but the prompt has {length} tokens, which \
+                             leaves {available} of the {} total tokens this server allows \
+                             (--max-total-tokens)",
+                            limits.max_total_tokens
+                        ),
+                    });
+                }
+                Some((requested, _)) => requested,
+                None => available,
+            };
+            if checked.min_tokens > max_new_tokens {
+                return Err(ValidationError::invalid(
+                    "min_tokens",
+                    format!(
+                        "`min_tokens` ({}) exceeds max_tokens ({max_new_tokens})",
+                        checked.min_tokens
+                    ),
+                ));
+            }
+            prompt_tokens += length;
+            for choice in 0..checked.n {
+                let seed = match checked.seed {
+                    // Distinct seeds per choice, or all `n` choices would be identical.
+                    Some(seed) => seed.wrapping_add(u64::from(choice)),
+                    None => rand::random(),
+                };
+                choices.push(GenerationRequest {
+                    input_ids: input_ids.clone(),
+                    max_new_tokens,
+                    sampling: SamplingParams {
+                        seed,
+                        ..checked.sampling.clone()
+                    },
+                    eos_token_ids: self.eos_token_ids.clone(),
+                    ignore_eos: checked.ignore_eos,
+                    min_tokens: checked.min_tokens,
+                    adapter_id: adapter_id.to_owned(),
+                });
+            }
+        }
+        Ok(ValidRequest {
+            choices,
+            prompt_tokens,
+            options: checked.options,
+        })
+    }
+}

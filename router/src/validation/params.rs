@@ -1,0 +1,199 @@
+//! Range checks of the parameters chat and completions share, with OpenAI's defaults.
+
+use super::{ResponseOptions, ValidationError, MAX_N, MAX_STOP_SEQUENCES};
+use crate::openai::common::GenerationParams;
+use crate::scheduler::SamplingParams;
+
+/// `GenerationParams` checked, before the prompt is known.
+#[derive(Debug, Clone)]
+pub(super) struct CheckedParams {
+    pub sampling: SamplingParams,
+    /// `None`: seed each choice randomly.
+    pub seed: Option<u64>,
+    pub n: u32,
+    /// With the field name it came from, for error messages.
+    pub max_tokens: Option<(u32, &'static str)>,
+    pub min_tokens: u32,
+    pub ignore_eos: bool,
+    pub options: ResponseOptions,
+}
+
+/// Range checks of the shared parameters; OpenAI's defaults where absent.
+pub(super) fn check_params(params: &GenerationParams) -> Result<CheckedParams, ValidationError> {
+    let temperature = params.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return Err(ValidationError::invalid(
+            "temperature",
+            format!("`temperature` must be between 0 and 2, got {temperature}"),
+        ));
+    }
+    let top_p = params.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return Err(ValidationError::invalid(
+            "top_p",
+            format!("`top_p` must be greater than 0 and at most 1, got {top_p}"),
+        ));
+    }
+    let top_k = match params.top_k.unwrap_or(0) {
+        -1 | 0 => 0,
+        k if k > 0 => u32::try_from(k).unwrap_or(u32::MAX),
+        k => {
+            return Err(ValidationError::invalid(
+                "top_k",
+                format!("`top_k` must be -1 or 0 (disabled) or positive, got {k}"),
+            ))
+        }
+    };
+    let min_p = params.min_p.unwrap_or(0.0);
+    if !(0.0..=1.0).contains(&min_p) {
+        return Err(ValidationError::invalid(
+            "min_p",
+            format!("`min_p` must be between 0 and 1, got {min_p}"),
+        ));
+    }
+    let repetition_penalty = params.repetition_penalty.unwrap_or(1.0);
+    if !(repetition_penalty > 0.0 && repetition_penalty.is_finite()) {
+        return Err(ValidationError::invalid(
+            "repetition_penalty",
+            format!("`repetition_penalty` must be greater than 0, got {repetition_penalty}"),
+        ));
+    }
+    let n = params.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ValidationError::invalid(
+            "n",
+            format!("`n` must be between 1 and {MAX_N}, got {n}"),
+        ));
+    }
+    let max_tokens = match (params.max_completion_tokens, params.max_tokens) {
+        (Some(tokens), _) => Some((tokens, "max_completion_tokens")),
+        (None, Some(tokens)) => Some((tokens, "max_tokens")),
+        (None, None) => None,
+    };
+    if let Some((0, field)) = max_tokens {
+        return Err(ValidationError::invalid(
+            field,
+            format!("`{field}` must be at least 1"),
+        ));
+    }
+    let stop: Vec<String> = params
+        .stop
+        .clone()
+        .map(|stops| stops.0)
+        .unwrap_or_default()
+        .into_iter()
+        // An empty stop string would match before any text; clients mean "no stop".
+        .filter(|stop| !stop.is_empty())
+        .collect();
+    if stop.len() > MAX_STOP_SEQUENCES {
+        return Err(ValidationError::invalid(
+            "stop",
+            format!(
+                "at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}",
+                stop.len()
+            ),
+        ));
+    }
+    let stream = params.stream.unwrap_or(false);
+    Ok(CheckedParams {
+        sampling: SamplingParams {
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            repetition_penalty,
+            seed: 0,
+        },
+        seed: params.seed.map(|seed| seed.0),
+        n,
+        max_tokens,
+        min_tokens: params.min_tokens.unwrap_or(0),
+        ignore_eos: params.ignore_eos.unwrap_or(false),
+        options: ResponseOptions {
+            stream,
+            include_usage: stream
+                && params
+                    .stream_options
+                    .as_ref()
+                    .and_then(|options| options.include_usage)
+                    .unwrap_or(false),
+            return_token_ids: params.return_token_ids.unwrap_or(false),
+            stop,
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn params(body: Value) -> GenerationParams {
+        serde_json::from_value(body).expect("valid params")
+    }
+
+    fn param_of(result: Result<CheckedParams, ValidationError>) -> String {
+        result
+            .expect_err("should be refused")
+            .param()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    #[test]
+    fn openai_defaults_apply() {
+        let checked = check_params(&params(json!({}))).unwrap();
+        assert_eq!(checked.sampling.temperature, 1.0);
+        assert_eq!(checked.sampling.top_p, 1.0);
+        assert_eq!(checked.n, 1);
+        assert_eq!(checked.max_tokens, None);
+        assert!(!checked.options.stream);
+    }
+
+    #[test]
+    fn out_of_range_parameters_are_named() {
+        for (body, param) in [
+            (json!({"temperature": 2.5}), "temperature"),
+            (json!({"temperature": -0.1}), "temperature"),
+            (json!({"top_p": 0}), "top_p"),
+            (json!({"top_p": 1.01}), "top_p"),
+            (json!({"top_k": -2}), "top_k"),
+            (json!({"min_p": 1.5}), "min_p"),
+            (json!({"repetition_penalty": 0}), "repetition_penalty"),
+            (json!({"n": 0}), "n"),
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (
+                json!({"max_completion_tokens": 0, "max_tokens": 5}),
+                "max_completion_tokens",
+            ),
+            (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+        ] {
+            assert_eq!(
+                param_of(check_params(&params(body.clone()))),
+                param,
+                "{body}"
+            );
+        }
+    }
+
+    #[test]
+    fn boundaries_are_accepted() {
+        let checked = check_params(&params(json!({
+            "temperature": 0, "top_p": 1, "top_k": -1, "stop": "x", "seed": -1,
+            "stream": true, "stream_options": {"include_usage": true}
+        })))
+        .unwrap();
+        assert_eq!(checked.sampling.temperature, 0.0);
+        assert_eq!(checked.sampling.top_k, 0);
+        assert_eq!(checked.seed, Some(u64::MAX));
+        assert_eq!(checked.options.stop, vec!["x".to_owned()]);
+        assert!(checked.options.include_usage);
+        assert_eq!(
+            check_params(&params(json!({"temperature": 2})))
+                .unwrap()
+                .sampling
+                .temperature,
+            2.0
+        );
+    }
+}
