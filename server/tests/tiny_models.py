@@ -43,10 +43,12 @@ def build_tiny_model(
     arch: str,
     seed: int = 0,
     tie_word_embeddings: bool = False,
+    max_shard_size: str | None = None,
     **config_overrides: Any,
 ) -> Path:
     """Writes a float32 model of architecture `arch` into `dir` (created if needed); returns it.
-    `config_overrides` go to the transformers config (e.g. sliding_window=8 for mistral)."""
+    `max_shard_size` (e.g. "100KB") writes sharded safetensors with an index; `config_overrides`
+    go to the transformers config (e.g. sliding_window=8 for mistral)."""
     if arch not in _CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
     config_cls, model_cls = _CONFIGS[arch]
@@ -64,5 +66,8 @@ def build_tiny_model(
                 param.copy_(noise / param.shape[-1] ** 0.5)
     path = Path(dir)
     path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
+    if max_shard_size is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size)
     return path
