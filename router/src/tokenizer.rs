@@ -1,1 +1,292 @@
-//! (to be written)
+//! Tokenization with the Hugging Face `tokenizers` crate, plus the model's special tokens.
+//!
+//! Encoding a long prompt takes milliseconds of CPU, so `encode` runs on tokio's blocking pool
+//! and never stalls the async runtime that serves streams.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde_json::Value as Json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("cannot load tokenizer from {}: {message}", path.display())]
+    Load { path: PathBuf, message: String },
+    #[error("tokenization failed: {0}")]
+    Encode(String),
+    #[error("detokenization failed: {0}")]
+    Decode(String),
+    /// The blocking worker running the tokenizer died (panicked or the runtime is shutting down).
+    #[error("tokenizer worker failed: {0}")]
+    Worker(String),
+}
+
+/// The special tokens a model declares, as strings (`"<s>"`, `"<|im_end|>"`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SpecialTokens {
+    pub bos: Option<String>,
+    pub eos: Option<String>,
+}
+
+impl SpecialTokens {
+    /// Reads `bos_token`/`eos_token` from `tokenizer_config.json`, then fills what is missing
+    /// from `special_tokens_map.json`. Each is a string or an AddedToken object
+    /// (`{"content": "<s>", ...}`); `null` or absent means the model has none.
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let mut tokens = SpecialTokens::default();
+        for file in ["tokenizer_config.json", "special_tokens_map.json"] {
+            let Some(config) = read_json_if_exists(&dir.join(file))? else {
+                continue;
+            };
+            tokens.bos = tokens
+                .bos
+                .or_else(|| token_content(config.get("bos_token")));
+            tokens.eos = tokens
+                .eos
+                .or_else(|| token_content(config.get("eos_token")));
+        }
+        Ok(tokens)
+    }
+}
+
+/// The text of a special-token entry: `"<s>"` or `{"content": "<s>", ...}`.
+fn token_content(entry: Option<&Json>) -> Option<String> {
+    match entry? {
+        Json::String(text) => Some(text.clone()),
+        Json::Object(fields) => fields.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+fn read_json_if_exists(path: &Path) -> Result<Option<Json>, TokenizerError> {
+    let load_error = |message: String| TokenizerError::Load {
+        path: path.to_path_buf(),
+        message,
+    };
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(err) => return Err(load_error(err.to_string())),
+    };
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|err| load_error(err.to_string()))
+}
+
+/// A loaded tokenizer with its special tokens. Clone is cheap (shared).
+#[derive(Clone)]
+pub struct TextTokenizer {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    tokenizer: tokenizers::Tokenizer,
+    special: SpecialTokens,
+    bos_token_id: Option<u32>,
+    eos_token_id: Option<u32>,
+    stop_token_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for TextTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextTokenizer")
+            .field("special", &self.inner.special)
+            .field("vocab_size", &self.vocab_size())
+            .finish()
+    }
+}
+
+impl TextTokenizer {
+    /// Loads `tokenizer.json` and the special tokens of a model (or adapter) directory. Stop
+    /// ids also include `generation_config.json`'s `eos_token_id` (an id or a list), which is
+    /// what transformers' `generate` stops on (e.g. Llama 3's `<|eot_id|>`).
+    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+        let path = dir.join("tokenizer.json");
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&path).map_err(|err| TokenizerError::Load {
+                path: path.clone(),
+                message: err.to_string(),
+            })?;
+        let special = SpecialTokens::from_dir(dir)?;
+        let generation_eos = read_json_if_exists(&dir.join("generation_config.json"))?
+            .and_then(|config| config.get("eos_token_id").cloned())
+            .map(|ids| token_ids(&ids))
+            .unwrap_or_default();
+        Ok(Self::build(tokenizer, special, generation_eos))
+    }
+
+    /// Wraps an in-memory tokenizer that has no config files (tests, demo tooling).
+    pub fn from_tokenizer(tokenizer: tokenizers::Tokenizer) -> Self {
+        Self::build(tokenizer, SpecialTokens::default(), Vec::new())
+    }
+
+    /// As [`TextTokenizer::from_tokenizer`] with the given special tokens.
+    pub fn with_special_tokens(tokenizer: tokenizers::Tokenizer, special: SpecialTokens) -> Self {
+        Self::build(tokenizer, special, Vec::new())
+    }
+
+    fn build(
+        tokenizer: tokenizers::Tokenizer,
+        special: SpecialTokens,
+        generation_eos: Vec<u32>,
+    ) -> Self {
+        // Ids come from the vocabulary, added tokens included (tokenizer.json's `added_tokens`).
+        let id_of =
+            |token: &Option<String>| token.as_deref().and_then(|t| tokenizer.token_to_id(t));
+        let bos_token_id = id_of(&special.bos);
+        let eos_token_id = id_of(&special.eos);
+        let mut stop_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
+        for id in generation_eos {
+            if !stop_token_ids.contains(&id) {
+                stop_token_ids.push(id);
+            }
+        }
+        Self {
+            inner: Arc::new(Inner {
+                tokenizer,
+                special,
+                bos_token_id,
+                eos_token_id,
+                stop_token_ids,
+            }),
+        }
+    }
+
+    /// Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor adds what
+    /// the model expects (e.g. BOS); a rendered chat prompt already holds them, so pass `false`.
+    pub async fn encode(
+        &self,
+        text: String,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.encode_blocking(&text, add_special_tokens))
+            .await
+            .map_err(|err| TokenizerError::Worker(err.to_string()))?
+    }
+
+    /// The same as [`TextTokenizer::encode`] on the calling thread (for code already off the
+    /// runtime, and tests).
+    pub fn encode_blocking(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<Vec<u32>, TokenizerError> {
+        self.inner
+            .tokenizer
+            .encode(text, add_special_tokens)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .map_err(|err| TokenizerError::Encode(err.to_string()))
+    }
+
+    pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
+        self.inner
+            .tokenizer
+            .decode(ids, skip_special_tokens)
+            .map_err(|err| TokenizerError::Decode(err.to_string()))
+    }
+
+    pub fn bos_token(&self) -> Option<&str> {
+        self.inner.special.bos.as_deref()
+    }
+
+    pub fn eos_token(&self) -> Option<&str> {
+        self.inner.special.eos.as_deref()
+    }
+
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.inner.bos_token_id
+    }
+
+    pub fn eos_token_id(&self) -> Option<u32> {
+        self.inner.eos_token_id
+    }
+
+    /// Every id that ends generation: the tokenizer's EOS plus `generation_config.json`'s.
+    pub fn stop_token_ids(&self) -> &[u32] {
+        &self.inner.stop_token_ids
+    }
+
+    /// Vocabulary size including added tokens: every valid id is below it.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.tokenizer.get_vocab_size(true)
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner.tokenizer
+    }
+}
+
+/// `eos_token_id` as generation_config.json writes it: one id or a list of ids.
+fn token_ids(value: &Json) -> Vec<u32> {
+    let as_id = |v: &Json| v.as_u64().and_then(|id| u32::try_from(id).ok());
+    match value {
+        Json::Array(items) => items.iter().filter_map(as_id).collect(),
+        other => as_id(other).into_iter().collect(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn special_tokens_accept_strings_objects_and_fallback_file() {
+        let dir = test_support::TempDir::new("special-tokens");
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": {"content": "<s>", "lstrip": false}, "eos_token": null}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("special_tokens_map.json"),
+            r#"{"bos_token": "<ignored>", "eos_token": "</s>"}"#,
+        )
+        .unwrap();
+        let tokens = SpecialTokens::from_dir(dir.path()).unwrap();
+        assert_eq!(tokens.bos.as_deref(), Some("<s>"));
+        assert_eq!(tokens.eos.as_deref(), Some("</s>"));
+    }
+
+    #[test]
+    fn from_dir_resolves_ids_and_generation_stop_ids() {
+        let dir = test_support::TempDir::new("tokenizer-dir");
+        let tokenizer = test_support::byte_level_bpe();
+        tokenizer
+            .save(dir.path().join("tokenizer.json"), false)
+            .unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": "<|bos|>", "eos_token": "<|eos|>"}"#,
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("generation_config.json"),
+            r#"{"eos_token_id": [2, 1]}"#,
+        )
+        .unwrap();
+        let loaded = TextTokenizer::from_dir(dir.path()).unwrap();
+        let eos = tokenizer.token_to_id("<|eos|>").unwrap();
+        assert_eq!(loaded.eos_token(), Some("<|eos|>"));
+        assert_eq!(loaded.eos_token_id(), Some(eos));
+        assert_eq!(loaded.bos_token_id(), tokenizer.token_to_id("<|bos|>"));
+        assert_eq!(loaded.stop_token_ids()[0], eos);
+        assert!(loaded.stop_token_ids().contains(&2) && loaded.stop_token_ids().contains(&1));
+    }
+
+    #[tokio::test]
+    async fn encode_on_blocking_pool_round_trips() {
+        let tokenizer = TextTokenizer::from_tokenizer(test_support::byte_level_bpe());
+        let text = "héllo 世界 👋🏽 <|eos|>";
+        let ids = tokenizer.encode(text.to_owned(), false).await.unwrap();
+        assert_eq!(ids, tokenizer.encode_blocking(text, false).unwrap());
+        assert_eq!(tokenizer.decode(&ids, false).unwrap(), text);
+        let eos = tokenizer.inner().token_to_id("<|eos|>").unwrap();
+        assert_eq!(ids.last(), Some(&eos), "special token is matched whole");
+        assert_eq!(tokenizer.decode(&ids, true).unwrap(), "héllo 世界 👋🏽 ");
+    }
+}
