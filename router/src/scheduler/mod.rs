@@ -4,7 +4,22 @@
 //! `GenerationRequest` and returns a receiver of `TokenEvent`s. Dropping the receiver (client
 //! gone, stop string matched) cancels the request: it leaves the batch and its blocks are freed.
 
-use tokio::sync::mpsc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, Semaphore};
+
+use crate::shard::ShardBackend;
+
+mod batcher;
+mod blocks;
+mod queue;
+
+#[cfg(test)]
+mod tests;
+
+use batcher::{Batcher, Entry};
+pub use blocks::{blocks_for_tokens, BlockAllocation, BlockAllocator};
 
 /// Sampling settings of one request, already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,3 +87,175 @@ pub enum AdmissionError {
 }
 
 pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, GenerationError>>;
+
+/// Sizes the scheduler works within; the KV geometry comes from the shard's Warmup.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// Blocks in the shard's cache.
+    pub num_blocks: u32,
+    /// Most prompt tokens in one Prefill (a single longer prompt is still admitted alone).
+    pub max_batch_prefill_tokens: u32,
+    /// If non-zero, at most this many KV token slots are handed out over all requests.
+    pub max_batch_total_tokens: u32,
+    /// Most requests in the running batch.
+    pub max_batch_size: u32,
+    /// Requests admitted at once, queued or running; beyond it `Overloaded`.
+    pub max_concurrent_requests: u32,
+    /// Longest prompt + completion; enforced by validation, kept here for reference.
+    pub max_total_tokens: u32,
+}
+
+impl SchedulerConfig {
+    /// Blocks the scheduler hands out: the shard's cache, capped by `max_batch_total_tokens`.
+    pub fn usable_blocks(&self) -> u32 {
+        if self.max_batch_total_tokens == 0 {
+            return self.num_blocks;
+        }
+        self.num_blocks
+            .min(self.max_batch_total_tokens / self.block_size.max(1))
+    }
+}
+
+/// A snapshot of the scheduler's load, for metrics and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Admitted requests not yet finished (queued + running).
+    pub in_flight: usize,
+    /// Requests waiting for a batch slot or blocks.
+    pub queued: usize,
+    /// Requests in the running batch.
+    pub running: usize,
+    pub free_blocks: u32,
+    pub total_blocks: u32,
+}
+
+/// Load figures the batcher publishes after every step (read without asking the loop).
+#[derive(Debug, Default)]
+struct Gauges {
+    queued: AtomicUsize,
+    running: AtomicUsize,
+    free_blocks: AtomicU32,
+}
+
+/// Cheap, cloneable handle to the batching loop. The loop runs until every handle is dropped
+/// and the requests it holds are done.
+#[derive(Clone)]
+pub struct Scheduler {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    submissions: mpsc::UnboundedSender<Entry>,
+    /// One permit per admitted request; an entry carries its permit, so however a request
+    /// ends (finished, failed, cancelled, dropped) its slot comes back.
+    permits: Arc<Semaphore>,
+    config: SchedulerConfig,
+    usable_blocks: u32,
+    shutting_down: AtomicBool,
+    next_request_id: AtomicU64,
+    gauges: Arc<Gauges>,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("config", &self.inner.config)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl Scheduler {
+    /// Spawns the batching loop on the current tokio runtime.
+    pub fn start(shard: Arc<dyn ShardBackend>, config: SchedulerConfig) -> Self {
+        let (submissions, incoming) = mpsc::unbounded_channel();
+        let usable_blocks = config.usable_blocks();
+        let gauges = Arc::new(Gauges::default());
+        gauges.free_blocks.store(usable_blocks, Ordering::Relaxed);
+        let batcher = Batcher::new(shard, config, incoming, gauges.clone());
+        tokio::spawn(batcher.run());
+        tracing::info!(
+            block_size = config.block_size,
+            usable_blocks,
+            max_batch_size = config.max_batch_size,
+            max_batch_prefill_tokens = config.max_batch_prefill_tokens,
+            max_concurrent_requests = config.max_concurrent_requests,
+            "scheduler started"
+        );
+        Self {
+            inner: Arc::new(Inner {
+                submissions,
+                permits: Arc::new(Semaphore::new(config.max_concurrent_requests as usize)),
+                config,
+                usable_blocks,
+                shutting_down: AtomicBool::new(false),
+                next_request_id: AtomicU64::new(0),
+                gauges,
+            }),
+        }
+    }
+
+    /// Admits a request, or says at once why not. Dropping the receiver cancels the request.
+    pub fn submit(&self, request: GenerationRequest) -> Result<EventReceiver, AdmissionError> {
+        let inner = &self.inner;
+        if inner.shutting_down.load(Ordering::Acquire) {
+            return Err(AdmissionError::ShuttingDown);
+        }
+        let tokens = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
+        let needed = blocks_for_tokens(tokens, inner.config.block_size);
+        if needed > u64::from(inner.usable_blocks) {
+            return Err(AdmissionError::TooLarge {
+                needed: u32::try_from(needed).unwrap_or(u32::MAX),
+                total: inner.usable_blocks,
+            });
+        }
+        let permit = inner
+            .permits
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| AdmissionError::Overloaded)?;
+        let (events, receiver) = mpsc::unbounded_channel();
+        let id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+        let entry = Entry::new(id, request, needed as u32, events, permit);
+        // Fails only if the loop is gone; the entry (and its permit) is dropped with the error.
+        inner
+            .submissions
+            .send(entry)
+            .map_err(|_| AdmissionError::ShuttingDown)?;
+        tracing::debug!(request_id = id, blocks = needed, "request queued");
+        Ok(receiver)
+    }
+
+    /// Stops admitting new requests; those already admitted run to completion.
+    pub fn shutdown(&self) {
+        if !self.inner.shutting_down.swap(true, Ordering::AcqRel) {
+            tracing::info!(
+                in_flight = self.in_flight(),
+                "scheduler stops admitting requests"
+            );
+        }
+    }
+
+    /// Admitted requests that have not finished yet (queued + running).
+    pub fn in_flight(&self) -> usize {
+        let max = self.inner.config.max_concurrent_requests as usize;
+        max.saturating_sub(self.inner.permits.available_permits())
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.inner.config
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        let gauges = &self.inner.gauges;
+        SchedulerStats {
+            in_flight: self.in_flight(),
+            queued: gauges.queued.load(Ordering::Relaxed),
+            running: gauges.running.load(Ordering::Relaxed),
+            free_blocks: gauges.free_blocks.load(Ordering::Relaxed),
+            total_blocks: self.inner.usable_blocks,
+        }
+    }
+}

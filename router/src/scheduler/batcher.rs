@@ -1,0 +1,398 @@
+//! The continuous-batching loop: one task that owns the queue, the block allocator and the
+//! running batch, so none of it needs a lock.
+//!
+//! Each step: admit what fits from the queue into a new Prefill batch (one token each), then
+//! one Decode over [running batch, new batch], which the shard merges into the running batch.
+//! After every shard call each request's token goes to its channel; requests that finished
+//! (EOS, length) or whose client left give their blocks back at once and leave the shard's batch
+//! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
+//! state on the shard, and the loop carries on with the rest.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::{mpsc, OwnedSemaphorePermit};
+
+use super::blocks::{BlockAllocation, BlockAllocator};
+use super::queue::Queue;
+use super::{
+    FinishReason, Gauges, GenerationError, GenerationRequest, SchedulerConfig, TokenEvent,
+};
+use crate::pb;
+use crate::shard::{ShardBackend, ShardError};
+
+type EventSender = mpsc::UnboundedSender<Result<TokenEvent, GenerationError>>;
+
+/// An admitted request waiting in the queue.
+pub(super) struct Entry {
+    id: u64,
+    request: GenerationRequest,
+    blocks_needed: u32,
+    events: EventSender,
+    queued_at: Instant,
+    permit: OwnedSemaphorePermit,
+}
+
+impl Entry {
+    pub(super) fn new(
+        id: u64,
+        request: GenerationRequest,
+        blocks_needed: u32,
+        events: EventSender,
+        permit: OwnedSemaphorePermit,
+    ) -> Self {
+        Self {
+            id,
+            request,
+            blocks_needed,
+            events,
+            queued_at: Instant::now(),
+            permit,
+        }
+    }
+}
+
+/// A request whose KV lives in the shard.
+struct Running {
+    events: EventSender,
+    blocks: BlockAllocation,
+    permit: OwnedSemaphorePermit,
+    generated: u32,
+    max_new_tokens: u32,
+    min_tokens: u32,
+    ignore_eos: bool,
+    eos_token_ids: Vec<u32>,
+}
+
+impl Running {
+    /// Whether `token`, the request's `generated`-th token, ends it. EOS counts only once at
+    /// least `min_tokens` tokens came before it (as vLLM's `min_tokens`); an EOS that is also
+    /// the last allowed token reports `Eos`, the more specific reason.
+    fn finish_reason(&self, token: u32) -> Option<FinishReason> {
+        let eos_allowed = !self.ignore_eos && self.generated > self.min_tokens;
+        if eos_allowed && self.eos_token_ids.contains(&token) {
+            Some(FinishReason::Eos)
+        } else if self.generated >= self.max_new_tokens {
+            Some(FinishReason::Length)
+        } else {
+            None
+        }
+    }
+}
+
+/// Gives a request's blocks and admission slot back; returns its channel for a last message.
+/// Resources go first so that a client that sees its last event also sees them released.
+fn release(allocator: &mut BlockAllocator, running: Running) -> EventSender {
+    allocator.free(running.blocks);
+    drop(running.permit);
+    running.events
+}
+
+fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
+    let s = &request.sampling;
+    pb::SamplingParams {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty,
+        seed: s.seed,
+    }
+}
+
+pub(super) struct Batcher {
+    shard: Arc<dyn ShardBackend>,
+    config: SchedulerConfig,
+    incoming: mpsc::UnboundedReceiver<Entry>,
+    queue: Queue<Entry>,
+    allocator: BlockAllocator,
+    /// Every request the shard holds KV for, by id.
+    active: HashMap<u64, Running>,
+    /// The shard's running batch (all of `active` between steps).
+    running: Option<pb::CachedBatch>,
+    next_batch_id: u64,
+    gauges: Arc<Gauges>,
+}
+
+impl Batcher {
+    pub(super) fn new(
+        shard: Arc<dyn ShardBackend>,
+        config: SchedulerConfig,
+        incoming: mpsc::UnboundedReceiver<Entry>,
+        gauges: Arc<Gauges>,
+    ) -> Self {
+        Self {
+            shard,
+            allocator: BlockAllocator::new(config.usable_blocks()),
+            config,
+            incoming,
+            queue: Queue::new(),
+            active: HashMap::new(),
+            running: None,
+            next_batch_id: 0,
+            gauges,
+        }
+    }
+
+    pub(super) async fn run(mut self) {
+        loop {
+            if self.running.is_none() && self.queue.is_empty() {
+                self.publish_gauges();
+                // Idle: sleep until a request arrives, or stop once every handle is gone.
+                match self.incoming.recv().await {
+                    Some(entry) => self.queue.push(entry),
+                    None => break,
+                }
+            }
+            while let Ok(entry) = self.incoming.try_recv() {
+                self.queue.push(entry);
+            }
+            let new_batch = self.prefill_waiting().await;
+            self.decode(new_batch).await;
+            self.publish_gauges();
+        }
+        tracing::debug!("scheduler loop stopped: no handles left and nothing running");
+    }
+
+    fn publish_gauges(&self) {
+        let gauges = &self.gauges;
+        gauges.queued.store(self.queue.len(), Ordering::Relaxed);
+        gauges.running.store(self.active.len(), Ordering::Relaxed);
+        gauges
+            .free_blocks
+            .store(self.allocator.free_count(), Ordering::Relaxed);
+    }
+
+    /// Prefills the waiting requests that fit; returns the new cached batch, if any is left
+    /// after its first tokens.
+    async fn prefill_waiting(&mut self) -> Option<pb::CachedBatch> {
+        if self.queue.is_empty() {
+            return None;
+        }
+        // A client that left while queued never reaches the shard.
+        self.queue.retain(|entry| !entry.events.is_closed());
+        let max_batch_size = self.config.max_batch_size.max(1) as usize;
+        let mut room = max_batch_size.saturating_sub(self.active.len());
+        let token_budget = u64::from(self.config.max_batch_prefill_tokens);
+        let mut prefill_tokens = 0u64;
+        let mut admitted_count = 0usize;
+        let allocator = &mut self.allocator;
+        let admitted = self.queue.next_batch(|entry| {
+            if room == 0 {
+                return None;
+            }
+            let prompt = entry.request.input_ids.len() as u64;
+            // The first request of a batch goes in whatever its length, or it could never run.
+            if admitted_count > 0 && prefill_tokens + prompt > token_budget {
+                return None;
+            }
+            let blocks = allocator.allocate(entry.blocks_needed)?;
+            room -= 1;
+            admitted_count += 1;
+            prefill_tokens += prompt;
+            Some(blocks)
+        });
+        if admitted.is_empty() {
+            return None;
+        }
+
+        let batch_id = self.next_batch_id;
+        self.next_batch_id += 1;
+        let mut ids = Vec::with_capacity(admitted.len());
+        let mut requests = Vec::with_capacity(admitted.len());
+        for (entry, blocks) in admitted {
+            let Entry {
+                id,
+                mut request,
+                events,
+                queued_at,
+                permit,
+                ..
+            } = entry;
+            tracing::debug!(
+                request_id = id,
+                batch_id,
+                queue_ms = queued_at.elapsed().as_millis() as u64,
+                "request admitted"
+            );
+            requests.push(pb::Request {
+                id,
+                input_ids: std::mem::take(&mut request.input_ids),
+                blocks: blocks.ids().to_vec(),
+                sampling: Some(sampling_to_pb(&request)),
+                max_new_tokens: request.max_new_tokens,
+                adapter_id: std::mem::take(&mut request.adapter_id),
+            });
+            ids.push(id);
+            self.active.insert(
+                id,
+                Running {
+                    events,
+                    blocks,
+                    permit,
+                    generated: 0,
+                    max_new_tokens: request.max_new_tokens,
+                    min_tokens: request.min_tokens,
+                    ignore_eos: request.ignore_eos,
+                    eos_token_ids: request.eos_token_ids,
+                },
+            );
+        }
+        tracing::debug!(batch_id, size = ids.len(), prefill_tokens, "prefill");
+
+        let request = pb::PrefillRequest { batch_id, requests };
+        match self.shard.prefill(request).await {
+            Ok(response) => {
+                self.on_generations(&response.generations);
+                match response.batch {
+                    Some(batch) => self.drop_finished(batch).await,
+                    None => {
+                        let error = protocol_error("Prefill returned no batch");
+                        self.fail_batch(batch_id, &ids, &error).await;
+                        None
+                    }
+                }
+            }
+            Err(error) => {
+                self.fail_batch(batch_id, &ids, &error).await;
+                None
+            }
+        }
+    }
+
+    /// One decode step over the running batch and the newly prefilled one.
+    async fn decode(&mut self, new_batch: Option<pb::CachedBatch>) {
+        let mut batches = Vec::with_capacity(2);
+        batches.extend(self.running.take());
+        batches.extend(new_batch);
+        if batches.is_empty() {
+            return;
+        }
+        match self.shard.decode(pb::DecodeRequest { batches }).await {
+            Ok(response) => {
+                self.on_generations(&response.generations);
+                match response.batch {
+                    Some(batch) => self.running = self.drop_finished(batch).await,
+                    None => {
+                        self.fail_all(&protocol_error("Decode returned no batch"))
+                            .await
+                    }
+                }
+            }
+            // Every live request was in this call, and the shard's state is unknown now.
+            Err(error) => self.fail_all(&error).await,
+        }
+    }
+
+    /// Sends each generated token to its request; finished requests are released here.
+    fn on_generations(&mut self, generations: &[pb::Generation]) {
+        for generation in generations {
+            let id = generation.request_id;
+            let Some(running) = self.active.get_mut(&id) else {
+                tracing::warn!(
+                    request_id = id,
+                    "shard returned a token for an unknown request"
+                );
+                continue;
+            };
+            running.generated += 1;
+            let finish = running.finish_reason(generation.token_id);
+            let event = TokenEvent {
+                token_id: generation.token_id,
+                logprob: generation.logprob,
+                finish,
+            };
+            if finish.is_none() && running.events.send(Ok(event.clone())).is_ok() {
+                continue;
+            }
+            // Finished, or the client is gone (its receiver was dropped).
+            if let Some(running) = self.active.remove(&id) {
+                let events = release(&mut self.allocator, running);
+                if let Some(reason) = finish {
+                    tracing::debug!(request_id = id, ?reason, "request finished");
+                    // The client may have left already; nothing to do then.
+                    let _ = events.send(Ok(event));
+                } else {
+                    tracing::debug!(request_id = id, "client gone; request cancelled");
+                }
+            }
+        }
+    }
+
+    /// Takes requests that are no longer active (finished, or client gone) out of `batch` on
+    /// the shard. Returns what is left of the batch, `None` if nothing is.
+    async fn drop_finished(&mut self, mut batch: pb::CachedBatch) -> Option<pb::CachedBatch> {
+        // Clients that left without a failed send this step (e.g. between steps).
+        for id in &batch.request_ids {
+            if self.active.get(id).is_some_and(|r| r.events.is_closed()) {
+                if let Some(running) = self.active.remove(id) {
+                    tracing::debug!(request_id = id, "client gone; request cancelled");
+                    release(&mut self.allocator, running);
+                }
+            }
+        }
+        let before = batch.request_ids.len();
+        batch.request_ids.retain(|id| self.active.contains_key(id));
+        if batch.request_ids.len() == before {
+            return Some(batch);
+        }
+        if batch.request_ids.is_empty() {
+            self.clear_cache(Some(batch.id)).await;
+            return None;
+        }
+        let request = pb::FilterBatchRequest {
+            batch_id: batch.id,
+            request_ids: batch.request_ids.clone(),
+        };
+        match self.shard.filter_batch(request).await {
+            Ok(response) => Some(response.batch.unwrap_or(batch)),
+            Err(error) => {
+                self.fail_batch(batch.id, &batch.request_ids, &error).await;
+                None
+            }
+        }
+    }
+
+    /// Fails the listed requests of one batch and drops the batch on the shard.
+    async fn fail_batch(&mut self, batch_id: u64, request_ids: &[u64], error: &ShardError) {
+        tracing::error!(batch_id, size = request_ids.len(), %error, "shard call failed; failing its batch");
+        let message = error.to_string();
+        for id in request_ids {
+            if let Some(running) = self.active.remove(id) {
+                let events = release(&mut self.allocator, running);
+                let _ = events.send(Err(GenerationError::Shard(message.clone())));
+            }
+        }
+        self.clear_cache(Some(batch_id)).await;
+    }
+
+    /// Fails every running request and clears the shard's whole cache.
+    async fn fail_all(&mut self, error: &ShardError) {
+        tracing::error!(size = self.active.len(), %error, "shard call failed; failing the running batch");
+        let message = error.to_string();
+        for (_, running) in self.active.drain() {
+            let events = release(&mut self.allocator, running);
+            let _ = events.send(Err(GenerationError::Shard(message.clone())));
+        }
+        self.running = None;
+        self.clear_cache(None).await;
+    }
+
+    /// Best effort: after a failure the batch may not exist on the shard any more.
+    async fn clear_cache(&self, batch_id: Option<u64>) {
+        let request = pb::ClearCacheRequest { batch_id };
+        if let Err(error) = self.shard.clear_cache(request).await {
+            tracing::warn!(?batch_id, %error, "ClearCache failed");
+        }
+    }
+}
+
+fn protocol_error(message: &str) -> ShardError {
+    ShardError::Status {
+        rank: 0,
+        code: tonic::Code::Internal,
+        message: message.to_string(),
+    }
+}

@@ -1,0 +1,170 @@
+//! gRPC client of the shard processes, one unix socket per tensor-parallel rank.
+//!
+//! Every rank must see every call (they run the forward pass together and would wait on each
+//! other in their collectives), so each call goes to all ranks concurrently. The ranks compute
+//! the same answer; rank 0's is returned. If any rank fails, the call fails with that rank's
+//! error without waiting for the others: a rank that is stuck because a peer died would
+//! otherwise hold the router forever.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use futures::future::{try_join_all, BoxFuture};
+use futures::FutureExt;
+use hyper_util::rt::TokioIo;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+use super::{ShardBackend, ShardError, ShardResult};
+use crate::pb;
+use crate::pb::shard_client::ShardClient as RankClient;
+
+/// Prefill requests carry whole prompts and responses carry a batch's generations; the default
+/// 4 MiB decoding limit is too tight for large batches of long prompts.
+const MAX_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Client of all ranks of one model; cheap to clone (channels are shared).
+#[derive(Debug, Clone)]
+pub struct ShardClient {
+    ranks: Vec<RankClient<Channel>>,
+}
+
+impl ShardClient {
+    /// Connects to every rank's socket, rank 0 first.
+    pub async fn connect(paths: &[PathBuf]) -> Result<Self, ShardError> {
+        if paths.is_empty() {
+            return Err(ShardError::Connect {
+                path: PathBuf::new(),
+                message: "no shard socket given".to_string(),
+            });
+        }
+        let ranks = try_join_all(paths.iter().map(|path| connect_rank(path))).await?;
+        Ok(Self { ranks })
+    }
+
+    /// Number of ranks this client talks to.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+
+    /// Sends `request` to every rank with `call` and returns rank 0's response.
+    async fn fan_out<Req, Resp, F, Fut>(&self, request: Req, call: F) -> ShardResult<Resp>
+    where
+        Req: Clone,
+        F: Fn(RankClient<Channel>, Req) -> Fut,
+        Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    {
+        let Some((last, others)) = self.ranks.split_last() else {
+            return Err(ShardError::Connect {
+                path: PathBuf::new(),
+                message: "no shard connected".to_string(),
+            });
+        };
+        let mut calls = Vec::with_capacity(self.ranks.len());
+        for (rank, client) in others.iter().enumerate() {
+            calls.push(on_rank(rank, call(client.clone(), request.clone())));
+        }
+        // The last rank takes the original request; the others got copies.
+        calls.push(on_rank(others.len(), call(last.clone(), request)));
+        let mut responses = try_join_all(calls).await?;
+        Ok(responses.swap_remove(0))
+    }
+}
+
+/// Awaits one rank's answer, naming the rank in its error.
+async fn on_rank<Resp>(
+    rank: usize,
+    call: impl Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+) -> ShardResult<Resp> {
+    match call.await {
+        Ok(response) => Ok(response.into_inner()),
+        Err(status) => Err(ShardError::from_status(rank, &status)),
+    }
+}
+
+async fn connect_rank(path: &Path) -> Result<RankClient<Channel>, ShardError> {
+    let socket = path.to_path_buf();
+    // The URI is required by the builder but never dialled: the connector opens the socket.
+    let channel = Endpoint::from_static("http://shard.local")
+        .connect_timeout(CONNECT_TIMEOUT)
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let socket = socket.clone();
+            async move { UnixStream::connect(socket).await.map(TokioIo::new) }
+        }))
+        .await
+        .map_err(|error| ShardError::Connect {
+            path: path.to_path_buf(),
+            message: error_chain(&error),
+        })?;
+    Ok(RankClient::new(channel)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
+}
+
+/// tonic's transport error says only "transport error"; the cause (e.g. "No such file or
+/// directory") is in its sources.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut message = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        message.push_str(": ");
+        message.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    message
+}
+
+impl ShardBackend for ShardClient {
+    fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
+        self.fan_out(
+            pb::InfoRequest {},
+            |mut c, r| async move { c.info(r).await },
+        )
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>> {
+        self.fan_out(
+            pb::HealthRequest {},
+            |mut c, r| async move { c.health(r).await },
+        )
+        .boxed()
+    }
+
+    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.warmup(r).await })
+            .boxed()
+    }
+
+    fn prefill(
+        &self,
+        request: pb::PrefillRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.prefill(r).await })
+            .boxed()
+    }
+
+    fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.decode(r).await })
+            .boxed()
+    }
+
+    fn filter_batch(
+        &self,
+        request: pb::FilterBatchRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::FilterBatchResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.filter_batch(r).await })
+            .boxed()
+    }
+
+    fn clear_cache(
+        &self,
+        request: pb::ClearCacheRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.clear_cache(r).await })
+            .boxed()
+    }
+}

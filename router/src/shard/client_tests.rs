@@ -1,0 +1,295 @@
+//! `ShardClient` over real unix sockets, against tonic servers that serve `FakeShard`s: the
+//! fan-out reaches every rank, rank 0 answers, errors keep their gRPC code and message, and
+//! the scheduler runs end to end over gRPC.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::net::UnixListener;
+use tokio_stream::wrappers::UnixListenerStream;
+use tonic::{Request, Response, Status};
+
+use super::*;
+use crate::pb::shard_server::{Shard, ShardServer};
+
+/// Serves a `FakeShard` over gRPC, as the Python shard serves its engine.
+struct Served(Arc<FakeShard>);
+
+fn to_status(error: ShardError) -> Status {
+    Status::new(error.code(), error.message())
+}
+
+type Answer<T> = Result<Response<T>, Status>;
+
+#[tonic::async_trait]
+impl Shard for Served {
+    async fn info(&self, _: Request<pb::InfoRequest>) -> Answer<pb::InfoResponse> {
+        self.0.info().await.map(Response::new).map_err(to_status)
+    }
+    async fn health(&self, _: Request<pb::HealthRequest>) -> Answer<pb::HealthResponse> {
+        self.0.health().await.map(Response::new).map_err(to_status)
+    }
+    async fn warmup(&self, r: Request<pb::WarmupRequest>) -> Answer<pb::WarmupResponse> {
+        let r = r.into_inner();
+        self.0.warmup(r).await.map(Response::new).map_err(to_status)
+    }
+    async fn prefill(&self, r: Request<pb::PrefillRequest>) -> Answer<pb::PrefillResponse> {
+        let r = r.into_inner();
+        self.0
+            .prefill(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+    async fn decode(&self, r: Request<pb::DecodeRequest>) -> Answer<pb::DecodeResponse> {
+        let r = r.into_inner();
+        self.0.decode(r).await.map(Response::new).map_err(to_status)
+    }
+    async fn filter_batch(
+        &self,
+        r: Request<pb::FilterBatchRequest>,
+    ) -> Answer<pb::FilterBatchResponse> {
+        let r = r.into_inner();
+        self.0
+            .filter_batch(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+    async fn clear_cache(
+        &self,
+        r: Request<pb::ClearCacheRequest>,
+    ) -> Answer<pb::ClearCacheResponse> {
+        let r = r.into_inner();
+        self.0
+            .clear_cache(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
+}
+
+/// A fresh socket directory per test (no tempfile crate in the workspace).
+struct SocketDir(PathBuf);
+
+impl SocketDir {
+    fn new() -> Self {
+        static COUNTER: AtomicUsize = AtomicUsize::new(0);
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("quiver-shard-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn socket(&self, rank: usize) -> PathBuf {
+        self.0.join(format!("rank-{rank}.sock"))
+    }
+}
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn serve(shard: Arc<FakeShard>, path: &Path) {
+    let listener = UnixListener::bind(path).unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ShardServer::new(Served(shard)))
+            .serve_with_incoming(UnixListenerStream::new(listener)),
+    );
+}
+
+/// `world_size` fake ranks behind sockets, and a client connected to all of them.
+async fn ranks(dir: &SocketDir, world_size: u32) -> (Vec<Arc<FakeShard>>, ShardClient) {
+    let mut shards = Vec::new();
+    let mut paths = Vec::new();
+    for rank in 0..world_size {
+        let shard = Arc::new(FakeShard::new(256).with_eos(1).with_rank(rank, world_size));
+        let path = dir.socket(rank as usize);
+        serve(shard.clone(), &path);
+        shards.push(shard);
+        paths.push(path);
+    }
+    let client = ShardClient::connect(&paths).await.unwrap();
+    (shards, client)
+}
+
+fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> pb::Request {
+    pb::Request {
+        id,
+        input_ids: prompt,
+        blocks,
+        sampling: Some(pb::SamplingParams {
+            top_p: 1.0,
+            repetition_penalty: 1.0,
+            seed: 7,
+            ..Default::default()
+        }),
+        max_new_tokens,
+        adapter_id: String::new(),
+    }
+}
+
+#[tokio::test]
+async fn every_rank_sees_each_call_and_rank_zero_answers() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+    assert_eq!(client.world_size(), 2);
+    client.health().await.unwrap();
+    let info = client.info().await.unwrap();
+    assert_eq!((info.rank, info.world_size, info.vocab_size), (0, 2, 256));
+    assert_eq!(info.eos_token_ids, vec![1]);
+
+    let prefill = client
+        .prefill(pb::PrefillRequest {
+            batch_id: 3,
+            requests: vec![
+                one_request(10, vec![5], vec![0], 4),
+                one_request(11, vec![6, 2], vec![1], 4),
+            ],
+        })
+        .await
+        .unwrap();
+    // (31 t + 7) mod 256 of each prompt's last token.
+    let tokens: Vec<u32> = prefill.generations.iter().map(|g| g.token_id).collect();
+    assert_eq!(tokens, vec![162, 69]);
+    let batch = prefill.batch.unwrap();
+    assert!(shards.iter().all(|s| s.live_requests() == 2));
+
+    let decode = client
+        .decode(pb::DecodeRequest {
+            batches: vec![batch],
+        })
+        .await
+        .unwrap();
+    let tokens: Vec<u32> = decode.generations.iter().map(|g| g.token_id).collect();
+    assert_eq!(tokens, vec![(162 * 31 + 7) % 256, (69 * 31 + 7) % 256]);
+
+    let filtered = client
+        .filter_batch(pb::FilterBatchRequest {
+            batch_id: 3,
+            request_ids: vec![11],
+        })
+        .await
+        .unwrap();
+    assert_eq!(filtered.batch.unwrap().request_ids, vec![11]);
+    assert!(shards.iter().all(|s| s.live_requests() == 1));
+
+    client
+        .clear_cache(pb::ClearCacheRequest { batch_id: None })
+        .await
+        .unwrap();
+    assert!(shards
+        .iter()
+        .all(|s| s.live_requests() == 0 && s.live_batches() == 0));
+}
+
+#[tokio::test]
+async fn errors_keep_their_code_message_and_rank() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+
+    // 1 prompt token + 40 new tokens do not fit one 16-token block.
+    let short_table = pb::PrefillRequest {
+        batch_id: 0,
+        requests: vec![one_request(1, vec![5], vec![0], 40)],
+    };
+    let error = client.prefill(short_table).await.unwrap_err();
+    assert_eq!(error.code(), tonic::Code::InvalidArgument);
+    assert!(matches!(&error, ShardError::InvalidArgument(m) if m.contains("block table")));
+
+    shards[1].fail_next(FakeRpc::Health);
+    let error = client.health().await.unwrap_err();
+    assert_eq!(error.code(), tonic::Code::Internal);
+    assert!(
+        matches!(&error, ShardError::Status { rank: 1, message, .. } if message.contains("injected")),
+        "{error:?}"
+    );
+    // Rank 0 answered; the call still failed because rank 1 did.
+    client.health().await.unwrap();
+}
+
+#[tokio::test]
+async fn connecting_to_a_missing_socket_names_it() {
+    let dir = SocketDir::new();
+    let missing = dir.socket(0);
+    let error = ShardClient::connect(std::slice::from_ref(&missing))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, ShardError::Connect { path, .. } if *path == missing),
+        "{error:?}"
+    );
+    assert!(error.to_string().contains("rank-0.sock"));
+    assert!(ShardClient::connect(&[]).await.is_err());
+}
+
+#[tokio::test]
+async fn the_scheduler_runs_over_grpc() {
+    use crate::scheduler::{FinishReason, GenerationRequest, SamplingParams, Scheduler};
+
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+    let warmup = client
+        .warmup(pb::WarmupRequest {
+            max_batch_prefill_tokens: 64,
+            max_total_tokens: 64,
+            max_batch_size: 8,
+            max_batch_total_tokens: 0,
+        })
+        .await
+        .unwrap();
+    let config = crate::scheduler::SchedulerConfig {
+        block_size: warmup.block_size,
+        num_blocks: warmup.num_blocks,
+        max_batch_prefill_tokens: 64,
+        max_batch_total_tokens: 0,
+        max_batch_size: 8,
+        max_concurrent_requests: 8,
+        max_total_tokens: 64,
+    };
+    let scheduler = Scheduler::start(Arc::new(client), config);
+    let mut events = scheduler
+        .submit(GenerationRequest {
+            input_ids: vec![1, 2, 3],
+            max_new_tokens: 5,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_p: 1.0,
+                top_k: 0,
+                min_p: 0.0,
+                repetition_penalty: 1.0,
+                seed: 0,
+            },
+            eos_token_ids: vec![1],
+            ignore_eos: false,
+            min_tokens: 0,
+            adapter_id: String::new(),
+        })
+        .unwrap();
+    let mut tokens = Vec::new();
+    let mut previous = 3u32;
+    let mut expected = Vec::new();
+    for _ in 0..5 {
+        previous = (previous * 31 + 7) % 256;
+        expected.push(previous);
+    }
+    let finish = loop {
+        let event = events.recv().await.unwrap().unwrap();
+        tokens.push(event.token_id);
+        if let Some(reason) = event.finish {
+            break reason;
+        }
+    };
+    assert_eq!(tokens, expected);
+    assert_eq!(finish, FinishReason::Length);
+    for shard in &shards {
+        while shard.live_requests() > 0 {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    }
+}

@@ -1,0 +1,504 @@
+//! `FakeShard`: an in-memory shard for router tests, deterministic and strict.
+//!
+//! Tokens: a request's first token is `fake_next_token(last prompt token)`, every later token is
+//! `fake_next_token(previous token)`, where `fake_next_token(t) = (t * 31 + 7) % vocab_size`.
+//! Sampling parameters are ignored; the log-probability of token `t` is `-t / vocab_size`.
+//! The fake never decides that a request is finished (the router does, as with the real shard):
+//! the EOS id it is built with is only reported by `Info`.
+//!
+//! It checks what the real shard relies on and answers `InvalidArgument` (never panics) when the
+//! router breaks the contract: a batch id that is unknown or already live, a request id already
+//! live, an empty prompt, a token id outside the vocabulary, `max_new_tokens == 0`, a block
+//! table shorter than `ceil((prompt + max_new_tokens) / block_size)`, a block id outside the
+//! cache, a block used twice (by one request, or by two live requests), a Decode whose batch
+//! does not list exactly the requests the shard holds, a Decode past a request's
+//! `max_new_tokens`, a FilterBatch keeping a request that is not in the batch. A call that fails
+//! changes nothing.
+//!
+//! Tests can inspect what is still held (`live_requests`, `live_batches`, `stats`) and make the
+//! next call of one RPC fail with `Internal` (`fail_next`).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use futures::FutureExt;
+
+use super::{ShardBackend, ShardError, ShardResult};
+use crate::pb;
+
+/// The fake's token rule: the token after `previous`.
+pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
+    ((u64::from(previous) * 31 + 7) % u64::from(vocab_size)) as u32
+}
+
+/// One of the shard RPCs, to choose which call `FakeShard::fail_next` breaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FakeRpc {
+    Info,
+    Health,
+    Warmup,
+    Prefill,
+    Decode,
+    FilterBatch,
+    ClearCache,
+}
+
+/// Counters of what the fake was asked to do.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FakeShardStats {
+    pub prefill_calls: u64,
+    pub decode_calls: u64,
+    pub filter_calls: u64,
+    pub clear_calls: u64,
+    /// Most requests seen in one Decode (shows that requests were batched together).
+    pub max_decode_batch_size: usize,
+}
+
+#[derive(Debug)]
+struct LiveRequest {
+    last_token: u32,
+    generated: u32,
+    max_new_tokens: u32,
+    blocks: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    /// Live batch id → its requests, in batch order.
+    batches: HashMap<u64, Vec<u64>>,
+    requests: HashMap<u64, LiveRequest>,
+    /// Block id → the live request holding it.
+    block_owner: HashMap<u32, u64>,
+    fail_next: Option<FakeRpc>,
+    stats: FakeShardStats,
+}
+
+/// The in-memory shard; see the module documentation for its rules.
+#[derive(Debug)]
+pub struct FakeShard {
+    vocab_size: u32,
+    eos_token_id: Option<u32>,
+    block_size: u32,
+    num_blocks: u32,
+    step_delay: Duration,
+    rank: u32,
+    world_size: u32,
+    model_path: String,
+    state: Mutex<State>,
+}
+
+impl FakeShard {
+    /// A shard with `vocab_size` tokens, 1024 blocks of 16 tokens, no EOS and no delay.
+    pub fn new(vocab_size: u32) -> Self {
+        assert!(vocab_size > 0, "the fake needs a non-empty vocabulary");
+        Self {
+            vocab_size,
+            eos_token_id: None,
+            block_size: 16,
+            num_blocks: 1024,
+            step_delay: Duration::ZERO,
+            rank: 0,
+            world_size: 1,
+            model_path: String::new(),
+            state: Mutex::new(State::default()),
+        }
+    }
+
+    /// EOS id reported by `Info`.
+    pub fn with_eos(mut self, eos_token_id: u32) -> Self {
+        self.eos_token_id = Some(eos_token_id);
+        self
+    }
+
+    /// KV cache geometry reported by `Warmup` and enforced on block tables.
+    pub fn with_cache(mut self, block_size: u32, num_blocks: u32) -> Self {
+        assert!(block_size > 0, "block_size must be positive");
+        self.block_size = block_size;
+        self.num_blocks = num_blocks;
+        self
+    }
+
+    /// Time each Prefill and Decode takes (to let requests arrive mid-generation).
+    pub fn with_step_delay(mut self, delay: Duration) -> Self {
+        self.step_delay = delay;
+        self
+    }
+
+    /// Rank and world size reported by `Info`.
+    pub fn with_rank(mut self, rank: u32, world_size: u32) -> Self {
+        self.rank = rank;
+        self.world_size = world_size;
+        self
+    }
+
+    /// `model_path` reported by `Info` (where the router looks for the tokenizer).
+    pub fn with_model_path(mut self, model_path: impl Into<String>) -> Self {
+        self.model_path = model_path.into();
+        self
+    }
+
+    /// Makes the next call of `rpc` fail with `Internal` (and change nothing).
+    pub fn fail_next(&self, rpc: FakeRpc) {
+        self.lock().fail_next = Some(rpc);
+    }
+
+    /// Requests whose KV the shard still holds.
+    pub fn live_requests(&self) -> usize {
+        self.lock().requests.len()
+    }
+
+    /// Cached batches the shard still holds.
+    pub fn live_batches(&self) -> usize {
+        self.lock().batches.len()
+    }
+
+    pub fn stats(&self) -> FakeShardStats {
+        self.lock().stats.clone()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panicking test thread must not hide the state from the others.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Locks the state, first failing the call if a failure was injected for `rpc`.
+    fn begin(&self, rpc: FakeRpc) -> ShardResult<MutexGuard<'_, State>> {
+        let mut state = self.lock();
+        if state.fail_next == Some(rpc) {
+            state.fail_next = None;
+            return Err(ShardError::Status {
+                rank: self.rank as usize,
+                code: tonic::Code::Internal,
+                message: format!("injected failure of {rpc:?}"),
+            });
+        }
+        Ok(state)
+    }
+
+    async fn delay(&self) {
+        if !self.step_delay.is_zero() {
+            tokio::time::sleep(self.step_delay).await;
+        }
+    }
+
+    fn generation(&self, request_id: u64, previous: u32) -> pb::Generation {
+        let token_id = fake_next_token(previous, self.vocab_size);
+        pb::Generation {
+            request_id,
+            token_id,
+            logprob: -(token_id as f32) / self.vocab_size as f32,
+        }
+    }
+
+    fn check_request(&self, state: &State, request: &pb::Request) -> ShardResult<()> {
+        let id = request.id;
+        if state.requests.contains_key(&id) {
+            return Err(invalid(format!("request {id} is already live")));
+        }
+        if request.input_ids.is_empty() {
+            return Err(invalid(format!("request {id} has an empty prompt")));
+        }
+        if let Some(&token) = request.input_ids.iter().find(|&&t| t >= self.vocab_size) {
+            return Err(invalid(format!(
+                "request {id}: token id {token} is outside the vocabulary ({})",
+                self.vocab_size
+            )));
+        }
+        if request.max_new_tokens == 0 {
+            return Err(invalid(format!("request {id} asks for no new tokens")));
+        }
+        let needed = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
+        let capacity = request.blocks.len() as u64 * u64::from(self.block_size);
+        if capacity < needed {
+            return Err(invalid(format!(
+                "request {id}: block table holds {capacity} tokens, needs {needed}"
+            )));
+        }
+        for (i, &block) in request.blocks.iter().enumerate() {
+            if block >= self.num_blocks {
+                return Err(invalid(format!(
+                    "request {id}: block {block} is outside the cache ({} blocks)",
+                    self.num_blocks
+                )));
+            }
+            if let Some(owner) = state.block_owner.get(&block) {
+                return Err(invalid(format!(
+                    "request {id}: block {block} is in use by request {owner}"
+                )));
+            }
+            if request.blocks[..i].contains(&block) {
+                return Err(invalid(format!("request {id}: block {block} listed twice")));
+            }
+        }
+        Ok(())
+    }
+
+    fn prefill_now(&self, request: pb::PrefillRequest) -> ShardResult<pb::PrefillResponse> {
+        let mut guard = self.begin(FakeRpc::Prefill)?;
+        let state = &mut *guard;
+        state.stats.prefill_calls += 1;
+        if state.batches.contains_key(&request.batch_id) {
+            return Err(invalid(format!(
+                "batch {} is already live",
+                request.batch_id
+            )));
+        }
+        if request.requests.is_empty() {
+            return Err(invalid("prefill of an empty batch".to_string()));
+        }
+        // Validate everything first (including clashes between the new requests) so a
+        // rejected call changes nothing.
+        let mut new_ids = HashSet::new();
+        let mut new_blocks = HashSet::new();
+        for r in &request.requests {
+            self.check_request(state, r)?;
+            if !new_ids.insert(r.id) {
+                return Err(invalid(format!("request {} listed twice", r.id)));
+            }
+            if let Some(block) = r.blocks.iter().find(|b| !new_blocks.insert(**b)) {
+                return Err(invalid(format!("block {block} given to two new requests")));
+            }
+        }
+        let mut generations = Vec::with_capacity(request.requests.len());
+        let mut ids = Vec::with_capacity(request.requests.len());
+        for r in request.requests {
+            let last_prompt_token = *r.input_ids.last().unwrap_or(&0);
+            let generation = self.generation(r.id, last_prompt_token);
+            for &block in &r.blocks {
+                state.block_owner.insert(block, r.id);
+            }
+            state.requests.insert(
+                r.id,
+                LiveRequest {
+                    last_token: generation.token_id,
+                    generated: 1,
+                    max_new_tokens: r.max_new_tokens,
+                    blocks: r.blocks,
+                },
+            );
+            ids.push(r.id);
+            generations.push(generation);
+        }
+        state.batches.insert(request.batch_id, ids.clone());
+        Ok(pb::PrefillResponse {
+            generations,
+            batch: Some(pb::CachedBatch {
+                id: request.batch_id,
+                request_ids: ids,
+            }),
+            forward_ns: 0,
+        })
+    }
+
+    fn decode_now(&self, request: pb::DecodeRequest) -> ShardResult<pb::DecodeResponse> {
+        let mut guard = self.begin(FakeRpc::Decode)?;
+        let state = &mut *guard;
+        state.stats.decode_calls += 1;
+        let Some(first) = request.batches.first() else {
+            return Err(invalid("decode of no batches".to_string()));
+        };
+        let merged_id = first.id;
+        let mut seen = HashSet::new();
+        for batch in &request.batches {
+            if !seen.insert(batch.id) {
+                return Err(invalid(format!("batch {} listed twice", batch.id)));
+            }
+            let Some(held) = state.batches.get(&batch.id) else {
+                return Err(invalid(format!("unknown batch {}", batch.id)));
+            };
+            if *held != batch.request_ids {
+                return Err(invalid(format!(
+                    "batch {} holds requests {held:?}, the router sent {:?}",
+                    batch.id, batch.request_ids
+                )));
+            }
+            for id in held {
+                let Some(r) = state.requests.get(id) else {
+                    continue;
+                };
+                if r.generated >= r.max_new_tokens {
+                    return Err(invalid(format!(
+                        "request {id} already has its {} new tokens",
+                        r.max_new_tokens
+                    )));
+                }
+            }
+        }
+        let mut merged = Vec::new();
+        for batch in &request.batches {
+            if let Some(ids) = state.batches.remove(&batch.id) {
+                merged.extend(ids);
+            }
+        }
+        let mut generations = Vec::with_capacity(merged.len());
+        for id in &merged {
+            if let Some(r) = state.requests.get_mut(id) {
+                let generation = self.generation(*id, r.last_token);
+                r.last_token = generation.token_id;
+                r.generated += 1;
+                generations.push(generation);
+            }
+        }
+        state.stats.max_decode_batch_size = state.stats.max_decode_batch_size.max(merged.len());
+        state.batches.insert(merged_id, merged.clone());
+        Ok(pb::DecodeResponse {
+            generations,
+            batch: Some(pb::CachedBatch {
+                id: merged_id,
+                request_ids: merged,
+            }),
+            forward_ns: 0,
+        })
+    }
+
+    fn filter_now(&self, request: pb::FilterBatchRequest) -> ShardResult<pb::FilterBatchResponse> {
+        let mut guard = self.begin(FakeRpc::FilterBatch)?;
+        let state = &mut *guard;
+        state.stats.filter_calls += 1;
+        let Some(held) = state.batches.get(&request.batch_id) else {
+            return Err(invalid(format!("unknown batch {}", request.batch_id)));
+        };
+        let mut keep = HashSet::new();
+        for id in &request.request_ids {
+            if !held.contains(id) {
+                return Err(invalid(format!(
+                    "request {id} is not in batch {}",
+                    request.batch_id
+                )));
+            }
+            if !keep.insert(*id) {
+                return Err(invalid(format!("request {id} listed twice")));
+            }
+        }
+        let held = state.batches.remove(&request.batch_id).unwrap_or_default();
+        let (kept, dropped): (Vec<u64>, Vec<u64>) =
+            held.into_iter().partition(|id| keep.contains(id));
+        for id in dropped {
+            release(state, id);
+        }
+        if kept.is_empty() {
+            // Keeping nothing drops the batch.
+            return Ok(pb::FilterBatchResponse { batch: None });
+        }
+        state.batches.insert(request.batch_id, kept.clone());
+        Ok(pb::FilterBatchResponse {
+            batch: Some(pb::CachedBatch {
+                id: request.batch_id,
+                request_ids: kept,
+            }),
+        })
+    }
+
+    fn clear_now(&self, request: pb::ClearCacheRequest) -> ShardResult<pb::ClearCacheResponse> {
+        let mut guard = self.begin(FakeRpc::ClearCache)?;
+        let state = &mut *guard;
+        state.stats.clear_calls += 1;
+        let ids: Vec<u64> = match request.batch_id {
+            Some(batch_id) => match state.batches.remove(&batch_id) {
+                Some(ids) => ids,
+                None => return Err(invalid(format!("unknown batch {batch_id}"))),
+            },
+            None => {
+                state.batches.clear();
+                state.requests.keys().copied().collect()
+            }
+        };
+        for id in ids {
+            release(state, id);
+        }
+        Ok(pb::ClearCacheResponse {})
+    }
+}
+
+fn release(state: &mut State, request_id: u64) {
+    if let Some(r) = state.requests.remove(&request_id) {
+        for block in r.blocks {
+            state.block_owner.remove(&block);
+        }
+    }
+}
+
+fn invalid(message: String) -> ShardError {
+    ShardError::InvalidArgument(message)
+}
+
+impl ShardBackend for FakeShard {
+    fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
+        async move {
+            drop(self.begin(FakeRpc::Info)?);
+            Ok(pb::InfoResponse {
+                model_id: "fake".to_string(),
+                model_type: "fake".to_string(),
+                dtype: "float32".to_string(),
+                device: "cpu".to_string(),
+                vocab_size: self.vocab_size,
+                max_position_embeddings: 4096,
+                rank: self.rank,
+                world_size: self.world_size,
+                eos_token_ids: self.eos_token_id.into_iter().collect(),
+                model_path: self.model_path.clone(),
+            })
+        }
+        .boxed()
+    }
+
+    fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>> {
+        async move {
+            drop(self.begin(FakeRpc::Health)?);
+            Ok(pb::HealthResponse {})
+        }
+        .boxed()
+    }
+
+    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>> {
+        async move {
+            drop(self.begin(FakeRpc::Warmup)?);
+            let mut num_blocks = self.num_blocks;
+            if request.max_batch_total_tokens > 0 {
+                num_blocks = num_blocks.min(request.max_batch_total_tokens / self.block_size);
+            }
+            Ok(pb::WarmupResponse {
+                block_size: self.block_size,
+                num_blocks,
+            })
+        }
+        .boxed()
+    }
+
+    fn prefill(
+        &self,
+        request: pb::PrefillRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>> {
+        async move {
+            self.delay().await;
+            self.prefill_now(request)
+        }
+        .boxed()
+    }
+
+    fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>> {
+        async move {
+            self.delay().await;
+            self.decode_now(request)
+        }
+        .boxed()
+    }
+
+    fn filter_batch(
+        &self,
+        request: pb::FilterBatchRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::FilterBatchResponse>> {
+        async move { self.filter_now(request) }.boxed()
+    }
+
+    fn clear_cache(
+        &self,
+        request: pb::ClearCacheRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
+        async move { self.clear_now(request) }.boxed()
+    }
+}
