@@ -66,7 +66,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(json_logs=args.json_logs)
     handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model}
-    return handlers[args.command](args)
+    try:
+        return handlers[args.command](args)
+    except KeyboardInterrupt:
+        # Ctrl-C before the server's own signal handling is installed (e.g. while loading).
+        logger.info("interrupted")
+        return 130
+    except Exception:
+        # Logged rather than left to Python, so that with --json-logs even a crash is one line.
+        logger.exception("quiver-server %s failed", args.command)
+        return EXIT_FAILURE
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -93,7 +102,7 @@ def _serve(args: argparse.Namespace) -> int:
     from quiver_server.server import SocketInUseError, serve
     from quiver_server.service import ShardService
 
-    logger.info("loading %s from %s", args.model_id, model_path)
+    logger.info("loading %s", model_path if model_path == args.model_id else f"{args.model_id} from {model_path}")
     try:
         engine = Engine(
             model_path,
@@ -113,11 +122,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     service = ShardService(engine, rank=args.rank, world_size=args.world_size)
     try:
-        asyncio.run(serve(service, args.uds_path))
+        return asyncio.run(serve(service, args.uds_path))
     except (SocketInUseError, ValueError, OSError) as error:
         logger.error("cannot serve on %s: %s", args.uds_path, error)
         return EXIT_FAILURE
-    return 0
 
 
 def _download(args: argparse.Namespace) -> int:

@@ -4,6 +4,10 @@
 table too short, token id out of range): INVALID_ARGUMENT with the engine's message, which the
 router can show its caller. Anything else is a shard bug or a device failure: INTERNAL, logged
 with its traceback here because the router only ever sees the one-line message.
+
+Some errors leave the process unable to serve at all (a CUDA error poisons the device context:
+every later call fails too). For those the interceptor also calls `on_fatal`, so the server can
+shut down and the launcher restarts the stack, instead of answering INTERNAL forever.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from grpc import aio
 logger = logging.getLogger(__name__)
 
 UnaryHandler = Callable[[Any, aio.ServicerContext], Awaitable[Any]]
+FatalHandler = Callable[[BaseException], None]
 
 
 def _method_name(full_method: str) -> str:
@@ -25,6 +30,12 @@ def _method_name(full_method: str) -> str:
 
 
 class ErrorInterceptor(aio.ServerInterceptor):
+    def __init__(
+        self, fatal_errors: tuple[type[BaseException], ...] = (), on_fatal: FatalHandler | None = None
+    ) -> None:
+        self._fatal_errors = fatal_errors
+        self._on_fatal = on_fatal
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
@@ -35,7 +46,7 @@ class ErrorInterceptor(aio.ServerInterceptor):
         # handler is None) passes through untouched.
         if handler is None or handler.unary_unary is None:
             return handler
-        wrapped = _guard(_method_name(handler_call_details.method), handler.unary_unary)
+        wrapped = self._guard(_method_name(handler_call_details.method), handler.unary_unary)
         return grpc.unary_unary_rpc_method_handler(
             wrapped,
             request_deserializer=handler.request_deserializer,
@@ -43,18 +54,25 @@ class ErrorInterceptor(aio.ServerInterceptor):
         )
 
 
-def _guard(method: str, behaviour: UnaryHandler) -> UnaryHandler:
-    async def guarded(request: Any, context: aio.ServicerContext) -> Any:
-        try:
-            return await behaviour(request, context)
-        except aio.AbortError:
-            # The servicer already chose a status via context.abort(); keep it.
-            raise
-        except ValueError as error:
-            logger.warning("%s rejected: %s", method, error)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)
-        except Exception as error:  # noqa: BLE001  (the whole point: nothing escapes unlabelled)
-            logger.exception("%s failed", method)
-            await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {type(error).__name__}: {error}")
+    def _guard(self, method: str, behaviour: UnaryHandler) -> UnaryHandler:
+        async def guarded(request: Any, context: aio.ServicerContext) -> Any:
+            try:
+                return await behaviour(request, context)
+            except aio.AbortError:
+                # The servicer already chose a status via context.abort(); keep it.
+                raise
+            except ValueError as error:
+                logger.warning("%s rejected: %s", method, error)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)
+            except Exception as error:  # noqa: BLE001  (the point: nothing escapes unlabelled)
+                message = f"{method} failed: {type(error).__name__}: {error}"
+                if isinstance(error, self._fatal_errors):
+                    logger.critical("%s; the shard cannot continue", message, exc_info=True)
+                    if self._on_fatal is not None:
+                        self._on_fatal(error)
+                    message += " (fatal: the shard is shutting down)"
+                else:
+                    logger.exception("%s failed", method)
+                await context.abort(grpc.StatusCode.INTERNAL, message)
 
-    return guarded
+        return guarded

@@ -10,9 +10,10 @@ import socket
 import stat
 from pathlib import Path
 
+import torch
 from grpc import aio
 
-from quiver_server.interceptor import ErrorInterceptor
+from quiver_server.interceptor import ErrorInterceptor, FatalHandler
 from quiver_server.pb import shard_pb2_grpc
 from quiver_server.service import ShardService
 
@@ -24,6 +25,10 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 MAX_UDS_PATH_BYTES = 107
 # How long an RPC in flight at shutdown may take to finish (a CPU prefill can take seconds).
 DEFAULT_GRACE_S = 10.0
+# Errors after which the process cannot serve any more: a CUDA error leaves the device context
+# unusable. (An out-of-memory error is not one of them: the next, smaller step can succeed.)
+FATAL_ERRORS: tuple[type[BaseException], ...] = (torch.AcceleratorError,)
+EXIT_FATAL = 1
 
 
 class SocketInUseError(RuntimeError):
@@ -64,11 +69,13 @@ def _someone_listens(path: Path) -> bool:
     return True
 
 
-async def start_server(service: ShardService, uds_path: str) -> aio.Server:
+async def start_server(
+    service: ShardService, uds_path: str, on_fatal: FatalHandler | None = None
+) -> aio.Server:
     """Binds `unix://uds_path` (clearing a stale socket first) and starts serving `service`."""
     path = prepare_socket_path(uds_path)
     server = aio.server(
-        interceptors=[ErrorInterceptor()],
+        interceptors=[ErrorInterceptor(FATAL_ERRORS, on_fatal)],
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -80,14 +87,20 @@ async def start_server(service: ShardService, uds_path: str) -> aio.Server:
     return server
 
 
-async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> None:
-    """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT, then stops gracefully."""
+async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> int:
+    """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT (exit status 0) or a fatal
+    error (EXIT_FATAL), then stops gracefully. Returns the process exit status."""
     stop = asyncio.Event()
+    fatal: list[BaseException] = []
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, _on_signal, signum, stop)
 
-    server = await start_server(service, uds_path)
+    def on_fatal(error: BaseException) -> None:
+        fatal.append(error)
+        stop.set()
+
+    server = await start_server(service, uds_path, on_fatal)
     info = service.info
     logger.info(
         "shard ready: model %s (%s, %s on %s), rank %d/%d, listening on unix://%s",
@@ -109,6 +122,10 @@ async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_G
             loop.remove_signal_handler(signum)
         Path(uds_path).unlink(missing_ok=True)
         logger.info("shard stopped")
+    if fatal:
+        logger.error("exiting after a fatal error: %s: %s", type(fatal[0]).__name__, fatal[0])
+        return EXIT_FATAL
+    return 0
 
 
 def _on_signal(signum: int, stop: asyncio.Event) -> None:

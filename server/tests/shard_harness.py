@@ -15,17 +15,20 @@ from pathlib import Path
 
 import grpc
 
+from quiver_server.interceptor import FatalHandler
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.server import start_server
 from quiver_server.service import ShardService
 
 
 @contextmanager
-def running_shard(service: ShardService, socket_path: Path) -> Iterator[shard_pb2_grpc.ShardStub]:
+def running_shard(
+    service: ShardService, socket_path: Path, on_fatal: FatalHandler | None = None
+) -> Iterator[shard_pb2_grpc.ShardStub]:
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-shard-loop", daemon=True)
     thread.start()
-    server = asyncio.run_coroutine_threadsafe(start_server(service, str(socket_path)), loop).result(30)
+    server = asyncio.run_coroutine_threadsafe(start_server(service, str(socket_path), on_fatal), loop).result(30)
     channel = grpc.insecure_channel(f"unix://{socket_path}")
     try:
         yield shard_pb2_grpc.ShardStub(channel)

@@ -200,7 +200,7 @@ def test_bad_requests_are_invalid_argument_and_shard_keeps_serving(
 
 
 class _BrokenEngine:
-    """Stands in for an engine whose forward pass hits a bug (not a bad request)."""
+    """Stands in for an engine whose forward pass fails for reasons other than a bad request."""
 
     info = ModelInfo(
         model_id="broken", model_type="llama", dtype="float32", device="cpu", vocab_size=8,
@@ -208,14 +208,27 @@ class _BrokenEngine:
     )
 
     def prefill(self, batch_id, requests):
-        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise RuntimeError("shapes do not match")  # a shard bug: the process can go on
+
+    def decode(self, batch_ids):
+        raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     def clear_cache(self, batch_id=None) -> None:
         return None
 
 
 def test_unexpected_errors_are_internal_with_a_message(tmp_path: Path) -> None:
-    with running_shard(ShardService(_BrokenEngine()), tmp_path / "broken.sock") as stub:  # type: ignore[arg-type]
+    fatal: list[BaseException] = []
+    service = ShardService(_BrokenEngine())  # type: ignore[arg-type]
+    with running_shard(service, tmp_path / "broken.sock", on_fatal=fatal.append) as stub:
         message = expect_status(grpc.StatusCode.INTERNAL, stub.Prefill, shard_pb2.PrefillRequest(batch_id=1))
-        assert "RuntimeError" in message and "illegal memory access" in message
+        assert "RuntimeError" in message and "shapes do not match" in message
         stub.ClearCache(shard_pb2.ClearCacheRequest())  # the server survived
+        assert fatal == []
+
+        # A device error poisons the process: still reported, and the server is told to stop.
+        message = expect_status(
+            grpc.StatusCode.INTERNAL, stub.Decode, shard_pb2.DecodeRequest(batches=[shard_pb2.CachedBatch(id=1)])
+        )
+        assert "illegal memory access" in message and "shutting down" in message
+        assert [type(e) for e in fatal] == [torch.AcceleratorError]
