@@ -84,7 +84,7 @@ def sample(
         scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
     tokens = scores.argmax(dim=-1)
     if params.sampling_rows:
-        sampled = _draw(_warp(scores, params), params, generators)
+        sampled = _draw(warp_scores(scores, params), params, generators)
         tokens = torch.where(params.temperature > 0, sampled, tokens)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens, logprobs
@@ -97,7 +97,7 @@ def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: 
     return torch.where(seen, penalised, scores)
 
 
-def _warp(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
+def warp_scores(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     """Temperature, top_k, top_p, min_p as transformers' warpers define them; filtered tokens get
     -inf. Greedy rows pass through with temperature 1 (their result is discarded)."""
     temperature = torch.where(params.temperature > 0, params.temperature, torch.ones_like(params.temperature))

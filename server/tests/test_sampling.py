@@ -1,0 +1,164 @@
+"""Per-request sampling inside one batch: filters against transformers' logits processors,
+seeded reproducibility independent of the batch, and greedy with repetition penalty against
+transformers' generate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tiny_models import build_tiny_model
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from quiver_server.batch_types import RequestSpec, SamplingParams
+from quiver_server.engine import Engine
+from quiver_server.sampling import SamplingBatch, apply_repetition_penalty, new_generator, sample, warp_scores
+
+CPU = torch.device("cpu")
+ROW_PARAMS = [
+    SamplingParams(temperature=0.7),
+    SamplingParams(temperature=1.0, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.9, min_p=0.05),
+    SamplingParams(temperature=0.5, top_k=20, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=1.0, top_k=1),
+]
+
+
+def _transformers_warp(scores: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The warper chain transformers' generate builds for these parameters, in its order."""
+    warpers = [TemperatureLogitsWarper(p.temperature)]
+    if p.top_k:
+        warpers.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(p.top_p))
+    if p.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    for warper in warpers:
+        scores = warper(torch.zeros(1, 1, dtype=torch.long), scores)
+    return scores
+
+
+def test_filters_match_transformers_row_by_row() -> None:
+    logits = torch.randn(len(ROW_PARAMS), 300, generator=torch.Generator().manual_seed(0)) * 3
+    ours = warp_scores(logits, SamplingBatch.from_params(ROW_PARAMS, CPU))
+    for row, params in enumerate(ROW_PARAMS):
+        expected = _transformers_warp(logits[row : row + 1], params)[0]
+        assert torch.equal(torch.isfinite(ours[row]), torch.isfinite(expected)), params
+        kept = torch.isfinite(expected)
+        torch.testing.assert_close(ours[row][kept], expected[kept])
+
+
+def test_repetition_penalty_matches_transformers() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 50, generator=generator)
+    history = torch.randint(0, 50, (3, 12), generator=generator)
+    seen = torch.zeros(3, 50, dtype=torch.bool).scatter_(1, history, True)
+    for penalty in (0.7, 1.0, 1.8):
+        expected = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
+        ours = apply_repetition_penalty(logits, seen, torch.full((3, 1), penalty))
+        torch.testing.assert_close(ours, expected, atol=0, rtol=0)
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    """4000 rows with their own seeds: empirical frequencies match softmax, and top_k=2 keeps
+    the two likeliest tokens renormalised."""
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    rows = 4000
+    logits = probs.log().expand(rows, 4)
+    generators = [new_generator(seed) for seed in range(rows)]
+    tokens, logprobs = sample(logits, SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, CPU), generators)
+    frequencies = torch.bincount(tokens, minlength=4) / rows
+    torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)
+    torch.testing.assert_close(logprobs, probs.log()[tokens])
+    generators = [new_generator(seed) for seed in range(rows)]
+    top2 = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2)] * rows, CPU)
+    tokens, _ = sample(logits, top2, generators)
+    frequencies = torch.bincount(tokens, minlength=4) / rows
+    torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]), atol=0.03, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("sampling"), "qwen2", seed=3)
+
+
+@pytest.fixture(scope="module")
+def engine(model_path: Path) -> Engine:
+    engine = Engine(str(model_path), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+    engine.warmup(256, 128, 8)
+    return engine
+
+
+NEW_TOKENS = 10
+PROMPTS = [[5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57], [99]]
+
+
+def _generate(engine: Engine, prompts_and_params: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    """Runs the requests as one batch for NEW_TOKENS tokens; returns each one's tokens."""
+    requests = [
+        RequestSpec(id=i, input_ids=prompt, blocks=[2 * i, 2 * i + 1], sampling=params, max_new_tokens=NEW_TOKENS)
+        for i, (prompt, params) in enumerate(prompts_and_params)
+    ]
+    outputs: list[list[int]] = [[] for _ in requests]
+    result = engine.prefill(0, requests)
+    for _ in range(NEW_TOKENS):
+        for generation in result.generations:
+            outputs[generation.request_id].append(generation.token_id)
+        if len(outputs[0]) == NEW_TOKENS:
+            break
+        result = engine.decode([0])
+    engine.clear_cache(0)
+    return outputs
+
+
+def test_seeds_reproduce_and_differ(engine: Engine) -> None:
+    params = SamplingParams(temperature=1.0, seed=1234)
+    first = _generate(engine, [(PROMPTS[0], params)])
+    assert _generate(engine, [(PROMPTS[0], params)]) == first
+    other_seeds = [_generate(engine, [(PROMPTS[0], SamplingParams(temperature=1.0, seed=s))])[0] for s in (1, 2, 3)]
+    assert all(tokens != first[0] for tokens in other_seeds)
+
+
+def test_top_k_one_is_greedy(engine: Engine) -> None:
+    greedy = _generate(engine, [(p, SamplingParams()) for p in PROMPTS])
+    top1 = _generate(engine, [(p, SamplingParams(temperature=1.5, top_k=1, seed=9)) for p in PROMPTS])
+    assert top1 == greedy
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_mixed_batch(engine: Engine) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=77)
+    alone = _generate(engine, [(PROMPTS[1], seeded)])[0]
+    batched = _generate(
+        engine,
+        [
+            (PROMPTS[0], SamplingParams()),
+            (PROMPTS[1], seeded),
+            (PROMPTS[2], SamplingParams(temperature=1.2, top_k=10, min_p=0.1, repetition_penalty=1.3, seed=5)),
+        ],
+    )
+    assert batched[1] == alone
+
+
+@pytest.mark.parametrize("penalty", [1.5, 0.8])
+def test_greedy_with_repetition_penalty_equals_transformers(engine: Engine, model_path: Path, penalty: float) -> None:
+    reference = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    expected = []
+    for prompt in PROMPTS:
+        out = reference.generate(
+            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, repetition_penalty=penalty,
+            eos_token_id=None, pad_token_id=0,
+        )
+        expected.append(out[0, len(prompt) :].tolist())
+    # Mixed with a penalty-free request: rows without a penalty must be left alone.
+    ours = _generate(engine, [(p, SamplingParams(repetition_penalty=penalty)) for p in PROMPTS] + [(PROMPTS[0], SamplingParams())])
+    assert ours[:3] == expected
+    assert ours[3] == _generate(engine, [(PROMPTS[0], SamplingParams())])[0]
