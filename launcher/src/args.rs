@@ -125,8 +125,10 @@ pub struct LauncherArgs {
     )]
     pub shard_startup_timeout_secs: u64,
 
-    /// Log as JSON lines (one object per line), the children's lines included.
-    #[arg(long, env = "QUIVER_JSON_LOGS")]
+    /// Log as JSON lines (one object per line), the children's lines included. The variable
+    /// takes true/false, 1/0, yes/no, on/off.
+    #[arg(long, env = "QUIVER_JSON_LOGS", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub json_logs: bool,
 
     /// The quiver-router executable (default: next to this launcher, else on PATH).

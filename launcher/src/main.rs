@@ -16,6 +16,8 @@ mod pb {
     tonic::include_proto!("quiver.v1");
 }
 
+use std::io::IsTerminal;
+
 use clap::Parser;
 
 use crate::args::LauncherArgs;
@@ -53,7 +55,8 @@ fn init_logging(json: bool) {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     if json {
         builder.json().flatten_event(true).init();
     } else {

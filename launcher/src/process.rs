@@ -8,14 +8,20 @@ use std::time::Duration;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio::process::{Child, Command};
+use tokio::task::JoinHandle;
 
 use crate::child_logs;
 use crate::commands::CommandLine;
+
+/// How long a dead child's last output may take to reach the log: a grandchild that inherited
+/// the pipe could hold it open forever.
+const OUTPUT_DRAIN_TIME: Duration = Duration::from_secs(2);
 
 pub struct ChildProcess {
     name: String,
     child: Child,
     exit: Option<ExitStatus>,
+    forwarders: Vec<JoinHandle<()>>,
 }
 
 impl ChildProcess {
@@ -50,17 +56,19 @@ impl ChildProcess {
                 ),
             )
         })?;
+        let mut forwarders = Vec::new();
         if let Some(stdout) = child.stdout.take() {
-            tokio::spawn(child_logs::forward(name.clone(), stdout));
+            forwarders.push(tokio::spawn(child_logs::forward(name.clone(), stdout)));
         }
         if let Some(stderr) = child.stderr.take() {
-            tokio::spawn(child_logs::forward(name.clone(), stderr));
+            forwarders.push(tokio::spawn(child_logs::forward(name.clone(), stderr)));
         }
         tracing::debug!(child = %name, pid = child.id(), "started {}", command.program.display());
         Ok(ChildProcess {
             name,
             child,
             exit: None,
+            forwarders,
         })
     }
 
@@ -79,7 +87,8 @@ impl ChildProcess {
         }
     }
 
-    /// Waits for the child to exit; cancel-safe, and the status is remembered.
+    /// Waits for the child to exit and its last output to be logged (a crash's traceback comes
+    /// before the launcher's word on it); cancel-safe, and the status is remembered.
     pub async fn wait(&mut self) -> ExitStatus {
         if let Some(status) = self.exit {
             return status;
@@ -90,6 +99,8 @@ impl ChildProcess {
             ExitStatus::from_raw(1 << 8)
         });
         self.exit = Some(status);
+        let drained = futures::future::join_all(self.forwarders.drain(..));
+        let _ = tokio::time::timeout(OUTPUT_DRAIN_TIME, drained).await;
         status
     }
 
@@ -106,7 +117,8 @@ pub async fn terminate_all(children: &mut [&mut ChildProcess], timeout: Duration
     }
     let deadline = tokio::time::Instant::now() + timeout;
     let mut clean = true;
-    for child in children.iter_mut() {
+    // Children that were already gone have had their end reported by whoever saw it.
+    for child in children.iter_mut().filter(|child| !child.has_exited()) {
         let status = match tokio::time::timeout_at(deadline, child.wait()).await {
             Ok(status) => status,
             Err(_) => {
@@ -178,7 +190,7 @@ mod tests {
     #[tokio::test]
     async fn terminate_escalates_to_sigkill_when_sigterm_is_ignored() {
         let mut child =
-            ChildProcess::spawn("stubborn", &sh("trap '' TERM; echo ready; sleep 5")).unwrap();
+            ChildProcess::spawn("stubborn", &sh("trap '' TERM; echo ready; exec sleep 5")).unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(!terminate_all(&mut [&mut child], Duration::from_millis(300)).await);
         let status = child.wait().await;
@@ -188,8 +200,12 @@ mod tests {
 
     #[tokio::test]
     async fn terminate_is_clean_for_children_that_obey_sigterm() {
-        let mut a = ChildProcess::spawn("a", &sh("sleep 5")).unwrap();
-        let mut b = ChildProcess::spawn("b", &sh("trap 'exit 0' TERM; sleep 5 & wait")).unwrap();
+        let mut a = ChildProcess::spawn("a", &sh("exec sleep 5")).unwrap();
+        let mut b = ChildProcess::spawn(
+            "b",
+            &sh("sleep 5 & s=$!; trap 'kill $s; exit 0' TERM; wait"),
+        )
+        .unwrap();
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert!(terminate_all(&mut [&mut a, &mut b], Duration::from_secs(5)).await);
         assert!(a.has_exited() && b.has_exited());
