@@ -97,10 +97,16 @@ def _serve(args: argparse.Namespace) -> int:
         return EXIT_FAILURE
 
     # Imported late: torch takes seconds to import and `download`/`--help` don't need it.
-    adopt_transformers_logging()
     from quiver_server.engine import Engine
-    from quiver_server.server import SocketInUseError, serve
+    from quiver_server.server import SocketInUseError, prepare_socket_path, serve
     from quiver_server.service import ShardService
+
+    try:
+        # Before the (slow) model load, so a busy or invalid socket path fails at once.
+        prepare_socket_path(args.uds_path)
+    except (SocketInUseError, ValueError, OSError) as error:
+        logger.error("cannot serve on %s: %s", args.uds_path, error)
+        return EXIT_FAILURE
 
     logger.info("loading %s", model_path if model_path == args.model_id else f"{args.model_id} from {model_path}")
     try:
@@ -120,6 +126,9 @@ def _serve(args: argparse.Namespace) -> int:
         logger.exception("cannot load model %s", args.model_id)
         return EXIT_FAILURE
 
+    # Anything that pulled in transformers while loading (it is not needed to serve) logs through
+    # our handler from here on.
+    adopt_transformers_logging(only_if_imported=True)
     service = ShardService(engine, rank=args.rank, world_size=args.world_size)
     try:
         return asyncio.run(serve(service, args.uds_path))

@@ -63,13 +63,16 @@ def _adopt_library_loggers() -> None:
     hub_logger.propagate = True
 
 
-def adopt_transformers_logging() -> None:
-    """Same for transformers, called only by commands that load it (importing it takes seconds).
+def adopt_transformers_logging(only_if_imported: bool = False) -> None:
+    """Same for transformers, for code paths that use it (importing it takes seconds, and the
+    shard's serving path does not need it, hence `only_if_imported`).
 
     transformers installs a plain stderr handler and stops propagation; undo both. Its progress
     bars ("Loading weights", "Writing model shards") are terminal drawings, not log lines; on a
     pipe they only garble the stream.
     """
+    if only_if_imported and "transformers" not in sys.modules:
+        return
     import transformers.utils.logging as transformers_logging
 
     transformers_logging.disable_default_handler()
