@@ -247,9 +247,12 @@ impl Batcher {
             Ok(response) => {
                 self.on_generations(&response.generations);
                 match response.batch {
-                    Some(batch) => self.drop_finished(batch).await,
-                    None => {
-                        let error = protocol_error("Prefill returned no batch");
+                    Some(batch) if batch.request_ids.len() == ids.len() => {
+                        self.drop_finished(batch).await
+                    }
+                    // A batch that lost requests would leave their blocks held for good.
+                    _ => {
+                        let error = protocol_error("Prefill did not return the whole batch");
                         self.fail_batch(batch_id, &ids, &error).await;
                         None
                     }
@@ -272,6 +275,11 @@ impl Batcher {
         }
         match self.shard.decode(pb::DecodeRequest { batches }).await {
             Ok(response) => {
+                tracing::trace!(
+                    size = response.generations.len(),
+                    forward_us = response.forward_ns / 1000,
+                    "decode step"
+                );
                 self.on_generations(&response.generations);
                 match response.batch {
                     Some(batch) => self.running = self.drop_finished(batch).await,
