@@ -55,10 +55,7 @@ pub fn build(source: String, clock: Clock) -> Result<Environment<'static>, Error
 
 /// Jinja2's `indent(width=4, first=False, blank=False)`; `width` may be a string.
 fn indent_filter(text: &str, args: &[Value], kwargs: Kwargs) -> Result<String, Error> {
-    let argument = |idx: usize, name: &str| -> Result<Option<Value>, Error> {
-        let keyword: Option<Value> = kwargs.get(name)?;
-        Ok(keyword.or_else(|| args.get(idx).cloned()))
-    };
+    let argument = |idx, name| python::argument(args, &kwargs, idx, name);
     let unit = match argument(0, "width")? {
         None => "    ".to_owned(),
         Some(width) => match (width.as_str(), width.as_i64()) {

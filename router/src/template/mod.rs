@@ -76,7 +76,7 @@ impl ChatTemplate {
         clock: Clock,
     ) -> Result<Self, TemplateError> {
         let env = environment::build(source::prepare(&source), clock)
-            .map_err(|err| TemplateError::Syntax(describe(&err)))?;
+            .map_err(|err| TemplateError::Syntax(err.to_string()))?;
         Ok(Self {
             source,
             bos_token: bos,
@@ -143,12 +143,12 @@ impl ChatTemplate {
         let template = self
             .env
             .get_template(environment::TEMPLATE_NAME)
-            .map_err(|err| TemplateError::Syntax(describe(&err)))?;
+            .map_err(|err| TemplateError::Syntax(err.to_string()))?;
         template
             .render(context)
             .map_err(|err| match raised_message(&err) {
                 Some(message) => TemplateError::Raised(message),
-                None => TemplateError::Render(describe(&err)),
+                None => TemplateError::Render(err.to_string()),
             })
     }
 }
@@ -195,14 +195,6 @@ fn raised_message(err: &minijinja::Error) -> Option<String> {
         current = error.source();
     }
     None
-}
-
-/// minijinja's message plus where in the template it happened.
-fn describe(err: &minijinja::Error) -> String {
-    match err.line() {
-        Some(line) => format!("{err} (template line {line})"),
-        None => err.to_string(),
-    }
 }
 
 fn load_source(dir: &Path) -> Result<Option<String>, TemplateError> {

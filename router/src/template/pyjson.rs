@@ -9,7 +9,7 @@ use std::fmt::Write;
 use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{Error, ErrorKind};
 
-use super::python::float_repr;
+use super::python::{self, float_repr};
 
 /// The arguments of Python's `json.dumps` that transformers' `tojson` exposes.
 #[derive(Debug, Clone, Default)]
@@ -25,10 +25,7 @@ pub struct DumpOptions {
 /// The filter: `x | tojson`, `x | tojson(indent=4)`, `x | tojson(separators=(",", ":"))`.
 /// Positional arguments follow the Python signature `(ensure_ascii, indent, separators, sort_keys)`.
 pub fn tojson_filter(value: &Value, args: &[Value], kwargs: Kwargs) -> Result<String, Error> {
-    let positional = |idx: usize, name: &str| -> Result<Option<Value>, Error> {
-        let keyword: Option<Value> = kwargs.get(name)?;
-        Ok(keyword.or_else(|| args.get(idx).cloned()))
-    };
+    let positional = |idx, name| python::argument(args, &kwargs, idx, name);
     let mut options = DumpOptions::default();
     if let Some(ensure_ascii) = positional(0, "ensure_ascii")? {
         options.ensure_ascii = ensure_ascii.is_true();

@@ -6,8 +6,20 @@
 
 use std::fmt::Write;
 
-use minijinja::value::{Value, ValueKind};
+use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::Error;
+
+/// An argument of a Python-style call `f(a, b, name=c)`: the keyword if given, else the
+/// positional argument at `idx`.
+pub fn argument(
+    args: &[Value],
+    kwargs: &Kwargs,
+    idx: usize,
+    name: &str,
+) -> Result<Option<Value>, Error> {
+    let keyword: Option<Value> = kwargs.get(name)?;
+    Ok(keyword.or_else(|| args.get(idx).cloned()))
+}
 
 /// Python's `str(value)`: strings as they are, everything else as `repr`.
 pub fn to_str(value: &Value) -> Result<String, Error> {
