@@ -37,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = commands.add_parser("serve", parents=[common], help="serve a model over gRPC on a unix socket")
-    serve.add_argument("model_id", metavar="MODEL_ID", help="local model directory or Hugging Face Hub repo id")
+    serve.add_argument("model_id", metavar="MODEL_ID",
+                       help="local model directory or Hugging Face Hub repo id")
     serve.add_argument("--uds-path", required=True, help="unix socket to listen on")
     serve.add_argument("--revision", help="hub revision (branch, tag or commit)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
@@ -108,7 +109,8 @@ def _serve(args: argparse.Namespace) -> int:
         logger.error("cannot serve on %s: %s", args.uds_path, error)
         return EXIT_FAILURE
 
-    logger.info("loading %s", model_path if model_path == args.model_id else f"{args.model_id} from {model_path}")
+    source = model_path if model_path == args.model_id else f"{args.model_id} from {model_path}"
+    logger.info("loading %s", source)
     try:
         engine = Engine(
             model_path,

@@ -53,7 +53,6 @@ class ErrorInterceptor(aio.ServerInterceptor):
             response_serializer=handler.response_serializer,
         )
 
-
     def _guard(self, method: str, behaviour: UnaryHandler) -> UnaryHandler:
         async def guarded(request: Any, context: aio.ServicerContext) -> Any:
             try:

@@ -92,7 +92,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         """Waits for the engine call in progress (if any), then stops the worker thread."""
         self._worker.shutdown(wait=True)
 
-    async def Info(self, request: shard_pb2.InfoRequest, context: aio.ServicerContext) -> shard_pb2.InfoResponse:
+    async def Info(
+        self, request: shard_pb2.InfoRequest, context: aio.ServicerContext
+    ) -> shard_pb2.InfoResponse:
         return info_to_pb(self._info)
 
     async def Health(

@@ -28,7 +28,8 @@ def running_shard(
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="test-shard-loop", daemon=True)
     thread.start()
-    server = asyncio.run_coroutine_threadsafe(start_server(service, str(socket_path), on_fatal), loop).result(30)
+    starting = asyncio.run_coroutine_threadsafe(start_server(service, str(socket_path), on_fatal), loop)
+    server = starting.result(30)
     channel = grpc.insecure_channel(f"unix://{socket_path}")
     try:
         yield shard_pb2_grpc.ShardStub(channel)

@@ -117,10 +117,11 @@ def test_serve_json_logs_ready_health_and_sigterm(tiny_llama: Path, tmp_path: Pa
 def test_serve_unsupported_architecture_fails_naming_it(tmp_path: Path) -> None:
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32)
     GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
-    result = run_cli("serve", str(tmp_path / "gpt2"), "--uds-path", str(tmp_path / "s.sock"), "--device", "cpu")
+    socket_path = tmp_path / "s.sock"
+    result = run_cli("serve", str(tmp_path / "gpt2"), "--uds-path", str(socket_path), "--device", "cpu")
     assert result.returncode != 0
     assert "gpt2" in result.stderr
-    assert not (tmp_path / "s.sock").exists()
+    assert not socket_path.exists()
 
 
 def test_serve_missing_model_directory_fails(tmp_path: Path) -> None:

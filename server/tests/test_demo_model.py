@@ -117,7 +117,9 @@ def test_chat_template_renders_chatml(
     demo_dir: Path, messages: list[dict[str, str]], add_generation_prompt: bool, expected: str
 ) -> None:
     tokenizer = AutoTokenizer.from_pretrained(demo_dir)
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     assert rendered == expected
 
 

@@ -134,7 +134,10 @@ def test_greedy_over_grpc_equals_transformers(shard: Shard, reference_model: tor
         assert prefill.batch.id == batch_id and list(prefill.batch.request_ids) == [rid]
         record(prefill.generations)
 
-    batches = [shard_pb2.CachedBatch(id=101, request_ids=[11]), shard_pb2.CachedBatch(id=102, request_ids=[12])]
+    batches = [
+        shard_pb2.CachedBatch(id=101, request_ids=[11]),
+        shard_pb2.CachedBatch(id=102, request_ids=[12]),
+    ]
     for _ in range(2):
         decode = shard.stub.Decode(shard_pb2.DecodeRequest(batches=batches))
         assert decode.batch.id == 101 and sorted(decode.batch.request_ids) == [11, 12]
@@ -152,7 +155,8 @@ def test_greedy_over_grpc_equals_transformers(shard: Shard, reference_model: tor
         record(decode.generations)
 
     shard.stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=101))
-    assert_matches_reference(tokens[11], logprobs[11], Reference(references[11].tokens[:3], references[11].logits[:3]))
+    first_three = Reference(references[11].tokens[:3], references[11].logits[:3])
+    assert_matches_reference(tokens[11], logprobs[11], first_three)
     assert_matches_reference(tokens[12], logprobs[12], references[12])
     # The cleared batch is gone: the shard says so instead of failing inside.
     expect_status(
@@ -183,11 +187,15 @@ def test_bad_requests_are_invalid_argument_and_shard_keeps_serving(
     too_short = greedy_request(21, long_prompt, NEW_TOKENS, shard.pool)
     del too_short.blocks[1:]
     expect_status(
-        grpc.StatusCode.INVALID_ARGUMENT, shard.stub.Prefill, shard_pb2.PrefillRequest(batch_id=201, requests=[too_short])
+        grpc.StatusCode.INVALID_ARGUMENT,
+        shard.stub.Prefill,
+        shard_pb2.PrefillRequest(batch_id=201, requests=[too_short]),
     )
     out_of_vocab = greedy_request(22, [1, vocab + 5, 2], NEW_TOKENS, shard.pool)
     expect_status(
-        grpc.StatusCode.INVALID_ARGUMENT, shard.stub.Prefill, shard_pb2.PrefillRequest(batch_id=202, requests=[out_of_vocab])
+        grpc.StatusCode.INVALID_ARGUMENT,
+        shard.stub.Prefill,
+        shard_pb2.PrefillRequest(batch_id=202, requests=[out_of_vocab]),
     )
 
     # Still serving, and still correct.
@@ -227,8 +235,7 @@ def test_unexpected_errors_are_internal_with_a_message(tmp_path: Path) -> None:
         assert fatal == []
 
         # A device error poisons the process: still reported, and the server is told to stop.
-        message = expect_status(
-            grpc.StatusCode.INTERNAL, stub.Decode, shard_pb2.DecodeRequest(batches=[shard_pb2.CachedBatch(id=1)])
-        )
+        decode = shard_pb2.DecodeRequest(batches=[shard_pb2.CachedBatch(id=1)])
+        message = expect_status(grpc.StatusCode.INTERNAL, stub.Decode, decode)
         assert "illegal memory access" in message and "shutting down" in message
         assert [type(e) for e in fatal] == [torch.AcceleratorError]
