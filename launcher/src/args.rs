@@ -283,6 +283,59 @@ mod tests {
         assert_eq!(parse(&[]).served_model_name(&user), None);
     }
 
+    /// docs/flags.md lists exactly the flags clap knows, each with its variable and default.
+    #[test]
+    fn flags_doc_matches_the_command_line() {
+        use clap::CommandFactory;
+        use std::collections::BTreeMap;
+
+        let doc = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/flags.md"));
+        // | `--flag` | `ENV`[, `ENV2`] | default | meaning |
+        let rows: BTreeMap<String, (String, String)> = doc
+            .lines()
+            .filter(|line| line.starts_with("| `--"))
+            .map(|line| {
+                let cells: Vec<&str> = line.split(" | ").collect();
+                let flag = cells[0]
+                    .trim_start_matches("| ")
+                    .trim_matches('`')
+                    .to_owned();
+                (flag, (cells[1].to_owned(), cells[2].to_owned()))
+            })
+            .collect();
+        let command = LauncherArgs::command();
+        let mut flags = Vec::new();
+        for arg in command.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if ["help", "version"].contains(&long) {
+                continue;
+            }
+            let flag = format!("--{long}");
+            let (env_cell, default_cell) = rows
+                .get(&flag)
+                .unwrap_or_else(|| panic!("{flag} is missing from docs/flags.md"));
+            let env = arg.get_env().expect("every flag reads a variable");
+            assert!(
+                env_cell.contains(&format!("`{}`", env.to_string_lossy())),
+                "{flag}: docs say {env_cell}"
+            );
+            for default in arg.get_default_values() {
+                assert!(
+                    default_cell.contains(&format!("`{}`", default.to_string_lossy())),
+                    "{flag}: default {default:?}, docs say {default_cell}"
+                );
+            }
+            flags.push(flag);
+        }
+        let documented: Vec<_> = rows.keys().cloned().collect();
+        flags.sort();
+        assert_eq!(
+            documented, flags,
+            "docs/flags.md lists flags clap does not know"
+        );
+        assert!(rows["--model-id"].0.contains("`MODEL_ID`"));
+    }
+
     #[test]
     fn flag_values_are_kebab_case() {
         assert_eq!(flag_value(Dtype::Bfloat16), "bfloat16");

@@ -135,10 +135,10 @@ pub fn router_command(
     cmd
 }
 
-/// `quiver-server demo-model DIR`.
+/// `quiver-server demo-model DIR --json-logs`.
 pub fn demo_model_command(server_bin: &Path, dir: &Path) -> CommandLine {
     let mut cmd = CommandLine::new(server_bin);
-    cmd.arg("demo-model").arg(dir);
+    cmd.arg("demo-model").arg(dir).arg("--json-logs");
     cmd
 }
 
@@ -403,7 +403,7 @@ mod tests {
         assert!(value_of(&shard, "--revision").is_none());
         assert_eq!(
             strings(&demo_model_command(Path::new("s"), Path::new("/cache/x"))),
-            ["demo-model", "/cache/x"]
+            ["demo-model", "/cache/x", "--json-logs"]
         );
     }
 }
