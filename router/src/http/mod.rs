@@ -27,7 +27,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat::chat_completions))
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::list_models))
-        .route("/v1/models/{id}", get(models::retrieve_model))
+        .route("/v1/models/{*id}", get(models::retrieve_model))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

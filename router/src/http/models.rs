@@ -12,6 +12,7 @@ pub async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
 }
 
 /// Looks the id up among the listed cards, so a model is retrievable exactly when it is listed.
+/// The route captures the rest of the path: hub ids contain a slash.
 pub async fn retrieve_model(
     State(state): State<AppState>,
     Path(id): Path<String>,
