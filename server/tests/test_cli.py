@@ -156,3 +156,18 @@ def test_download_of_uncached_repo_offline_fails_with_message(tmp_path: Path) ->
     assert result.returncode == 1
     assert "acme/other-model" in result.stderr and "HF_HUB_OFFLINE" in result.stderr
     assert result.stdout == ""
+
+
+def test_download_progress_goes_to_the_log(caplog: pytest.LogCaptureFixture, capsys) -> None:
+    """huggingface_hub drives our progress class as it does during a snapshot download: the
+    progress arrives as log records, and nothing is drawn on the terminal."""
+    from huggingface_hub.utils.tqdm import hf_thread_map
+
+    from quiver_server.hub import LoggingProgress
+
+    with caplog.at_level("INFO", logger="quiver_server.hub"):
+        results = hf_thread_map(lambda x: x * 2, range(3), tqdm_class=LoggingProgress, desc="Fetching 3 files")
+    assert results == [0, 2, 4]
+    progress = [r.getMessage() for r in caplog.records if r.name == "quiver_server.hub"]
+    assert any("Fetching 3 files" in m and "100%" in m and "3/3" in m for m in progress), progress
+    assert capsys.readouterr().err == ""
