@@ -1,11 +1,17 @@
-//! `/v1/models`, `/health`, `/info`: shapes against OpenAI's schema and what they report.
+//! `/v1/models`, `/health`, `/info`, `/metrics`: shapes against OpenAI's schema and what they report.
 
 mod http_common;
 
-use axum::http::StatusCode;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use http_body_util::BodyExt;
 use http_common::openapi::assert_schema;
 use http_common::*;
 use quiver_router::shard::FakeRpc;
+use serde_json::json;
+use tower::ServiceExt;
 
 #[tokio::test]
 async fn models_list_the_base_model_under_its_served_name() {
@@ -76,4 +82,67 @@ async fn info_reports_model_and_limits() {
     assert_eq!(limits["block_size"], 4);
     assert_eq!(limits["num_blocks"], 256);
     assert_eq!(limits["max_batch_total_tokens"], 1024);
+}
+
+/// `name value` lines of a Prometheus text body.
+fn metric(text: &str, name: &str) -> u64 {
+    text.lines()
+        .find_map(|line| line.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+}
+
+async fn scrape(app: &TestApp) -> String {
+    let request = Request::get("/metrics").body(Body::empty()).unwrap();
+    let (status, text) = app.send(request).await;
+    assert_eq!(status, StatusCode::OK);
+    text
+}
+
+#[tokio::test]
+async fn metrics_show_load_and_count_tokens() {
+    let app = TestApp::with_options(Options {
+        step_delay: Duration::from_millis(5),
+        ..Options::default()
+    })
+    .await;
+    let idle = scrape(&app).await;
+    assert_eq!(metric(&idle, "quiver_kv_blocks_total"), 256);
+    assert_eq!(metric(&idle, "quiver_kv_blocks_free"), 256);
+    assert_eq!(metric(&idle, "quiver_requests_running"), 0);
+
+    let body = completion_body(json!("ab"), json!({"max_tokens": 5, "ignore_eos": true}));
+    let (status, _) = app.post("/v1/completions", &body).await;
+    assert_eq!(status, StatusCode::OK);
+    let after = scrape(&app).await;
+    assert_eq!(metric(&after, "quiver_prompt_tokens_total"), 3);
+    assert_eq!(metric(&after, "quiver_generated_tokens_total"), 5);
+    assert_eq!(metric(&after, "quiver_requests_finished_total"), 1);
+
+    // A running stream holds blocks; leaving gives them back.
+    let body = completion_body(
+        json!("ab"),
+        json!({"max_tokens": 50, "ignore_eos": true, "stream": true}),
+    );
+    let response = app
+        .app
+        .clone()
+        .oneshot(
+            Request::post("/v1/completions")
+                .body(Body::from(body.to_string()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let mut stream = response.into_body();
+    // The scheduler publishes its load after each step: wait for a few tokens.
+    for _ in 0..3 {
+        stream.frame().await.unwrap().unwrap();
+    }
+    let busy = scrape(&app).await;
+    assert_eq!(metric(&busy, "quiver_requests_running"), 1);
+    // 3 prompt + 50 new tokens in blocks of 4.
+    assert_eq!(metric(&busy, "quiver_kv_blocks_free"), 256 - 14);
+    drop(stream);
+    app.wait_idle().await;
+    assert_eq!(metric(&scrape(&app).await, "quiver_kv_blocks_free"), 256);
 }

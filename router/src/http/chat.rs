@@ -50,6 +50,7 @@ pub async fn chat_completions(
     });
     let choices = start_choices(
         &state.scheduler,
+        &state.metrics,
         &assets.tokenizer,
         valid.choices,
         &options.stop,

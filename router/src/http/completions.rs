@@ -52,6 +52,7 @@ pub async fn completions(
     };
     let choices = start_choices(
         &state.scheduler,
+        &state.metrics,
         &assets.tokenizer,
         valid.choices,
         &options.stop,

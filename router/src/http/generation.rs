@@ -2,10 +2,13 @@
 //! detokenizer, then the stop-string matcher, and come out as `ChoiceEvent`s that the JSON and
 //! SSE responders both consume.
 
+use std::sync::Arc;
+
 use futures::stream::{BoxStream, StreamExt};
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
+use crate::metrics::Metrics;
 use crate::openai::common::FinishReason;
 use crate::scheduler::{self, EventReceiver, GenerationRequest, Scheduler};
 use crate::stop::StopMatcher;
@@ -36,18 +39,24 @@ pub enum ChoiceEvent {
 /// those already admitted are dropped, which cancels them.
 pub fn start_choices(
     scheduler: &Scheduler,
+    metrics: &Arc<Metrics>,
     tokenizer: &TextTokenizer,
     choices: Vec<GenerationRequest>,
     stop: &[String],
 ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
+    let prompt_tokens: usize = choices.iter().map(|choice| choice.input_ids.len()).sum();
     let receivers = choices
         .into_iter()
         .map(|request| scheduler.submit(request))
         .collect::<Result<Vec<_>, _>>()?;
+    Metrics::add(&metrics.prompt_tokens_total, prompt_tokens as u64);
     Ok(receivers
         .into_iter()
         .zip(0..)
-        .map(|(receiver, index)| choice_events(index, receiver, tokenizer.clone(), stop.to_vec()))
+        .map(|(receiver, index)| {
+            let metrics = metrics.clone();
+            choice_events(index, receiver, tokenizer.clone(), stop.to_vec(), metrics)
+        })
         .collect())
 }
 
@@ -58,6 +67,7 @@ pub fn choice_events(
     mut receiver: EventReceiver,
     tokenizer: TextTokenizer,
     stop: Vec<String>,
+    metrics: Arc<Metrics>,
 ) -> BoxStream<'static, ChoiceEvent> {
     // The EOS token's text is never shown (skip_special_tokens), even for tokenizers that do
     // not mark it special: an EOS event is not fed to the detokenizer at all.
@@ -70,10 +80,12 @@ pub fn choice_events(
             let event = match receiver.recv().await {
                 Some(Ok(event)) => event,
                 Some(Err(error)) => {
+                    Metrics::add(&metrics.requests_failed_total, 1);
                     yield ChoiceEvent::Failed(error.into());
                     return;
                 }
                 None => {
+                    Metrics::add(&metrics.requests_failed_total, 1);
                     yield ChoiceEvent::Failed(ApiError::Internal(
                         "the scheduler ended the request without a finish event".to_owned(),
                     ));
@@ -81,12 +93,14 @@ pub fn choice_events(
                 }
             };
             generated += 1;
+            Metrics::add(&metrics.generated_tokens_total, 1);
             pending_ids.push(event.token_id);
             let mut text = String::new();
             if event.finish != Some(scheduler::FinishReason::Eos) {
                 match detokenizer.push(event.token_id) {
                     Ok(new_text) => text = new_text,
                     Err(error) => {
+                        Metrics::add(&metrics.requests_failed_total, 1);
                         yield ChoiceEvent::Failed(error.into());
                         return;
                     }
@@ -113,6 +127,7 @@ pub fn choice_events(
             };
             // Finished: let the scheduler free the request before anything else is sent.
             drop(receiver);
+            Metrics::add(&metrics.requests_finished_total, 1);
             if !step.stopped {
                 text.push_str(&stop.finish());
             }

@@ -15,6 +15,7 @@ mod completions;
 mod generation;
 mod health;
 mod json;
+mod metrics;
 mod models;
 mod sse;
 mod state;
@@ -36,6 +37,7 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .route("/health", get(health::health))
         .route("/info", get(health::info))
+        .route("/metrics", get(metrics::metrics))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use crate::config::RouterArgs;
 use crate::error::ApiError;
+use crate::metrics::Metrics;
 use crate::openai::models::ModelCard;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -22,6 +23,7 @@ pub struct AppState {
     pub base: Arc<ModelAssets>,
     pub models: Arc<ServedModels>,
     pub info: Arc<ServerInfo>,
+    pub metrics: Arc<Metrics>,
     /// `Authorization: Bearer <key>` required on `/v1/*` when set.
     pub api_key: Option<Arc<str>>,
 }
@@ -240,6 +242,7 @@ impl AppState {
                 created: crate::openai::common::unix_now(),
             }),
             info: Arc::new(server_info),
+            metrics: Arc::new(Metrics::default()),
             api_key: settings.api_key.map(Arc::from),
         })
     }

@@ -1,0 +1,22 @@
+//! `GET /metrics`: Prometheus text. Load gauges are read from the scheduler at scrape time;
+//! token and request counters are counted where a request's life ends, in `generation`.
+
+use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
+use axum::response::IntoResponse;
+
+use super::state::AppState;
+use crate::metrics::Metrics;
+
+pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
+    let stats = state.scheduler.stats();
+    let metrics = &state.metrics;
+    Metrics::set(&metrics.kv_blocks_total, u64::from(stats.total_blocks));
+    Metrics::set(&metrics.kv_blocks_free, u64::from(stats.free_blocks));
+    Metrics::set(&metrics.requests_running, stats.running as u64);
+    Metrics::set(&metrics.requests_waiting, stats.queued as u64);
+    (
+        [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        metrics.render(),
+    )
+}
