@@ -23,7 +23,7 @@ _SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3}
 EOS_BOOST = 2.5
 
 # Limits the bad-input tests run against; every stack of the pool serves with them.
-MAX_INPUT_TOKENS = 128
+MAX_INPUT_TOKENS = 256
 MAX_TOTAL_TOKENS = 1024
 
 

@@ -44,6 +44,7 @@ class StackConfig:
     max_input_tokens: int | None = None
     max_total_tokens: int | None = None
     max_batch_prefill_tokens: int | None = None
+    max_batch_size: int | None = None
     max_concurrent_requests: int | None = None
     graceful_shutdown_secs: int | None = None
     extra_args: list[str] = field(default_factory=list)
@@ -61,6 +62,7 @@ class StackConfig:
             "--max-input-tokens": self.max_input_tokens,
             "--max-total-tokens": self.max_total_tokens,
             "--max-batch-prefill-tokens": self.max_batch_prefill_tokens,
+            "--max-batch-size": self.max_batch_size,
             "--max-concurrent-requests": self.max_concurrent_requests,
             "--graceful-shutdown-secs": self.graceful_shutdown_secs,
         }

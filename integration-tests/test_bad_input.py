@@ -41,10 +41,10 @@ CASES = [
     # The tiny model's template raises for a system message after the first message.
     ("template-raises", lambda m: _chat(m, messages=HELLO + [{"role": "system", "content": "x"}]),
      openai.BadRequestError, ["system message must come first"]),
-    ("prompt-too-long", lambda m: _completion(m, prompt="hello " * (4 * MAX_INPUT_TOKENS)),
+    ("prompt-too-long", lambda m: _completion(m, prompt="hello " * (MAX_INPUT_TOKENS + 8)),
      openai.BadRequestError, ["token", "input", "prompt"]),
     ("chat-prompt-too-long",
-     lambda m: _chat(m, messages=[{"role": "user", "content": "hello " * (4 * MAX_INPUT_TOKENS)}]),
+     lambda m: _chat(m, messages=[{"role": "user", "content": "hello " * (MAX_INPUT_TOKENS + 8)}]),
      openai.BadRequestError, ["token", "input", "prompt"]),
     ("max-tokens-beyond-total", lambda m: _completion(m, max_tokens=MAX_TOTAL_TOKENS),
      openai.BadRequestError, ["max_tokens", "token"]),

@@ -1,0 +1,42 @@
+"""Baseline: transformers' batched `generate` on the same weights, greedy, every sequence forced
+to the same length (min_new_tokens = max_new_tokens), as a static-batch server would run it."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def load(model_dir: str, device: str, dtype: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+    return model.to(device).eval()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(model, device: str, prompts: list[list[int]], batch_size: int, max_new_tokens: int) -> dict:
+    """Times one batch of `batch_size` equal-length prompts (after a short warm-up batch)."""
+    input_ids = torch.tensor(prompts[:batch_size], device=device)
+    attention_mask = torch.ones_like(input_ids)
+    args = dict(do_sample=False, pad_token_id=model.generation_config.pad_token_id)
+    with torch.no_grad():
+        model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, min_new_tokens=2, **args)
+        _sync(device)
+        started = time.perf_counter()
+        out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             min_new_tokens=max_new_tokens, **args)
+        _sync(device)
+        elapsed = time.perf_counter() - started
+    generated = (out.shape[1] - input_ids.shape[1]) * batch_size
+    return {
+        "batch_size": batch_size,
+        "generated_tokens": generated,
+        "wall_s": round(elapsed, 3),
+        "throughput_tok_s": round(generated / elapsed, 2),
+    }

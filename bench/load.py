@@ -1,0 +1,92 @@
+"""Load generator: concurrent streaming clients on the official OpenAI SDK, timing every token.
+
+Each of `concurrency` clients sends its requests one after another (a closed loop, like a chat
+frontend with that many users), so the server always has about `concurrency` streams running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import openai
+
+from stats import percentiles
+
+
+@dataclass
+class StreamTiming:
+    sent_at: float
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent_at
+
+    def inter_token(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    prompts: list[list[int]]  # token ids; one per request, cycled
+    max_tokens: int
+    requests_per_client: int
+    adapters: tuple[str, ...] = ()  # issue 3: requests spread over these `model` names
+
+
+async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> StreamTiming:
+    timing = StreamTiming(sent_at=time.perf_counter())
+    stream = await client.completions.create(
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+    )
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].text:
+            timing.token_times.append(now)
+        if chunk.usage is not None:
+            timing.completion_tokens = chunk.usage.completion_tokens
+    if timing.completion_tokens != max_tokens:
+        raise RuntimeError(f"stream ended after {timing.completion_tokens} of {max_tokens} tokens")
+    return timing
+
+
+async def _client_loop(client, workload: Workload, client_index: int, concurrency: int) -> list[StreamTiming]:
+    timings = []
+    for round_index in range(workload.requests_per_client):
+        request_index = round_index * concurrency + client_index
+        prompt = workload.prompts[request_index % len(workload.prompts)]
+        model = workload.adapters[request_index % len(workload.adapters)] if workload.adapters else workload.model
+        timings.append(await _stream_once(client, model, prompt, workload.max_tokens))
+    return timings
+
+
+async def _run(base_url: str, workload: Workload, concurrency: int) -> dict:
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
+                                  timeout=600) as client:
+        # One request first, outside the measurement: connection set-up, first-call paths.
+        await _stream_once(client, workload.model, workload.prompts[0], 4)
+        started = time.perf_counter()
+        per_client = await asyncio.gather(
+            *(_client_loop(client, workload, i, concurrency) for i in range(concurrency))
+        )
+        elapsed = time.perf_counter() - started
+    timings = [t for client_timings in per_client for t in client_timings]
+    tokens = sum(t.completion_tokens for t in timings)
+    return {
+        "concurrency": concurrency,
+        "requests": len(timings),
+        "generated_tokens": tokens,
+        "wall_s": round(elapsed, 3),
+        "throughput_tok_s": round(tokens / elapsed, 2),
+        "ttft_s": percentiles([t.ttft for t in timings]),
+        "inter_token_s": percentiles([gap for t in timings for gap in t.inter_token()]),
+    }
+
+
+def measure(base_url: str, workload: Workload, concurrency: int) -> dict:
+    return asyncio.run(_run(base_url, workload, concurrency))
