@@ -22,6 +22,10 @@ _SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3}
 # and run others to max_tokens (see tiny_models; tuned once for these seeds).
 EOS_BOOST = 2.5
 
+# torch's OpenMP workers busy-wait on every core; on a 2-core CI box they starve the router and
+# the test client, and a /metrics scrape can then miss a whole batch. One thread per shard.
+SHARD_ENV = {"OMP_NUM_THREADS": "1"}
+
 # Limits the bad-input tests run against; every stack of the pool serves with them.
 MAX_INPUT_TOKENS = 256
 MAX_TOTAL_TOKENS = 1024
@@ -71,6 +75,7 @@ class StackPool:
                 served_model_name=f"tiny-{arch}",
                 max_input_tokens=MAX_INPUT_TOKENS,
                 max_total_tokens=MAX_TOTAL_TOKENS,
+                extra_env=SHARD_ENV,
             )
             try:
                 stack = Stack(config, self.root / "logs" / f"{arch}.log").start()

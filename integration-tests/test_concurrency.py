@@ -20,7 +20,7 @@ def _requests(model: str) -> list[dict]:
         if i % 4 == 3:
             # Seeded sampling uses the request's own generator: also batch-independent.
             sampling = {"temperature": 0.9, "top_p": 0.9, "seed": 1000 + i}
-        common = dict(model=model, max_tokens=4 + (i * 5) % 29, **sampling)
+        common = dict(model=model, max_tokens=8 + (i * 11) % 57, **sampling)
         if i % 2 == 0:
             requests.append({"kind": "completion", "prompt": prompt, **common})
         else:
@@ -50,13 +50,26 @@ async def _run(client, request: dict) -> tuple:
 def test_32_concurrent_requests_equal_the_same_requests_one_at_a_time(llama):
     requests = _requests(llama.model)
 
+    async def peak_running(done: asyncio.Event) -> float:
+        """Most requests seen running at once: proves the concurrent ones really shared a batch."""
+        peak = 0.0
+        while not done.is_set():
+            metrics = await asyncio.to_thread(llama.stack.metrics)
+            peak = max(peak, metrics["quiver_requests_running"])
+            await asyncio.sleep(0.005)
+        return peak
+
     async def main():
         async with llama.async_client() as client:
             alone = [await _run(client, r) for r in requests]
+            done = asyncio.Event()
+            watcher = asyncio.create_task(peak_running(done))
             together = await asyncio.gather(*(_run(client, r) for r in requests))
-        return alone, together
+            done.set()
+        return alone, together, await watcher
 
-    alone, together = asyncio.run(main())
+    alone, together, peak = asyncio.run(main())
+    assert peak >= 8, f"at most {peak} requests ran at once: they were not batched"
     for i, (a, b) in enumerate(zip(alone, together)):
         assert a == b, f"request {i} ({requests[i]}) differs in a batch:\nalone    {a}\ntogether {b}"
     # The mix really has both endings and sampled requests that are not all identical.

@@ -10,6 +10,7 @@ import time
 
 import openai
 
+from conftest import SHARD_ENV
 from stack import Stack, StackConfig
 
 LONG = 600
@@ -17,7 +18,8 @@ LONG = 600
 
 def _own_stack(pool, tmp_path, name: str, **config) -> Stack:
     model_dir = pool.model_dir("llama")
-    cfg = StackConfig(model_id=str(model_dir), served_model_name="tiny", max_total_tokens=1024, **config)
+    cfg = StackConfig(model_id=str(model_dir), served_model_name="tiny", max_total_tokens=1024,
+                      extra_env=SHARD_ENV, **config)
     return Stack(cfg, tmp_path / f"{name}.log").start()
 
 

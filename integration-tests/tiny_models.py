@@ -69,7 +69,7 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
-        max_position_embeddings=512,
+        max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         bos_token_id=bos_id,
         eos_token_id=eos_id,
