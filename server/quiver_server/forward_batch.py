@@ -19,7 +19,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T] long, position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot each token writes
     logits_indices: torch.Tensor  # [B] long, rows whose logits are wanted (last token of each sequence)
-    # Prefill only: token counts per sequence (host ints; attention runs per sequence).
+    # Tokens per sequence (host ints): the prompt lengths in prefill, the lengths including the
+    # new token in decode. Attention uses them to split work without a device sync.
     seq_lens_host: list[int] = field(default_factory=list)
     # Decode only: block tables cut to the longest sequence, and lengths including the new token.
     block_tables: torch.Tensor | None = None  # [B, nb] long
@@ -86,5 +87,6 @@ def build_decode(
         logits_indices=seq_index,
         block_tables=block_table[:, :num_blocks],
         seq_lens=positions + 1,
+        seq_lens_host=[n + 1 for n in lengths],
         kv_span=num_blocks * block_size,
     )

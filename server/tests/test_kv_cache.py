@@ -10,6 +10,7 @@ import torch
 
 from quiver_server.forward_batch import build_decode, build_prefill
 from quiver_server.kv_cache import KVCacheSpec, PagedKVCache
+from quiver_server.layers import attention
 from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
 
 CPU = torch.device("cpu")
@@ -61,8 +62,12 @@ def test_write_kv_stores_each_token_in_its_block() -> None:
         assert torch.equal(cache.k[0][block, offset], k[p]) and torch.equal(cache.v[0][block, offset], v[p])
 
 
+@pytest.mark.parametrize("gather_bytes", [1 << 30, 1], ids=["one-group", "one-sequence-per-group"])
 @pytest.mark.parametrize("window", [None, 3])
-def test_decode_attention_matches_reference(window: int | None) -> None:
+def test_decode_attention_matches_reference(
+    window: int | None, gather_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(attention, "CPU_GATHER_BYTES", gather_bytes)
     generator = torch.Generator().manual_seed(0)
     lengths = [1, 6, 13]  # cached tokens before the new one
     spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, torch.float32, BLOCK)
