@@ -125,7 +125,10 @@ class Attention(nn.Module):
         batch: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """rows: if given, only these tokens' outputs are computed past attention (their K/V
+        are still written for every token)."""
         tokens = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, batch).view(tokens, heads + 2 * kv_heads, self.head_dim)
@@ -137,7 +140,8 @@ class Attention(nn.Module):
             out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window)
         else:
             out = decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(tokens, heads * self.head_dim), batch)
+        out = out.reshape(tokens, heads * self.head_dim)
+        return self.o_proj(out if rows is None else out[rows], batch)
 
 
 class MLP(nn.Module):
@@ -168,8 +172,10 @@ class DecoderLayer(nn.Module):
         batch: ForwardBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, rows)
+        x = (x if rows is None else x[rows]) + attended
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
@@ -190,13 +196,18 @@ class LlamaForCausalLM(nn.Module):
         self.rotary: RotaryEmbedding | None = None  # built on the target device by `load`
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]."""
+        """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]
+        (decode: logits_indices is every row)."""
         assert self.rotary is not None, "use LlamaForCausalLM.load"
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        last = len(self.model.layers) - 1
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, batch, kv_cache.k[index], kv_cache.v[index])
-        return self.lm_head(self.model.norm(x[batch.logits_indices]))
+            # Past the last layer's attention only the rows whose logits are wanted matter:
+            # in a prefill that skips the o_proj and MLP of every other prompt token.
+            rows = batch.logits_indices if index == last and batch.is_prefill else None
+            x = layer(x, cos, sin, batch, kv_cache.k[index], kv_cache.v[index], rows)
+        return self.lm_head(self.model.norm(x))  # decode: every row is wanted
 
     @classmethod
     def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
