@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stack import Stack, StackConfig  # noqa: E402
-from tiny_models import build_model_dir  # noqa: E402
+from tiny_models import build_model_dir, build_parrot_model  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2"]
 # Distinct weights per architecture (llama and mistral share a layout).
@@ -59,10 +59,14 @@ class StackPool:
         # A stack that failed to start fails every later test fast, with the same log.
         self._failed: dict[str, BaseException] = {}
 
-    def model_dir(self, arch: str) -> Path:
-        path = self.root / "models" / arch
+    def model_dir(self, name: str) -> Path:
+        """`name` is an architecture of ARCHS, or "parrot" (see tiny_models)."""
+        path = self.root / "models" / name
         if not (path / "config.json").exists():
-            build_model_dir(arch, path, seed=_SEEDS[arch], eos_boost=EOS_BOOST)
+            if name == "parrot":
+                build_parrot_model(path)
+            else:
+                build_model_dir(name, path, seed=_SEEDS[name], eos_boost=EOS_BOOST)
         return path
 
     def get(self, arch: str) -> Served:

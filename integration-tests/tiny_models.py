@@ -123,3 +123,49 @@ def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# What the parrot model says: multi-byte characters that the byte-level BPE splits over several
+# tokens (CJK, an emoji, an umlaut), with no token repeated so the next token is a function of
+# the current one.
+PARROT_TEXT = "東京🙂Köln✨"
+
+
+def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT) -> Path:
+    """A Llama whose greedy continuation of a prompt ending in a newline is exactly `text`, then
+    EOS, whatever came before: attention and MLP outputs are zeroed, so the residual stream is
+    the current token's embedding, and the LM head maps each token of the chain to the next.
+
+    Its output is known in advance, so tests can check what a stream must contain character by
+    character (no half UTF-8 character, no part of a stop string) without relying on random
+    weights happening to produce such text.
+    """
+    tokenizer = build_tokenizer()
+    start = tokenizer.convert_tokens_to_ids("Ċ")  # "\n": the end of the chat generation prompt
+    chain = [start, *tokenizer(text, add_special_tokens=False)["input_ids"],
+             tokenizer.convert_tokens_to_ids(EOS)]
+    if len(set(chain[:-1])) != len(chain) - 1:
+        raise ValueError(f"{text!r} repeats a token: the next token would not be a function of the last")
+    config = _config("llama", len(tokenizer), bos_id=tokenizer.convert_tokens_to_ids(BOS),
+                     eos_id=chain[-1], pad_id=tokenizer.convert_tokens_to_ids(PAD))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embeddings = model.model.embed_tokens.weight
+        embeddings.normal_(0.0, 1.0)
+        head = model.lm_head.weight
+        head.normal_(0.0, 0.01)
+        # Token t's hidden state is (nearly) its normalised embedding: the row of its successor
+        # is that embedding, so the successor's logit (~hidden_size) dwarfs every other (~±8).
+        for current, successor in zip(chain, chain[1:]):
+            head[successor] = embeddings[current]
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=chain[-1], pad_token_id=config.pad_token_id
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
