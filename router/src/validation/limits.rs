@@ -31,13 +31,11 @@ impl Limits {
                 "--max-total-tokens ({max_total_tokens}) must be at least 2"
             ));
         }
-        // Beyond the context is allowed, as TGI does (rope scaling, or a config that
-        // understates it), with a warning: positions past it may give poor output.
         if context > 0 && max_total_tokens > context {
-            tracing::warn!(
+            return Err(format!(
                 "--max-total-tokens ({max_total_tokens}) exceeds the model's context length \
-                 (max_position_embeddings = {context}); output past it may degrade"
-            );
+                 (max_position_embeddings = {context})"
+            ));
         }
         let max_input_tokens = requested.max_input_tokens.unwrap_or(max_total_tokens - 1);
         if max_input_tokens == 0 || max_input_tokens >= max_total_tokens {
@@ -99,10 +97,9 @@ mod tests {
             max_total_tokens: Some(1024),
             ..Default::default()
         };
-        assert_eq!(
-            Limits::resolve(too_long, 512).unwrap().max_total_tokens,
-            1024
-        );
+        assert!(Limits::resolve(too_long, 512)
+            .unwrap_err()
+            .contains("max_position_embeddings = 512"));
         let prefill = RequestedLimits {
             max_batch_prefill_tokens: Some(10),
             ..Default::default()
