@@ -238,6 +238,24 @@ impl pb::shard_server::Shard for HealthyShard {
     ) -> Result<tonic::Response<pb::ClearCacheResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+    async fn load_adapter(
+        &self,
+        _: tonic::Request<pb::LoadAdapterRequest>,
+    ) -> Result<tonic::Response<pb::LoadAdapterResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn activate_adapter(
+        &self,
+        _: tonic::Request<pb::ActivateAdapterRequest>,
+    ) -> Result<tonic::Response<pb::ActivateAdapterResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
+    async fn unload_adapter(
+        &self,
+        _: tonic::Request<pb::UnloadAdapterRequest>,
+    ) -> Result<tonic::Response<pb::UnloadAdapterResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
 }
 
 fn runtime() -> tokio::runtime::Runtime {

@@ -160,6 +160,9 @@ impl AppState {
                 max_total_tokens: limits.max_total_tokens,
                 max_batch_size: settings.max_batch_size,
                 max_batch_total_tokens: settings.max_batch_total_tokens.unwrap_or(0),
+                // Adapter slots come with multi-LoRA serving (issue 3).
+                max_active_adapters: 0,
+                max_lora_rank: 0,
             })
             .await
             .map_err(StartupError::Warmup)?;

@@ -68,6 +68,24 @@ impl Shard for Served {
             .map(Response::new)
             .map_err(to_status)
     }
+    async fn load_adapter(
+        &self,
+        _: Request<pb::LoadAdapterRequest>,
+    ) -> Answer<pb::LoadAdapterResponse> {
+        Err(Status::unimplemented("adapters"))
+    }
+    async fn activate_adapter(
+        &self,
+        _: Request<pb::ActivateAdapterRequest>,
+    ) -> Answer<pb::ActivateAdapterResponse> {
+        Err(Status::unimplemented("adapters"))
+    }
+    async fn unload_adapter(
+        &self,
+        _: Request<pb::UnloadAdapterRequest>,
+    ) -> Answer<pb::UnloadAdapterResponse> {
+        Err(Status::unimplemented("adapters"))
+    }
 }
 
 /// A fresh socket directory per test (no tempfile crate in the workspace).
@@ -240,6 +258,7 @@ async fn the_scheduler_runs_over_grpc() {
             max_total_tokens: 64,
             max_batch_size: 8,
             max_batch_total_tokens: 0,
+            ..Default::default()
         })
         .await
         .unwrap();
