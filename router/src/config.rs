@@ -5,7 +5,11 @@ use std::path::PathBuf;
 use clap::Parser;
 
 #[derive(Debug, Clone, Parser)]
-#[command(name = "quiver-router", version, about = "quiver's OpenAI-compatible HTTP router")]
+#[command(
+    name = "quiver-router",
+    version,
+    about = "quiver's OpenAI-compatible HTTP router"
+)]
 pub struct RouterArgs {
     /// Address to listen on.
     #[arg(long, env = "QUIVER_HOSTNAME", default_value = "127.0.0.1")]
@@ -16,7 +20,12 @@ pub struct RouterArgs {
     pub port: u16,
 
     /// Unix socket of each shard, rank 0 first (repeat the flag, or comma-separate).
-    #[arg(long = "shard-uds", env = "QUIVER_SHARD_UDS", value_delimiter = ',', required = true)]
+    #[arg(
+        long = "shard-uds",
+        env = "QUIVER_SHARD_UDS",
+        value_delimiter = ',',
+        required = true
+    )]
     pub shard_uds: Vec<PathBuf>,
 
     /// Hub id or directory of the base model, as given to the launcher; also accepted in `model`.
