@@ -38,7 +38,8 @@ class Workload:
     adapters: tuple[str, ...] = ()  # issue 3: requests spread over these `model` names
 
 
-async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int], max_tokens: int) -> StreamTiming:
+async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int],
+                       max_tokens: int) -> StreamTiming:
     timing = StreamTiming(sent_at=time.perf_counter())
     stream = await client.completions.create(
         model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
@@ -60,7 +61,8 @@ async def _client_loop(client, workload: Workload, client_index: int, concurrenc
     for round_index in range(workload.requests_per_client):
         request_index = round_index * concurrency + client_index
         prompt = workload.prompts[request_index % len(workload.prompts)]
-        model = workload.adapters[request_index % len(workload.adapters)] if workload.adapters else workload.model
+        adapters = workload.adapters or (workload.model,)
+        model = adapters[request_index % len(adapters)]
         timings.append(await _stream_once(client, model, prompt, workload.max_tokens))
     return timings
 

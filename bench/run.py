@@ -144,8 +144,9 @@ def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict
             f"quiver/{name}": round(q["throughput_tok_s"] / b["throughput_tok_s"], 3)
             for name, b in row["baselines"].items()
         }
-        if row["decode_step"]["quiver_inter_token_p50_s"]:
-            row["decode_step"]["floor/quiver"] = round(floor / row["decode_step"]["quiver_inter_token_p50_s"], 3)
+        step = row["decode_step"]["quiver_inter_token_p50_s"]
+        if step:
+            row["decode_step"]["floor/quiver"] = round(floor / step, 3)
         rows.append(row)
     return {
         "benchmark": "quiver-bench/v1",
@@ -179,7 +180,8 @@ def main() -> None:
     report = build_report(args, shape, scenarios, quiver, baselines)
 
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    path = args.results_dir / f"bench-{args.device}-{'quick-' if args.quick else ''}{time.strftime('%Y%m%d-%H%M%S')}.json"
+    kind = f"{args.device}-quick" if args.quick else args.device
+    path = args.results_dir / f"bench-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     path.write_text(json.dumps(report, indent=2) + "\n")
     log(f"report written to {path}")
     print(json.dumps(report, indent=2))

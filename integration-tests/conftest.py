@@ -13,13 +13,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stack import Stack, StackConfig  # noqa: E402
-from tiny_models import build_model_dir, build_parrot_model  # noqa: E402
+from model_builders import build_model_dir, build_parrot_model  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2"]
 # Distinct weights per architecture (llama and mistral share a layout).
 _SEEDS = {"llama": 1, "mistral": 2, "qwen2": 3}
 # Scales the LM head's EOS row so that the test prompts end some greedy continuations with EOS
-# and run others to max_tokens (see tiny_models; tuned once for these seeds).
+# and run others to max_tokens (see model_builders; tuned once for these seeds).
 EOS_BOOST = 2.5
 
 # torch's OpenMP workers busy-wait on every core; on a 2-core CI box they starve the router and
@@ -60,7 +60,7 @@ class StackPool:
         self._failed: dict[str, BaseException] = {}
 
     def model_dir(self, name: str) -> Path:
-        """`name` is an architecture of ARCHS, or "parrot" (see tiny_models)."""
+        """`name` is an architecture of ARCHS, or "parrot" (see model_builders)."""
         path = self.root / "models" / name
         if not (path / "config.json").exists():
             if name == "parrot":

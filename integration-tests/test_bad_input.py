@@ -27,36 +27,43 @@ def _without(request: tuple[str, dict], key: str) -> tuple[str, dict]:
     return path, {k: v for k, v in body.items() if k != key}
 
 
-# (case id, request builder, expected SDK exception, words one of which the message must hold)
+BAD = openai.BadRequestError
+MISSING = openai.NotFoundError
+
+# (case id, request builder, expected SDK exception, words one of which the message must hold,
+#  what OpenAI's `param` field must start with)
 CASES = [
-    ("messages-wrong-type", lambda m: _chat(m, messages="Hello"), openai.BadRequestError, ["messages"]),
-    ("max-tokens-wrong-type", lambda m: _chat(m, max_tokens="ten"), openai.BadRequestError, ["max_tokens"]),
-    ("temperature-wrong-type", lambda m: _completion(m, temperature="hot"), openai.BadRequestError, ["temperature"]),
-    ("prompt-wrong-type", lambda m: _completion(m, prompt={"text": "Hello"}), openai.BadRequestError, ["prompt"]),
-    ("missing-messages", lambda m: _without(_chat(m), "messages"), openai.BadRequestError, ["messages"]),
-    ("missing-prompt", lambda m: _without(_completion(m), "prompt"), openai.BadRequestError, ["prompt"]),
-    ("empty-messages", lambda m: _chat(m, messages=[]), openai.BadRequestError, ["messages", "empty"]),
+    ("messages-wrong-type", lambda m: _chat(m, messages="Hello"), BAD, ["messages"], "messages"),
+    ("max-tokens-wrong-type", lambda m: _chat(m, max_tokens="ten"), BAD, ["max_tokens"], "max_tokens"),
+    ("temperature-wrong-type", lambda m: _completion(m, temperature="hot"), BAD, ["temperature"],
+     "temperature"),
+    ("prompt-wrong-type", lambda m: _completion(m, prompt={"text": "Hello"}), BAD, ["prompt"], "prompt"),
+    ("missing-messages", lambda m: _without(_chat(m), "messages"), BAD, ["messages"], "messages"),
+    ("missing-prompt", lambda m: _without(_completion(m), "prompt"), BAD, ["prompt"], "prompt"),
+    ("empty-messages", lambda m: _chat(m, messages=[]), BAD, ["messages"], "messages"),
     ("unknown-role", lambda m: _chat(m, messages=[{"role": "wizard", "content": "hi"}]),
-     openai.BadRequestError, ["role", "wizard"]),
+     BAD, ["wizard"], "messages"),
     # The tiny model's template raises for a system message after the first message.
     ("template-raises", lambda m: _chat(m, messages=HELLO + [{"role": "system", "content": "x"}]),
-     openai.BadRequestError, ["system message must come first"]),
+     BAD, ["system message must come first"], "messages"),
     ("prompt-too-long", lambda m: _completion(m, prompt="hello " * (MAX_INPUT_TOKENS + 8)),
-     openai.BadRequestError, ["token", "input", "prompt"]),
+     BAD, ["input tokens", "max-input-tokens", "max_input_tokens"], "prompt"),
     ("chat-prompt-too-long",
      lambda m: _chat(m, messages=[{"role": "user", "content": "hello " * (MAX_INPUT_TOKENS + 8)}]),
-     openai.BadRequestError, ["token", "input", "prompt"]),
+     BAD, ["input tokens", "max-input-tokens", "max_input_tokens"], "messages"),
     ("max-tokens-beyond-total", lambda m: _completion(m, max_tokens=MAX_TOTAL_TOKENS),
-     openai.BadRequestError, ["max_tokens", "token"]),
+     BAD, ["max_tokens"], "max_tokens"),
     ("max-completion-tokens-beyond-total",
      lambda m: _without(_chat(m, max_completion_tokens=MAX_TOTAL_TOKENS), "max_tokens"),
-     openai.BadRequestError, ["max_completion_tokens", "max_tokens", "token"]),
-    ("temperature-above-2", lambda m: _chat(m, temperature=2.5), openai.BadRequestError, ["temperature"]),
-    ("temperature-negative", lambda m: _completion(m, temperature=-0.1), openai.BadRequestError, ["temperature"]),
-    ("top-p-zero", lambda m: _chat(m, top_p=0), openai.BadRequestError, ["top_p"]),
-    ("top-p-above-1", lambda m: _completion(m, top_p=1.5), openai.BadRequestError, ["top_p"]),
-    ("unknown-model-chat", lambda m: _chat("no-such-model"), openai.NotFoundError, ["no-such-model"]),
-    ("unknown-model-completion", lambda m: _completion("no-such-model"), openai.NotFoundError, ["no-such-model"]),
+     BAD, ["max_completion_tokens"], "max_completion_tokens"),
+    ("temperature-above-2", lambda m: _chat(m, temperature=2.5), BAD, ["temperature"], "temperature"),
+    ("temperature-negative", lambda m: _completion(m, temperature=-0.1), BAD, ["temperature"],
+     "temperature"),
+    ("top-p-zero", lambda m: _chat(m, top_p=0), BAD, ["top_p"], "top_p"),
+    ("top-p-above-1", lambda m: _completion(m, top_p=1.5), BAD, ["top_p"], "top_p"),
+    ("unknown-model-chat", lambda m: _chat("no-such-model"), MISSING, ["no-such-model"], "model"),
+    ("unknown-model-completion", lambda m: _completion("no-such-model"), MISSING, ["no-such-model"],
+     "model"),
 ]
 
 
@@ -65,8 +72,11 @@ def _assert_still_serving(client, model: str) -> None:
     assert response.choices[0].finish_reason in ("stop", "length")
 
 
-def _assert_error_body(body: dict, status: int, words: list[str], context: str) -> None:
+def _assert_error_body(body: dict, status: int, words: list[str], context: str,
+                       param: str | None = None) -> None:
     openai_schema.validate(body, "ErrorResponse")
+    if param is not None:
+        assert (body["error"]["param"] or "").startswith(param), f"{context}: {body}"
     message = body["error"]["message"]
     assert any(w.lower() in message.lower() for w in words), (
         f"{context}: message {message!r} names none of {words}"
@@ -76,10 +86,10 @@ def _assert_error_body(body: dict, status: int, words: list[str], context: str) 
         assert body["error"]["type"] in ("invalid_request_error", "not_found_error"), body
 
 
-@pytest.mark.parametrize("name,build,error,words", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,build,error,words,param", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(client, llama, name, build, error,
-                                                             words, stream):
+                                                             words, param, stream):
     path, body = build(llama.model)
     if stream:
         # Refused before the stream starts: a plain error response, not an SSE event.
@@ -88,7 +98,7 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(client, llama, nam
         client.post(path, body=body, cast_to=object)
     status = 404 if error is openai.NotFoundError else 400
     assert caught.value.status_code == status
-    _assert_error_body(caught.value.response.json(), status, words, name)
+    _assert_error_body(caught.value.response.json(), status, words, name, param)
     _assert_still_serving(client, llama.model)
 
 
@@ -101,8 +111,8 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(client, llama, nam
 def test_malformed_json_gets_400_in_openai_shape(client, llama, raw, path):
     status, body = llama.stack.post_raw(path, raw)
     assert status == 400, (status, body)
-    _assert_error_body(json.loads(body), status, ["json", "body", "expected", "parse", "invalid", "syntax", "eof"],
-                       f"{path} {raw!r}")
+    words = ["json", "body", "expected", "parse", "invalid", "syntax", "eof"]
+    _assert_error_body(json.loads(body), status, words, f"{path} {raw!r}")
     _assert_still_serving(client, llama.model)
 
 

@@ -1,12 +1,12 @@
 """What a stream may carry, checked on a model whose output is known in advance (the "parrot"
-of tiny_models says PARROT_TEXT, whose characters span several byte-level tokens): no chunk
+of model_builders says PARROT_TEXT, whose characters span several byte-level tokens): no chunk
 holds half a UTF-8 character, and no part of a stop string is ever sent."""
 
 from __future__ import annotations
 
 import pytest
 
-from tiny_models import PARROT_TEXT
+from model_builders import PARROT_TEXT
 
 PROMPT = "Repeat after me\n"  # the parrot speaks after a newline
 MESSAGES = [{"role": "user", "content": "Repeat after me"}]
