@@ -1,7 +1,7 @@
 """Metadata of one forward pass over a flattened batch of tokens (no padding between sequences).
 
-Prefill: the prompts of B requests are concatenated into T = sum(len) tokens; sequence i owns
-the token range [cu_seqlens[i], cu_seqlens[i+1]). Decode: one token per sequence (T = B).
+Prefill: the prompts of B requests are concatenated into T = sum(len) tokens, sequence after
+sequence (lengths in `seq_lens_host`). Decode: one token per sequence (T = B).
 Every token writes its K/V at `slot_mapping[t]` = block * block_size + offset, where block is
 taken from its request's block table at position // block_size.
 """
@@ -27,10 +27,6 @@ class ForwardBatch:
     seq_lens: torch.Tensor | None = None  # [B] long
     kv_span: int = 0  # decode: nb * block_size, the number of gathered key slots per sequence
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.logits_indices.shape[0])
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, 1, nb * block_size] bool, True where the new token may attend; computed once
