@@ -62,7 +62,7 @@ def ensure_model(shape: Shape, root: Path, device: str) -> Path:
     marker = out / "bench-shape.json"
     if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
         return out
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
     config = LlamaConfig(
         hidden_size=shape.hidden_size,
@@ -76,21 +76,28 @@ def ensure_model(shape: Shape, root: Path, device: str) -> Path:
         eos_token_id=2,
         pad_token_id=0,
         tie_word_embeddings=False,
-        torch_dtype=shape.dtype,
+        dtype=shape.dtype,
     )
     dtype = getattr(torch, shape.dtype)
     torch.manual_seed(0)
     # Initialise where it is fast: 7B parameters take minutes to draw on a CPU.
     init_device = "cuda" if device == "cuda" else "cpu"
     with torch.device(init_device):
-        model = LlamaForCausalLM(config).to(dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     _write_tokenizer(out, shape.vocab_size)
     del model
+    release_device_memory()
     marker.write_text(json.dumps(asdict(shape)))
     return out
+
+
+def release_device_memory() -> None:
+    """Hands cached CUDA memory back, so the shard (a separate process) can size its KV cache."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:

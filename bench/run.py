@@ -121,6 +121,7 @@ def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios,
         results[scenario.name] = hf_baseline.measure(model, args.device, prompts, scenario.concurrency,
                                                      args.max_tokens)
     del model
+    bench_model.release_device_memory()
     return results
 
 
