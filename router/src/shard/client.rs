@@ -5,6 +5,9 @@
 //! the same answer; rank 0's is returned. If any rank fails, the call fails with that rank's
 //! error without waiting for the others: a rank that is stuck because a peer died would
 //! otherwise hold the router forever.
+//!
+//! The one exception is loading a hub adapter: only rank 0 downloads it, so rank 0 is asked
+//! first and the other ranks then load rank 0's local copy (`load_adapter`).
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -71,6 +74,34 @@ impl ShardClient {
         calls.push(on_rank(others.len(), call(last.clone(), request)));
         let mut responses = try_join_all(calls).await?;
         Ok(responses.swap_remove(0))
+    }
+
+    /// A hub adapter named without a local path: rank 0 downloads it, then the other ranks get
+    /// the same request with rank 0's `path` (they must not download it a second time, and they
+    /// need the very same files). Anything else goes to all ranks at once.
+    async fn load_adapter_on_ranks(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> ShardResult<pb::LoadAdapterResponse> {
+        let load = |mut c: RankClient<Channel>, r| async move { c.load_adapter(r).await };
+        let downloads = request.source == "hub" && request.path.is_empty();
+        let Some((first, others)) = self.ranks.split_first() else {
+            return self.fan_out(request, load).await;
+        };
+        if !downloads || others.is_empty() {
+            return self.fan_out(request, load).await;
+        }
+        let response = on_rank(0, load(first.clone(), request.clone())).await?;
+        let local = pb::LoadAdapterRequest {
+            path: response.path.clone(),
+            ..request
+        };
+        let calls = others
+            .iter()
+            .enumerate()
+            .map(|(i, client)| on_rank(i + 1, load(client.clone(), local.clone())));
+        try_join_all(calls).await?;
+        Ok(response)
     }
 }
 
@@ -165,6 +196,32 @@ impl ShardBackend for ShardClient {
         request: pb::ClearCacheRequest,
     ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
         self.fan_out(request, |mut c, r| async move { c.clear_cache(r).await })
+            .boxed()
+    }
+
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
+        self.load_adapter_on_ranks(request).boxed()
+    }
+
+    fn activate_adapter(
+        &self,
+        request: pb::ActivateAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>> {
+        self.fan_out(
+            request,
+            |mut c, r| async move { c.activate_adapter(r).await },
+        )
+        .boxed()
+    }
+
+    fn unload_adapter(
+        &self,
+        request: pb::UnloadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.unload_adapter(r).await })
             .boxed()
     }
 }

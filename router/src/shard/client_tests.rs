@@ -70,21 +70,36 @@ impl Shard for Served {
     }
     async fn load_adapter(
         &self,
-        _: Request<pb::LoadAdapterRequest>,
+        r: Request<pb::LoadAdapterRequest>,
     ) -> Answer<pb::LoadAdapterResponse> {
-        Err(Status::unimplemented("adapters"))
+        let r = r.into_inner();
+        self.0
+            .load_adapter(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
     }
     async fn activate_adapter(
         &self,
-        _: Request<pb::ActivateAdapterRequest>,
+        r: Request<pb::ActivateAdapterRequest>,
     ) -> Answer<pb::ActivateAdapterResponse> {
-        Err(Status::unimplemented("adapters"))
+        let r = r.into_inner();
+        self.0
+            .activate_adapter(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
     }
     async fn unload_adapter(
         &self,
-        _: Request<pb::UnloadAdapterRequest>,
+        r: Request<pb::UnloadAdapterRequest>,
     ) -> Answer<pb::UnloadAdapterResponse> {
-        Err(Status::unimplemented("adapters"))
+        let r = r.into_inner();
+        self.0
+            .unload_adapter(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
     }
 }
 
@@ -123,10 +138,21 @@ fn serve(shard: Arc<FakeShard>, path: &Path) {
 
 /// `world_size` fake ranks behind sockets, and a client connected to all of them.
 async fn ranks(dir: &SocketDir, world_size: u32) -> (Vec<Arc<FakeShard>>, ShardClient) {
+    ranks_with(dir, world_size, |shard| shard).await
+}
+
+/// As `ranks`, with `build` applied to each rank's fake.
+async fn ranks_with(
+    dir: &SocketDir,
+    world_size: u32,
+    build: impl Fn(FakeShard) -> FakeShard,
+) -> (Vec<Arc<FakeShard>>, ShardClient) {
     let mut shards = Vec::new();
     let mut paths = Vec::new();
     for rank in 0..world_size {
-        let shard = Arc::new(FakeShard::new(256).with_eos(1).with_rank(rank, world_size));
+        let shard = Arc::new(build(
+            FakeShard::new(256).with_eos(1).with_rank(rank, world_size),
+        ));
         let path = dir.socket(rank as usize);
         serve(shard.clone(), &path);
         shards.push(shard);
@@ -310,5 +336,108 @@ async fn the_scheduler_runs_over_grpc() {
         while shard.live_requests() > 0 {
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
+    }
+}
+
+fn adapter_load(adapter_id: &str, source: &str, path: &str) -> pb::LoadAdapterRequest {
+    pb::LoadAdapterRequest {
+        adapter_id: adapter_id.to_string(),
+        source: source.to_string(),
+        path: path.to_string(),
+        revision: "main".to_string(),
+    }
+}
+
+#[tokio::test]
+async fn a_hub_adapter_is_downloaded_by_rank_zero_then_loaded_from_its_path() {
+    let dir = SocketDir::new();
+    // Only rank 0 knows where its download lands; every fake rank other than 0 refuses a hub
+    // load without a path, so a plain fan-out would fail.
+    let (shards, client) = ranks_with(&dir, 3, |shard| {
+        shard
+            .with_adapter_path("owner/name", "/cache/owner--name")
+            .with_adapter_load_delay(std::time::Duration::from_millis(20))
+    })
+    .await;
+    let response = client
+        .load_adapter(adapter_load("owner/name", "hub", ""))
+        .await
+        .unwrap();
+    assert_eq!(response.path, "/cache/owner--name");
+    assert_eq!(
+        shards[0].adapter_load_requests(),
+        vec![adapter_load("owner/name", "hub", "")]
+    );
+    for shard in &shards[1..] {
+        assert_eq!(
+            shard.adapter_load_requests(),
+            vec![adapter_load("owner/name", "hub", "/cache/owner--name")]
+        );
+    }
+    assert!(shards
+        .iter()
+        .all(|s| s.loaded_adapters() == vec!["owner/name".to_string()]));
+}
+
+#[tokio::test]
+async fn a_failed_hub_download_never_reaches_the_other_ranks() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+    shards[0].fail_adapter_load_with("owner/missing", tonic::Code::NotFound, "no such repo");
+    let error = client
+        .load_adapter(adapter_load("owner/missing", "hub", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), tonic::Code::NotFound);
+    assert_eq!(error.message(), "no such repo");
+    assert!(matches!(error, ShardError::Status { rank: 0, .. }));
+    assert!(shards[1].adapter_load_requests().is_empty());
+}
+
+#[tokio::test]
+async fn local_loads_activation_and_unload_reach_every_rank_at_once() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks_with(&dir, 2, |shard| shard.with_adapter_slots(2)).await;
+    let local = adapter_load("team/a", "local", "/adapters/team/a");
+    let response = client.load_adapter(local.clone()).await.unwrap();
+    assert_eq!(response.path, "/adapters/team/a");
+    // A hub adapter the router already has a path for is not downloaded again.
+    let hub_with_path = adapter_load("owner/b", "hub", "/cache/b");
+    client.load_adapter(hub_with_path.clone()).await.unwrap();
+    for shard in &shards {
+        assert_eq!(
+            shard.adapter_load_requests(),
+            vec![local.clone(), hub_with_path.clone()]
+        );
+    }
+
+    client
+        .activate_adapter(pb::ActivateAdapterRequest {
+            adapter_id: "team/a".to_string(),
+            slot: 1,
+        })
+        .await
+        .unwrap();
+    assert!(shards
+        .iter()
+        .all(|s| s.active_adapters() == vec![None, Some("team/a".to_string())]));
+    let error = client
+        .activate_adapter(pb::ActivateAdapterRequest {
+            adapter_id: "team/a".to_string(),
+            slot: 2,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), tonic::Code::InvalidArgument);
+
+    client
+        .unload_adapter(pb::UnloadAdapterRequest {
+            adapter_id: "team/a".to_string(),
+        })
+        .await
+        .unwrap();
+    for shard in &shards {
+        assert_eq!(shard.active_adapters(), vec![None, None]);
+        assert_eq!(shard.loaded_adapters(), vec!["owner/b".to_string()]);
     }
 }

@@ -1,7 +1,10 @@
 //! `FakeShard`: an in-memory shard for router tests, deterministic and strict.
 //!
-//! Tokens: a request's first token is `fake_next_token(last prompt token)`, every later token is
-//! `fake_next_token(previous token)`, where `fake_next_token(t) = (t * 31 + 7) % vocab_size`.
+//! Tokens: a request's first token is `next(last prompt token)`, every later token is
+//! `next(previous token)`, where `next(t) = (t * 31 + 7 + k) % vocab_size` and `k` depends only
+//! on the request's adapter: 0 for the base model (`fake_next_token`), and for an adapter id
+//! `k = 1 + fnv1a64(id bytes) % (vocab_size - 1)` (`fake_adapter_shift`, `fake_next_token_for`),
+//! so every adapter has its own sequence and a request run with the wrong adapter shows.
 //! Sampling parameters are ignored; the log-probability of token `t` is `-t / vocab_size`.
 //! The fake never decides that a request is finished (the router does, as with the real shard):
 //! the EOS id it is built with is only reported by `Info`.
@@ -12,11 +15,14 @@
 //! table shorter than `ceil((prompt + max_new_tokens) / block_size)`, a block id outside the
 //! cache, a block used twice (by one request, or by two live requests), a Decode whose batch
 //! does not list exactly the requests the shard holds, a Decode past a request's
-//! `max_new_tokens`, a FilterBatch keeping a request that is not in the batch. A call that fails
-//! changes nothing.
+//! `max_new_tokens`, a FilterBatch keeping a request that is not in the batch, a request whose
+//! adapter is not active in a slot. A call that fails changes nothing (except a failed
+//! activation, which leaves its slot empty, as a half-written slot would be on a real shard).
+//! The adapter RPCs and their own checks are described in `fake/adapters.rs`.
 //!
-//! Tests can inspect what is still held (`live_requests`, `live_batches`, `stats`) and make the
-//! next call of one RPC fail with `Internal` (`fail_next`).
+//! Tests can inspect what is still held (`live_requests`, `live_batches`, `stats`,
+//! `active_adapters`, `activations`) and make the next call of one RPC fail with `Internal`
+//! (`fail_next`).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -28,9 +34,40 @@ use futures::FutureExt;
 use super::{ShardBackend, ShardError, ShardResult};
 use crate::pb;
 
-/// The fake's token rule: the token after `previous`.
+mod adapters;
+
+use adapters::AdapterState;
+
+/// The fake's token rule for the base model: the token after `previous`.
 pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
-    ((u64::from(previous) * 31 + 7) % u64::from(vocab_size)) as u32
+    next_token(previous, 0, vocab_size)
+}
+
+/// The fake's token rule for `adapter_id` ("" is the base model): the token after `previous`.
+pub fn fake_next_token_for(previous: u32, adapter_id: &str, vocab_size: u32) -> u32 {
+    next_token(
+        previous,
+        fake_adapter_shift(adapter_id, vocab_size),
+        vocab_size,
+    )
+}
+
+/// `k` of the token rule: 0 for the base model, else `1 + fnv1a64(id) % (vocab_size - 1)`
+/// (FNV-1a, 64-bit: offset basis 0xcbf29ce484222325, prime 0x100000001b3), in 1..vocab_size.
+pub fn fake_adapter_shift(adapter_id: &str, vocab_size: u32) -> u32 {
+    if adapter_id.is_empty() || vocab_size < 2 {
+        return 0;
+    }
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &byte in adapter_id.as_bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    1 + (hash % u64::from(vocab_size - 1)) as u32
+}
+
+fn next_token(previous: u32, shift: u32, vocab_size: u32) -> u32 {
+    ((u64::from(previous) * 31 + 7 + u64::from(shift)) % u64::from(vocab_size)) as u32
 }
 
 /// One of the shard RPCs, to choose which call `FakeShard::fail_next` breaks.
@@ -43,6 +80,9 @@ pub enum FakeRpc {
     Decode,
     FilterBatch,
     ClearCache,
+    LoadAdapter,
+    ActivateAdapter,
+    UnloadAdapter,
 }
 
 /// Counters of what the fake was asked to do.
@@ -54,6 +94,12 @@ pub struct FakeShardStats {
     pub clear_calls: u64,
     /// Most requests seen in one Decode (shows that requests were batched together).
     pub max_decode_batch_size: usize,
+    /// Successful ActivateAdapter calls.
+    pub activate_calls: u64,
+    /// Most distinct adapters (base model not counted) that live requests used at once.
+    pub max_live_adapters: usize,
+    /// Most distinct adapters (base model not counted) seen in one Decode.
+    pub max_decode_adapters: usize,
 }
 
 #[derive(Debug)]
@@ -62,6 +108,10 @@ struct LiveRequest {
     generated: u32,
     max_new_tokens: u32,
     blocks: Vec<u32>,
+    /// "" for the base model.
+    adapter_id: String,
+    /// `k` of the token rule for `adapter_id`.
+    shift: u32,
 }
 
 #[derive(Debug, Default)]
@@ -73,6 +123,7 @@ struct State {
     block_owner: HashMap<u32, u64>,
     fail_next: Option<FakeRpc>,
     stats: FakeShardStats,
+    adapters: AdapterState,
 }
 
 /// The in-memory shard; see the module documentation for its rules.
@@ -86,6 +137,7 @@ pub struct FakeShard {
     rank: u32,
     world_size: u32,
     model_path: String,
+    adapter_load_delay: Duration,
     state: Mutex<State>,
 }
 
@@ -102,6 +154,7 @@ impl FakeShard {
             rank: 0,
             world_size: 1,
             model_path: String::new(),
+            adapter_load_delay: Duration::ZERO,
             state: Mutex::new(State::default()),
         }
     }
@@ -185,8 +238,8 @@ impl FakeShard {
         }
     }
 
-    fn generation(&self, request_id: u64, previous: u32) -> pb::Generation {
-        let token_id = fake_next_token(previous, self.vocab_size);
+    fn generation(&self, request_id: u64, previous: u32, shift: u32) -> pb::Generation {
+        let token_id = next_token(previous, shift, self.vocab_size);
         pb::Generation {
             request_id,
             token_id,
@@ -234,7 +287,7 @@ impl FakeShard {
                 return Err(invalid(format!("request {id}: block {block} listed twice")));
             }
         }
-        Ok(())
+        state.adapters.check_servable(id, &request.adapter_id)
     }
 
     fn prefill_now(&self, request: pb::PrefillRequest) -> ShardResult<pb::PrefillResponse> {
@@ -267,7 +320,8 @@ impl FakeShard {
         let mut ids = Vec::with_capacity(request.requests.len());
         for r in request.requests {
             let last_prompt_token = *r.input_ids.last().unwrap_or(&0);
-            let generation = self.generation(r.id, last_prompt_token);
+            let shift = fake_adapter_shift(&r.adapter_id, self.vocab_size);
+            let generation = self.generation(r.id, last_prompt_token, shift);
             for &block in &r.blocks {
                 state.block_owner.insert(block, r.id);
             }
@@ -278,12 +332,16 @@ impl FakeShard {
                     generated: 1,
                     max_new_tokens: r.max_new_tokens,
                     blocks: r.blocks,
+                    adapter_id: r.adapter_id,
+                    shift,
                 },
             );
             ids.push(r.id);
             generations.push(generation);
         }
         state.batches.insert(request.batch_id, ids.clone());
+        let live_adapters = distinct_adapters(state.requests.values());
+        state.stats.max_live_adapters = state.stats.max_live_adapters.max(live_adapters);
         Ok(pb::PrefillResponse {
             generations,
             batch: Some(pb::CachedBatch {
@@ -337,13 +395,16 @@ impl FakeShard {
         let mut generations = Vec::with_capacity(merged.len());
         for id in &merged {
             if let Some(r) = state.requests.get_mut(id) {
-                let generation = self.generation(*id, r.last_token);
+                let generation = self.generation(*id, r.last_token, r.shift);
                 r.last_token = generation.token_id;
                 r.generated += 1;
                 generations.push(generation);
             }
         }
         state.stats.max_decode_batch_size = state.stats.max_decode_batch_size.max(merged.len());
+        let decode_adapters =
+            distinct_adapters(merged.iter().filter_map(|id| state.requests.get(id)));
+        state.stats.max_decode_adapters = state.stats.max_decode_adapters.max(decode_adapters);
         state.batches.insert(merged_id, merged.clone());
         Ok(pb::DecodeResponse {
             generations,
@@ -426,6 +487,15 @@ fn invalid(message: String) -> ShardError {
     ShardError::InvalidArgument(message)
 }
 
+/// Distinct adapters (not the base model) among `requests`.
+fn distinct_adapters<'a>(requests: impl Iterator<Item = &'a LiveRequest>) -> usize {
+    requests
+        .filter(|r| !r.adapter_id.is_empty())
+        .map(|r| r.adapter_id.as_str())
+        .collect::<HashSet<_>>()
+        .len()
+}
+
 impl ShardBackend for FakeShard {
     fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
         async move {
@@ -456,7 +526,9 @@ impl ShardBackend for FakeShard {
 
     fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>> {
         async move {
-            drop(self.begin(FakeRpc::Warmup)?);
+            self.begin(FakeRpc::Warmup)?
+                .adapters
+                .set_slot_count(request.max_active_adapters);
             let mut num_blocks = self.num_blocks;
             if request.max_batch_total_tokens > 0 {
                 num_blocks = num_blocks.min(request.max_batch_total_tokens / self.block_size);
@@ -500,5 +572,32 @@ impl ShardBackend for FakeShard {
         request: pb::ClearCacheRequest,
     ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
         async move { self.clear_now(request) }.boxed()
+    }
+
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
+        async move {
+            if !self.adapter_load_delay.is_zero() {
+                tokio::time::sleep(self.adapter_load_delay).await;
+            }
+            self.load_adapter_now(request)
+        }
+        .boxed()
+    }
+
+    fn activate_adapter(
+        &self,
+        request: pb::ActivateAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>> {
+        async move { self.activate_adapter_now(request) }.boxed()
+    }
+
+    fn unload_adapter(
+        &self,
+        request: pb::UnloadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>> {
+        async move { self.unload_adapter_now(request) }.boxed()
     }
 }

@@ -18,10 +18,14 @@ mod fake;
 #[cfg(test)]
 mod client_tests;
 #[cfg(test)]
+mod fake_adapter_tests;
+#[cfg(test)]
 mod fake_tests;
 
 pub use client::ShardClient;
-pub use fake::{fake_next_token, FakeRpc, FakeShard, FakeShardStats};
+pub use fake::{
+    fake_adapter_shift, fake_next_token, fake_next_token_for, FakeRpc, FakeShard, FakeShardStats,
+};
 
 /// Result of one shard call.
 pub type ShardResult<T> = Result<T, ShardError>;
@@ -98,4 +102,21 @@ pub trait ShardBackend: Send + Sync {
         &self,
         request: pb::ClearCacheRequest,
     ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>>;
+    /// Loads an adapter into every rank's host memory. A hub adapter with no `path` is
+    /// downloaded by rank 0 only; the other ranks then load rank 0's returned path.
+    fn load_adapter(
+        &self,
+        request: pb::LoadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>>;
+    /// Copies a loaded adapter into a device slot; the scheduler calls it between steps, never
+    /// for a slot that running requests use.
+    fn activate_adapter(
+        &self,
+        request: pb::ActivateAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>>;
+    /// Forgets an adapter (slot and host copy); called once no request uses it.
+    fn unload_adapter(
+        &self,
+        request: pb::UnloadAdapterRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>>;
 }
