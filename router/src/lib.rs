@@ -4,6 +4,7 @@
 //! → `scheduler` (queues, KV blocks, continuous batching) → `shard` (gRPC client), and back as
 //! token events → `detokenizer` → `stop` → SSE or JSON.
 
+pub mod adapters;
 pub mod config;
 pub mod detokenizer;
 pub mod error;

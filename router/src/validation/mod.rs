@@ -31,7 +31,7 @@ pub const MAX_N: u32 = 128;
 
 /// What a model needs to turn text into tokens and back. One for the base model; adapters
 /// that ship their own tokenizer or template will get their own.
-#[derive(Clone)]
+#[derive(Debug, Clone)]
 pub struct ModelAssets {
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
