@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from quiver_server.batch_types import SamplingParams
+from quiver_server.forward_batch import build_lora_meta
+from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.sampling import SamplingBatch
 
 
@@ -21,6 +23,8 @@ class RequestState:
     # [vocab] bool: prompt and output tokens, kept only when repetition_penalty != 1. Inside a
     # batch it is a row view of the batch's seen matrix, so one scatter updates every request.
     seen: torch.Tensor | None = None
+    adapter_id: str = ""  # "" = base model
+    lora_slot: int = -1  # device slot of the adapter, fixed for the request's life
 
 
 class CachedBatch:
@@ -33,6 +37,8 @@ class CachedBatch:
         self._block_table: torch.Tensor | None = None
         self._sampling: SamplingBatch | None = None
         self._seen: torch.Tensor | None = None
+        self._lora: LoraBatchMeta | None = None
+        self._lora_built = False
 
     @property
     def request_ids(self) -> list[int]:
@@ -45,6 +51,14 @@ class CachedBatch:
             rows = [r.blocks + [0] * (width - len(r.blocks)) for r in self.requests]
             self._block_table = torch.tensor(rows, dtype=torch.long).to(device)
         return self._block_table
+
+    def lora_meta(self, max_rank: int, device: torch.device) -> LoraBatchMeta | None:
+        """Decode's LoRA slot mapping (one token per request), None if no request has an adapter."""
+        if not self._lora_built:
+            slots = [r.lora_slot for r in self.requests]
+            self._lora = build_lora_meta(slots, [1] * len(slots), max_rank, device)
+            self._lora_built = True
+        return self._lora
 
     def sampling(self, device: torch.device) -> SamplingBatch:
         if self._sampling is None:

@@ -60,3 +60,13 @@ class ModelInfo:
     model_path: str
     rank: int = 0
     world_size: int = 1
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter the shard holds (LoadAdapterResponse)."""
+
+    path: str  # local directory it was read from (the router reads its tokenizer/template there)
+    rank: int
+    scaling: float  # lora_alpha / rank, or lora_alpha / sqrt(rank) with use_rslora
+    target_modules: list[str]  # our names: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj

@@ -2,7 +2,7 @@
 
     quiver-server serve MODEL_ID --uds-path PATH [--revision REV] [--dtype ...] [--device ...]
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
-                        [--gpu-memory-fraction 0.9] [--json-logs]
+                        [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64] [--json-logs]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
     quiver-server demo-model DIR                          # tiny random Llama + real tokenizer
 
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache size when running on the CPU")
     serve.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                        help="share of GPU memory the weights, activations and KV cache may use")
+    serve.add_argument("--max-cpu-adapters", type=int, default=64,
+                       help="LoRA adapters kept in host memory (least recently used evicted first)")
 
     download = commands.add_parser("download", parents=[common],
                                    help="fetch a model from the hub and print its local path")
@@ -119,6 +121,7 @@ def _serve(args: argparse.Namespace) -> int:
             device=args.device,
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
             gpu_memory_fraction=args.gpu_memory_fraction,
+            max_cpu_adapters=args.max_cpu_adapters,
         )
     except (ValueError, NotImplementedError, OSError) as error:
         # Unsupported model_type, missing or malformed files: the message says it all.

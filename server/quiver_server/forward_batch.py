@@ -4,13 +4,21 @@ Prefill: the prompts of B requests are concatenated into T = sum(len) tokens, se
 sequence (lengths in `seq_lens_host`). Decode: one token per sequence (T = B).
 Every token writes its K/V at `slot_mapping[t]` = block * block_size + offset, where block is
 taken from its request's block table at position // block_size.
+
+LoRA: `lora` says which device slot each token's adapter sits in (None when no request of the
+step uses an adapter, so the base-only path does no LoRA work at all). In a prefill the last
+layer computes o_proj and the MLP only for the rows `logits_indices` selects; `lora_rows` is
+the same mapping for those rows (one per sequence), switched in by `at_logits_rows`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
+
+from quiver_server.kernels.lora_meta import LoraBatchMeta
 
 
 @dataclass
@@ -26,7 +34,15 @@ class ForwardBatch:
     block_tables: torch.Tensor | None = None  # [B, nb] long
     seq_lens: torch.Tensor | None = None  # [B] long
     kv_span: int = 0  # decode: nb * block_size, the number of gathered key slots per sequence
+    lora: LoraBatchMeta | None = None
+    lora_rows: LoraBatchMeta | None = None  # prefill: `lora` for the rows of logits_indices
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def at_logits_rows(self) -> ForwardBatch:
+        """This batch as seen by layers that run on the `logits_indices` rows only."""
+        if self.lora is None:
+            return self
+        return dataclasses.replace(self, lora=self.lora_rows, lora_rows=None)
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """[B, 1, 1, nb * block_size] bool, True where the new token may attend; computed once
@@ -48,30 +64,58 @@ def _slots(block_table: torch.Tensor, seq_index: torch.Tensor, positions: torch.
     return block_table[seq_index, positions // block_size] * block_size + positions % block_size
 
 
+def build_lora_meta(
+    slots: list[int], tokens_per_request: list[int], max_rank: int, device: torch.device
+) -> LoraBatchMeta | None:
+    """The LoRA slot mapping of one pass (see LoraBatchMeta.build), or None when every request
+    is on the base model (slot -1)."""
+    if max(slots, default=-1) < 0:
+        return None
+    return LoraBatchMeta.build(slots, tokens_per_request, max_rank, device)
+
+
 def build_prefill(
-    prompt_lens: list[int], block_table: torch.Tensor, block_size: int, device: torch.device
+    prompt_lens: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    lora_slots: list[int] | None = None,
+    max_lora_rank: int = 0,
 ) -> ForwardBatch:
-    """block_table: [B, max_blocks] long (rows padded with any valid id), on any device."""
+    """block_table: [B, max_blocks] long (rows padded with any valid id), on any device;
+    lora_slots: each request's adapter slot (-1 = base model), None if no request has one."""
     lens = torch.tensor(prompt_lens, dtype=torch.long)
     num_seqs = len(prompt_lens)
     seq_index = torch.repeat_interleave(torch.arange(num_seqs), lens)
     starts = torch.cumsum(lens, 0) - lens
     positions = torch.arange(int(lens.sum())) - starts[seq_index]
     slots = _slots(block_table.cpu(), seq_index, positions, block_size)
+    lora = lora_rows = None
+    if lora_slots is not None:
+        lora = build_lora_meta(lora_slots, prompt_lens, max_lora_rank, device)
+        if lora is not None:
+            lora_rows = build_lora_meta(lora_slots, [1] * num_seqs, max_lora_rank, device)
     return ForwardBatch(
         is_prefill=True,
         positions=positions.to(device, non_blocking=True),
         slot_mapping=slots.to(device, non_blocking=True),
         logits_indices=(starts + lens - 1).to(device, non_blocking=True),
         seq_lens_host=list(prompt_lens),
+        lora=lora,
+        lora_rows=lora_rows,
     )
 
 
 def build_decode(
-    lengths: list[int], block_table: torch.Tensor, block_size: int, device: torch.device
+    lengths: list[int],
+    block_table: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+    lora: LoraBatchMeta | None = None,
 ) -> ForwardBatch:
     """lengths: tokens already cached per sequence (= position of the new token);
-    block_table: [B, max_blocks] long on `device`."""
+    block_table: [B, max_blocks] long on `device`; lora: one token per sequence (a cached batch
+    builds it once, see CachedBatch.lora_meta)."""
     positions = torch.tensor(lengths, dtype=torch.long).to(device, non_blocking=True)
     num_seqs = len(lengths)
     seq_index = torch.arange(num_seqs, device=device)
@@ -85,4 +129,5 @@ def build_decode(
         seq_lens=positions + 1,
         seq_lens_host=[n + 1 for n in lengths],
         kv_span=num_blocks * block_size,
+        lora=lora,
     )

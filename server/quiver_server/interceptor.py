@@ -2,8 +2,10 @@
 
 `ValueError` is the engine's way of saying "this request is wrong" (unknown batch id, block
 table too short, token id out of range): INVALID_ARGUMENT with the engine's message, which the
-router can show its caller. Anything else is a shard bug or a device failure: INTERNAL, logged
-with its traceback here because the router only ever sees the one-line message.
+router can show its caller. `AdapterNotFoundError` (no such adapter directory or hub repo) is
+NOT_FOUND, which the router answers with a 404. Anything else is a shard bug or a device
+failure: INTERNAL, logged with its traceback here because the router only ever sees the
+one-line message.
 
 Some errors leave the process unable to serve at all (a CUDA error poisons the device context:
 every later call fails too). For those the interceptor also calls `on_fatal`, so the server can
@@ -18,6 +20,8 @@ from typing import Any
 
 import grpc
 from grpc import aio
+
+from quiver_server.adapters.errors import AdapterNotFoundError
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,9 @@ class ErrorInterceptor(aio.ServerInterceptor):
             except aio.AbortError:
                 # The servicer already chose a status via context.abort(); keep it.
                 raise
+            except AdapterNotFoundError as error:
+                logger.warning("%s: %s", method, error)
+                await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
             except ValueError as error:
                 logger.warning("%s rejected: %s", method, error)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)

@@ -3,6 +3,9 @@
 Engine calls block (torch), so they run on one dedicated worker thread: the event loop stays free
 to answer `Health` during a long prefill, and the engine never sees two calls at once (its batch
 state and KV cache are not thread-safe, and the router never overlaps steps anyway).
+`LoadAdapter` is the exception: a hub download or a disk read must not stall decoding, so it runs
+on a thread of its own (`Engine.load_adapter` is thread-safe); activating and unloading touch the
+device slots and run on the engine thread, between steps.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self._engine = engine
         self._info = dataclasses.replace(engine.info, rank=rank, world_size=world_size)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-engine")
+        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-adapter-load")
 
     @property
     def info(self) -> ModelInfo:
@@ -89,7 +93,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return await asyncio.get_running_loop().run_in_executor(self._worker, call, *args)
 
     def close(self) -> None:
-        """Waits for the engine call in progress (if any), then stops the worker thread."""
+        """Waits for the engine calls in progress (if any), then stops the worker threads."""
+        self._loader.shutdown(wait=True)
         self._worker.shutdown(wait=True)
 
     async def Info(
@@ -113,6 +118,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             request.max_total_tokens,
             request.max_batch_size,
             request.max_batch_total_tokens,
+            request.max_active_adapters,
+            request.max_lora_rank,
         )
         return shard_pb2.WarmupResponse(block_size=block_size, num_blocks=num_blocks)
 
@@ -151,3 +158,26 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         batch_id = request.batch_id if request.HasField("batch_id") else None
         await self._run(self._engine.clear_cache, batch_id)
         return shard_pb2.ClearCacheResponse()
+
+    async def LoadAdapter(
+        self, request: shard_pb2.LoadAdapterRequest, context: aio.ServicerContext
+    ) -> shard_pb2.LoadAdapterResponse:
+        info = await asyncio.get_running_loop().run_in_executor(
+            self._loader, self._engine.load_adapter, request.adapter_id, request.source, request.path,
+            request.revision,
+        )
+        return shard_pb2.LoadAdapterResponse(
+            path=info.path, rank=info.rank, scaling=info.scaling, target_modules=info.target_modules
+        )
+
+    async def ActivateAdapter(
+        self, request: shard_pb2.ActivateAdapterRequest, context: aio.ServicerContext
+    ) -> shard_pb2.ActivateAdapterResponse:
+        await self._run(self._engine.activate_adapter, request.adapter_id, request.slot)
+        return shard_pb2.ActivateAdapterResponse()
+
+    async def UnloadAdapter(
+        self, request: shard_pb2.UnloadAdapterRequest, context: aio.ServicerContext
+    ) -> shard_pb2.UnloadAdapterResponse:
+        await self._run(self._engine.unload_adapter, request.adapter_id)
+        return shard_pb2.UnloadAdapterResponse()

@@ -179,7 +179,7 @@ def llama_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
         (RequestSpec(id=1, input_ids=[5, 300], blocks=[0, 1]), "token id 300 is out of range"),
         (RequestSpec(id=1, input_ids=list(range(10)), blocks=[0], max_new_tokens=7), "block table too short"),
         (RequestSpec(id=1, input_ids=[5], blocks=[10**6], max_new_tokens=4), "block ids"),
-        (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, adapter_id="a"), "adapters are not supported yet"),
+        (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, adapter_id="a"), "adapter 'a' is not active"),
         (RequestSpec(id=1, input_ids=[5], blocks=[0] * 80, max_new_tokens=1200), "max_position_embeddings"),
         (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, sampling=SamplingParams(top_p=0.0)), "top_p"),
         (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, sampling=SamplingParams(temperature=-1)), "temperature"),

@@ -2,17 +2,40 @@
 
 A `Linear` may fuse several checkpoint projections into one matmul (q|k|v, gate|up): it keeps
 each part's name and output width, so weights load per part and per-part adapter deltas can be
-added to the matching output columns. Multi-LoRA (issue 3) hooks in at `Linear.forward`, which
-already receives the forward batch (where per-token adapter indices will live).
+added to the matching output columns.
+
+Multi-LoRA: when adapter slots are allocated, each part gets the stacked slot buffers of its
+projection (`LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward` adds every
+token's adapter delta into that part's columns with one batched kernel call per part. Steps
+without adapter requests carry no LoRA metadata and pay nothing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
+try:
+    from quiver_server.kernels import add_lora
+except ImportError:  # TEMPORARY until quiver_server.kernels lands: same semantics, slow
+    from quiver_server.kernels.lora_reference import add_lora_reference as add_lora
+
+
+@dataclass
+class LoraPart:
+    """One projection's adapter slots: lora_a [S, R, in], lora_b [S, out, R] in the serving
+    dtype, scaling [S] float32 (shared by every projection), and the output columns it adds to.
+    `in_use` is False while no slot holds weights for this projection, so the kernel is skipped."""
+
+    columns: slice
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: torch.Tensor
+    in_use: bool = False
 
 
 class Linear(nn.Module):
@@ -30,11 +53,15 @@ class Linear(nn.Module):
             offsets[name] = (start, start + width)
             start += width
         self.part_columns = offsets
+        self.lora_parts: list[LoraPart] = []  # set by AdapterSlots; empty = adapters disabled
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # Issue 3: `+ lora_delta(x, batch)` per part goes here.
-        del batch
-        return F.linear(x, self.weight, self.bias)
+        y = F.linear(x, self.weight, self.bias)
+        if batch.lora is not None:
+            for part in self.lora_parts:
+                if part.in_use:
+                    add_lora(y, x, part.lora_a, part.lora_b, part.scaling, batch.lora, part.columns)
+        return y
 
     def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
         """Copies a checkpoint tensor (`kind` "weight" or "bias" of projection `part`) into place."""

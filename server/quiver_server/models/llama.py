@@ -41,6 +41,20 @@ FUSED_INTO = {
     "down_proj": "down_proj",
 }
 
+# The projections a LoRA adapter may target, and the transformers module each sits under:
+# PEFT names adapter weights by these paths (model.layers.N.self_attn.q_proj.lora_A.weight).
+LORA_PROJECTIONS = {
+    "q_proj": "self_attn",
+    "k_proj": "self_attn",
+    "v_proj": "self_attn",
+    "o_proj": "self_attn",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "down_proj": "mlp",
+}
+# Modules PEFT could target that we do not serve LoRA on (embeddings, the output head).
+NON_LORA_MODULES = ("model.embed_tokens", "lm_head")
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -141,7 +155,9 @@ class Attention(nn.Module):
         else:
             out = decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
         out = out.reshape(tokens, heads * self.head_dim)
-        return self.o_proj(out if rows is None else out[rows], batch)
+        if rows is None:
+            return self.o_proj(out, batch)
+        return self.o_proj(out[rows], batch.at_logits_rows())
 
 
 class MLP(nn.Module):
@@ -175,7 +191,9 @@ class DecoderLayer(nn.Module):
         rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache, rows)
-        x = (x if rows is None else x[rows]) + attended
+        if rows is not None:
+            x, batch = x[rows], batch.at_logits_rows()
+        x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
 
@@ -221,6 +239,13 @@ class LlamaForCausalLM(nn.Module):
         model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
         model.load_weights(iter_tensors(model_dir, device))
         return model.eval()
+
+    def projection(self, layer: int, name: str) -> Linear:
+        """The (possibly fused) Linear of layer `layer` that computes projection `name`
+        (q_proj ... down_proj); its `part_columns[name]` are that projection's output columns."""
+        linear = self.get_submodule(f"model.layers.{layer}.{LORA_PROJECTIONS[name]}.{FUSED_INTO[name]}")
+        assert isinstance(linear, Linear)
+        return linear
 
     def checkpoint_names(self) -> set[str]:
         """The tensor names a transformers checkpoint of this config must contain."""

@@ -1,0 +1,91 @@
+"""Host-memory tier: loaded adapters, least recently used evicted first, bounded in count.
+
+An adapter held by a device slot is pinned: slots are refilled from here, and the router may
+re-activate it at any time, so it is never the one evicted. Evicting only drops the weights;
+the registry remembers where the adapter came from and reads it from disk again if needed.
+When pinned adapters fill it, it holds more than its bound (the pinned ones plus the one just
+added) and is trimmed again as soon as a slot lets one go.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+
+from quiver_server.adapters.loader import LoadedAdapter
+
+log = logging.getLogger(__name__)
+
+
+class HostAdapterCache:
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"the host adapter cache needs room for at least one adapter, got {capacity}")
+        self.capacity = capacity
+        self._adapters: OrderedDict[str, LoadedAdapter] = OrderedDict()  # oldest use first
+        self._pinned: set[str] = set()
+        # Loads run on their own threads (a download must not stall decoding), activation on
+        # the engine's.
+        self._lock = threading.Lock()
+
+    def __contains__(self, adapter_id: str) -> bool:
+        with self._lock:
+            return adapter_id in self._adapters
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._adapters)
+
+    def ids(self) -> list[str]:
+        """Cached adapter ids, least recently used first."""
+        with self._lock:
+            return list(self._adapters)
+
+    def get(self, adapter_id: str) -> LoadedAdapter | None:
+        with self._lock:
+            adapter = self._adapters.get(adapter_id)
+            if adapter is not None:
+                self._adapters.move_to_end(adapter_id)
+            return adapter
+
+    def put(self, adapter: LoadedAdapter) -> list[str]:
+        """Adds (or refreshes) an adapter as the most recently used; returns the ids evicted."""
+        with self._lock:
+            self._adapters[adapter.adapter_id] = adapter
+            self._adapters.move_to_end(adapter.adapter_id)
+            return self._trim(keep=adapter.adapter_id)
+
+    def pin(self, adapter_id: str) -> None:
+        with self._lock:
+            if adapter_id not in self._adapters:
+                raise KeyError(adapter_id)
+            self._pinned.add(adapter_id)
+
+    def unpin(self, adapter_id: str) -> list[str]:
+        """Returns the ids evicted now that this one may go."""
+        with self._lock:
+            self._pinned.discard(adapter_id)
+            return self._trim()
+
+    def unpin_all(self) -> None:
+        with self._lock:
+            self._pinned.clear()
+            self._trim()
+
+    def remove(self, adapter_id: str) -> None:
+        with self._lock:
+            self._adapters.pop(adapter_id, None)
+            self._pinned.discard(adapter_id)
+
+    def _trim(self, keep: str | None = None) -> list[str]:
+        evicted: list[str] = []
+        for adapter_id in list(self._adapters):
+            if len(self._adapters) <= self.capacity:
+                break
+            if adapter_id not in self._pinned and adapter_id != keep:
+                del self._adapters[adapter_id]
+                evicted.append(adapter_id)
+        if evicted:
+            log.info("host adapter cache full (%d): evicted %s", self.capacity, ", ".join(evicted))
+        return evicted

@@ -1,0 +1,133 @@
+"""Reads a PEFT LoRA directory into per-projection A/B tensors in the serving dtype.
+
+PEFT saves `adapter_model.safetensors` (older adapters: `adapter_model.bin`) with keys like
+`base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (A: [r, in], B: [out, r]);
+some older ones keep the adapter name (`lora_A.default.weight`). Any other tensor (DoRA
+magnitudes, embedding LoRA, biases, trained module copies) is something we would not apply,
+so it is an error rather than ignored.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from quiver_server.adapters.peft_config import LoraConfig, read_lora_config, resolve_targets
+from quiver_server.adapters.spec import PROJECTION_ORDER, BaseModelSpec
+from quiver_server.adapters.validation import check_adapter
+from quiver_server.batch_types import AdapterInfo
+
+SAFETENSORS_FILE = "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"
+
+_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[^.]+)?\.weight$")
+
+# (layer, projection) -> (A [r, in], B [out, r])
+LoraPairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class LoadedAdapter:
+    """An adapter in host memory, checked against the base and ready to copy into a slot."""
+
+    adapter_id: str
+    path: str
+    rank: int
+    scaling: float
+    weights: LoraPairs = field(repr=False)
+
+    @property
+    def target_modules(self) -> list[str]:
+        present = {name for _, name in self.weights}
+        return [name for name in PROJECTION_ORDER if name in present]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def info(self) -> AdapterInfo:
+        return AdapterInfo(path=self.path, rank=self.rank, scaling=self.scaling, target_modules=self.target_modules)
+
+
+def read_tensors(adapter_dir: Path) -> tuple[str, dict[str, torch.Tensor]]:
+    """(file name, tensors on the CPU) of the adapter's weight file."""
+    safetensors_path = adapter_dir / SAFETENSORS_FILE
+    if safetensors_path.is_file():
+        try:
+            return SAFETENSORS_FILE, load_file(str(safetensors_path), device="cpu")
+        except Exception as error:  # safetensors raises its own error types for corrupt files
+            raise ValueError(f"cannot read {SAFETENSORS_FILE}: {error}") from error
+    bin_path = adapter_dir / BIN_FILE
+    if bin_path.is_file():
+        try:
+            # weights_only: a pickle from the internet must not run code.
+            tensors = torch.load(str(bin_path), map_location="cpu", weights_only=True)
+        except Exception as error:
+            raise ValueError(f"cannot read {BIN_FILE}: {error}") from error
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise ValueError(f"{BIN_FILE} does not hold a dict of tensors")
+        return BIN_FILE, tensors
+    raise ValueError(f"{adapter_dir} has neither {SAFETENSORS_FILE} nor {BIN_FILE}")
+
+
+def lora_pairs(file_name: str, tensors: dict[str, torch.Tensor], spec: BaseModelSpec) -> LoraPairs:
+    """Groups PEFT's tensors by (layer, projection); refuses tensors we would not apply."""
+    modules = spec.module_paths()
+    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise ValueError(
+                f"{file_name} holds {key!r}, which is not a LoRA A/B weight of a linear projection "
+                "(DoRA, embedding LoRA, biases and modules_to_save are not supported)"
+            )
+        module = match["module"]
+        # Adapters trained on the bare backbone (no causal-LM head) lack the leading "model.".
+        where = modules.get(module) or modules.get(f"model.{module}")
+        if where is None:
+            raise ValueError(
+                f"{file_name} has LoRA weights for {module}, which is not a LoRA-capable module of this "
+                f"{spec.model_type} model ({' '.join(spec.projections)} in layers 0..{spec.num_layers - 1})"
+            )
+        halves.setdefault(where, {})[match["half"]] = tensor
+    pairs: LoraPairs = {}
+    for (layer, name), found in sorted(halves.items()):
+        if set(found) != {"A", "B"}:
+            missing = "lora_B" if "A" in found else "lora_A"
+            raise ValueError(f"{file_name} has no {missing} for {spec.module_path(layer, name)}")
+        pairs[(layer, name)] = (found["A"], found["B"])
+    return pairs
+
+
+def load_adapter_dir(
+    adapter_id: str,
+    adapter_dir: Path,
+    spec: BaseModelSpec,
+    max_rank: int,
+    dtype: torch.dtype,
+    pin_memory: bool = False,
+) -> LoadedAdapter:
+    """Reads, checks (ValueError saying what differs from the base) and converts an adapter."""
+    config: LoraConfig = read_lora_config(adapter_dir)
+    targets = resolve_targets(config, spec)
+    file_name, tensors = read_tensors(adapter_dir)
+    pairs = lora_pairs(file_name, tensors, spec)
+    check_adapter(config, targets, pairs, spec, max_rank, file_name)
+
+    def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+        converted = tensor.to(dtype).contiguous()
+        # Pinned pages let activation copy into a slot asynchronously.
+        return converted.pin_memory() if pin_memory else converted
+
+    weights = {where: (host_copy(a), host_copy(b)) for where, (a, b) in pairs.items()}
+    return LoadedAdapter(
+        adapter_id=adapter_id,
+        path=str(adapter_dir),
+        rank=config.rank,
+        scaling=config.scaling,
+        weights=weights,
+    )

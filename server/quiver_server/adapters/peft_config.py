@@ -1,0 +1,208 @@
+"""adapter_config.json as PEFT writes it, and which of our modules it targets.
+
+Only plain LoRA is served: the delta scaling * B @ A added to a linear projection's output.
+Every PEFT option that changes that computation (DoRA, LoRA biases, trained copies of whole
+modules, embedding targets, per-module rank/alpha patterns, ...) is refused with a ValueError
+that names it, rather than served wrongly. Options that only matter for training (dropout,
+init schemes) are ignored.
+
+Target matching replicates PEFT's `check_target_module_exists`: a string is a regex that must
+match a whole module path; a list entry matches a path equal to it or ending in "." + entry;
+`layers_to_transform` (list targets only, as in PEFT) keeps the given layer indices;
+`exclude_modules` removes matches; "all-linear" means every linear layer but the output head.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quiver_server.adapters.spec import BaseModelSpec
+
+CONFIG_FILE = "adapter_config.json"
+ALL_LINEAR = "all-linear"
+
+
+def _set(value: Any) -> bool:
+    return value not in (None, False, "", [], {}, 0)
+
+
+# adapter_config.json key -> (is the value one we cannot serve?, why).
+UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "use_dora": (_set, "DoRA (use_dora) is not supported"),
+    "modules_to_save": (_set, "modules_to_save (fully trained copies of {value}) is not supported"),
+    "bias": (lambda v: v not in (None, "none"), 'bias="{value}" is not supported (only "none")'),
+    "lora_bias": (_set, "lora_bias (a bias on lora_B) is not supported"),
+    "fan_in_fan_out": (_set, "fan_in_fan_out (Conv1D-style weights) is not supported"),
+    "rank_pattern": (_set, "per-module ranks (rank_pattern {value}) are not supported"),
+    "alpha_pattern": (_set, "per-module alphas (alpha_pattern {value}) are not supported"),
+    "target_parameters": (_set, "target_parameters ({value}) is not supported"),
+    "trainable_token_indices": (_set, "trainable_token_indices (embedding rows) is not supported"),
+    "layer_replication": (_set, "layer_replication is not supported"),
+    "alora_invocation_tokens": (_set, "activated LoRA (alora_invocation_tokens) is not supported"),
+    "use_qalora": (_set, "QA-LoRA (use_qalora) is not supported"),
+    "use_bdlora": (_set, "block-diagonal LoRA (use_bdlora) is not supported"),
+    "arrow_config": (_set, "Arrow routing (arrow_config) is not supported"),
+    "kasa_config": (_set, "KaSA (kasa_config) is not supported"),
+    "velora_config": (_set, "VeLoRA (velora_config) is not supported"),
+    "monteclora_config": (_set, "MonteCLoRA (monteclora_config) is not supported"),
+}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    rank: int
+    alpha: float
+    use_rslora: bool
+    target_modules: str | tuple[str, ...]  # a regex, or names / path suffixes
+    layers_to_transform: tuple[int, ...] | None
+    layers_pattern: tuple[str, ...] | None
+    exclude_modules: str | tuple[str, ...] | None
+    base_model_name_or_path: str | None
+
+    @property
+    def scaling(self) -> float:
+        """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
+        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+
+
+def _names(value: Any, key: str) -> str | tuple[str, ...] | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ValueError(f"{CONFIG_FILE}: {key} must be a string or a list of strings, got {value!r}")
+
+
+def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
+    peft_type = str(raw.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"{CONFIG_FILE}: peft_type {peft_type} is not supported (only LORA)")
+    problems = [
+        why.format(value=raw[key])
+        for key, (unsupported, why) in UNSUPPORTED_OPTIONS.items()
+        if key in raw and unsupported(raw[key])
+    ]
+    if problems:
+        raise ValueError(f"{CONFIG_FILE}: " + "; ".join(problems))
+    rank = raw.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+    alpha = raw.get("lora_alpha", 8)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
+    targets = _names(raw.get("target_modules"), "target_modules")
+    if not targets:
+        raise ValueError(f"{CONFIG_FILE}: target_modules is empty")
+    layers = raw.get("layers_to_transform")
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = [layers]
+    if layers is not None and not (isinstance(layers, list) and all(isinstance(i, int) for i in layers)):
+        raise ValueError(f"{CONFIG_FILE}: layers_to_transform must be an int or a list of ints, got {layers!r}")
+    pattern = _names(raw.get("layers_pattern"), "layers_pattern")
+    return LoraConfig(
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=bool(raw.get("use_rslora", False)),
+        target_modules=targets,
+        layers_to_transform=tuple(layers) if layers else None,
+        layers_pattern=(pattern,) if isinstance(pattern, str) else pattern,
+        exclude_modules=_names(raw.get("exclude_modules"), "exclude_modules"),
+        base_model_name_or_path=raw.get("base_model_name_or_path") or None,
+    )
+
+
+def read_lora_config(adapter_dir: Path) -> LoraConfig:
+    path = Path(adapter_dir) / CONFIG_FILE
+    if not path.is_file():
+        raise ValueError(f"{adapter_dir} has no {CONFIG_FILE}: it is not a PEFT adapter directory")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{CONFIG_FILE} is not valid JSON: {error}") from error
+    if not isinstance(raw, dict):
+        raise ValueError(f"{CONFIG_FILE} must hold a JSON object")
+    return parse_lora_config(raw)
+
+
+# ---- target resolution ---------------------------------------------------------------------
+
+
+def _matches_name(names: tuple[str, ...], key: str) -> bool:
+    return any(key == name or key.endswith(f".{name}") for name in names)
+
+
+def _excluded(config: LoraConfig, key: str) -> bool:
+    excluded = config.exclude_modules
+    if not excluded:
+        return False
+    if isinstance(excluded, str):
+        return re.fullmatch(excluded, key) is not None
+    return _matches_name(excluded, key)
+
+
+def _in_layers(config: LoraConfig, key: str) -> bool:
+    """PEFT's layers_to_transform filter: the first number after a `layers_pattern` segment
+    (any segment if no pattern) is the layer index."""
+    if config.layers_to_transform is None:
+        return True
+    if config.layers_pattern:
+        found = (re.match(rf"(?:^|.*?\.){p}\.(?P<idx>\d+)\.", key) for p in config.layers_pattern)
+        match = next((m for m in found if m is not None), None)
+    else:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", key)
+    return match is not None and int(match["idx"]) in config.layers_to_transform
+
+
+def _targets(config: LoraConfig, key: str, entry: str | None) -> bool:
+    """Whether PEFT would put LoRA on module `key`; `entry` narrows a list to one item."""
+    if _excluded(config, key):
+        return False
+    if isinstance(config.target_modules, str):
+        return re.fullmatch(config.target_modules, key) is not None
+    names = config.target_modules if entry is None else (entry,)
+    return _matches_name(names, key) and _in_layers(config, key)
+
+
+def resolve_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, str]]:
+    """(layer, projection) pairs the adapter applies to in our model. A target that names a
+    module we cannot serve LoRA on, or no module of this model at all, is a ValueError."""
+    servable = spec.module_paths()
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
+        return {where for key, where in servable.items() if not _excluded(config, key)}
+
+    unservable = [key for key in spec.non_lora_modules if _targets(config, key, None)]
+    if unservable:
+        supported = " ".join(spec.projections)
+        raise ValueError(
+            f"target_modules {_show(config.target_modules)} includes {', '.join(unservable)}: LoRA on "
+            f"embeddings or the output head is not supported (only on {supported})"
+        )
+    if isinstance(config.target_modules, tuple):
+        unknown = [
+            entry
+            for entry in config.target_modules
+            if not any(_targets(config, key, entry) for key in servable)
+        ]
+        if unknown:
+            raise ValueError(
+                f"target_modules {', '.join(map(repr, unknown))} match none of this {spec.model_type} "
+                f"model's LoRA-capable modules ({' '.join(spec.projections)} in layers "
+                f"0..{spec.num_layers - 1})"
+            )
+    targets = {where for key, where in servable.items() if _targets(config, key, None)}
+    if not targets:
+        raise ValueError(
+            f"target_modules {_show(config.target_modules)} match none of this {spec.model_type} "
+            f"model's LoRA-capable modules ({' '.join(spec.projections)})"
+        )
+    return targets
+
+
+def _show(targets: str | tuple[str, ...]) -> str:
+    return repr(targets) if isinstance(targets, str) else repr(list(targets))

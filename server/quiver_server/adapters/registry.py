@@ -1,0 +1,124 @@
+"""The adapters this shard knows: where each one lives on disk, and its host-memory copy.
+
+`load` finds the adapter's directory (a local path, or a hub download into the HF cache — the
+disk tier), reads and checks it, and puts it in the host cache. It is thread-safe and meant to
+run off the engine's thread, so a download never stalls decoding. An adapter the host cache
+evicted stays known: `get` reads it from its directory again when a slot needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from quiver_server.adapters.errors import AdapterNotFoundError
+from quiver_server.adapters.host_cache import HostAdapterCache
+from quiver_server.adapters.loader import BIN_FILE, SAFETENSORS_FILE, LoadedAdapter, load_adapter_dir
+from quiver_server.adapters.peft_config import CONFIG_FILE
+from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.batch_types import AdapterInfo
+from quiver_server.hub import MODEL_FILE_PATTERNS, ModelNotFoundError, download_snapshot
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("hub", "local")
+_BASE_ONLY_FILES = {"config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json"}
+# The adapter itself, plus its own tokenizer and chat template if it has them (the router reads
+# those from the same directory).
+ADAPTER_FILE_PATTERNS = (CONFIG_FILE, SAFETENSORS_FILE, BIN_FILE) + tuple(
+    pattern for pattern in MODEL_FILE_PATTERNS if pattern not in _BASE_ONLY_FILES
+)
+
+
+class AdapterRegistry:
+    def __init__(
+        self, spec: BaseModelSpec, dtype: torch.dtype, device: torch.device, max_cpu_adapters: int
+    ) -> None:
+        self.spec = spec
+        self.dtype = dtype
+        self.pin_memory = device.type == "cuda"
+        self.host = HostAdapterCache(max_cpu_adapters)
+        self.max_rank = 0  # the slots' capacity, set at warmup; loads are checked against it
+        self._known: dict[str, AdapterInfo] = {}
+        self._lock = threading.Lock()
+
+    def __contains__(self, adapter_id: str) -> bool:
+        with self._lock:
+            return adapter_id in self._known
+
+    def info(self, adapter_id: str) -> AdapterInfo | None:
+        with self._lock:
+            return self._known.get(adapter_id)
+
+    def load(self, adapter_id: str, source: str, path: str, revision: str) -> AdapterInfo:
+        """Idempotent: loading a known id again from the same place returns what it has."""
+        if not adapter_id:
+            raise ValueError("adapter_id is empty")
+        directory = self._locate(adapter_id, source, path, revision)
+        known = self.info(adapter_id)
+        if known is not None:
+            if Path(known.path) != directory:
+                raise ValueError(
+                    f"adapter {adapter_id!r} is already loaded from {known.path}; unload it before loading "
+                    f"it from {directory}"
+                )
+            return known
+        started = time.monotonic()
+        adapter = self._read(adapter_id, directory)
+        with self._lock:
+            self._known[adapter_id] = adapter.info()
+        self.host.put(adapter)
+        log.info(
+            "loaded adapter %s from %s: rank %d, scaling %g, %s (%.1f MiB, %.2fs)",
+            adapter_id, directory, adapter.rank, adapter.scaling, " ".join(adapter.target_modules),
+            adapter.nbytes / 2**20, time.monotonic() - started,
+        )
+        return adapter.info()
+
+    def get(self, adapter_id: str) -> LoadedAdapter:
+        """The host copy of a known adapter, read from disk again if the cache evicted it."""
+        adapter = self.host.get(adapter_id)
+        if adapter is not None:
+            return adapter
+        known = self.info(adapter_id)
+        if known is None:
+            raise ValueError(f"adapter {adapter_id!r} is not loaded")
+        log.info("adapter %s was evicted from host memory; reading it from %s again", adapter_id, known.path)
+        adapter = self._read(adapter_id, Path(known.path))
+        self.host.put(adapter)
+        return adapter
+
+    def forget(self, adapter_id: str) -> None:
+        with self._lock:
+            self._known.pop(adapter_id, None)
+        self.host.remove(adapter_id)
+
+    def _read(self, adapter_id: str, directory: Path) -> LoadedAdapter:
+        try:
+            return load_adapter_dir(adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory)
+        except ValueError as error:
+            raise ValueError(f"adapter {adapter_id!r}: {error}") from error
+
+    def _locate(self, adapter_id: str, source: str, path: str, revision: str) -> Path:
+        if source not in SOURCES:
+            raise ValueError(f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
+        if path:
+            directory = Path(path).expanduser()
+            if not directory.is_dir():
+                raise AdapterNotFoundError(f"adapter directory {path} does not exist")
+            return directory.resolve()
+        if source == "local":
+            raise ValueError(f"local adapter {adapter_id!r} needs the directory to read it from (path)")
+        # A hub id may carry its revision as owner/name@revision.
+        repo, _, id_revision = adapter_id.partition("@")
+        try:
+            downloaded = download_snapshot(
+                repo, revision=revision or id_revision or None, allow_patterns=list(ADAPTER_FILE_PATTERNS)
+            )
+        except ModelNotFoundError as error:
+            raise AdapterNotFoundError(str(error)) from error
+        return Path(downloaded).resolve()
