@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use clap::Parser;
 
+use crate::adapters::AdapterSource;
+
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "quiver-router",
@@ -64,21 +66,27 @@ pub struct RouterArgs {
     #[arg(long, env = "QUIVER_API_KEY")]
     pub api_key: Option<String>,
 
-    /// Where adapter ids are looked up by default: hub or local.
-    #[arg(long, env = "QUIVER_ADAPTER_SOURCE", default_value = "hub")]
-    pub adapter_source: String,
+    /// Where adapter ids are looked up when a request has no `adapter_source`: hub or local.
+    #[arg(long, env = "QUIVER_ADAPTER_SOURCE", value_enum, default_value_t = AdapterSource::Hub)]
+    pub adapter_source: AdapterSource,
 
-    /// Root directory of local adapters.
+    /// Root directory of local adapters; local adapter ids resolve only inside it.
     #[arg(long, env = "QUIVER_ADAPTER_ROOT")]
     pub adapter_root: Option<PathBuf>,
 
-    /// Adapters to load at start-up (comma-separated ids).
+    /// Adapters to load at start-up (comma-separated ids, looked up in --adapter-source);
+    /// start-up fails if one cannot be loaded.
     #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]
     pub preload_adapters: Vec<String>,
 
-    /// Adapters resident on the device at once.
+    /// Adapters resident on the device at once (device slots; more can be loaded in host
+    /// memory and are swapped in as requests need them).
     #[arg(long, env = "QUIVER_MAX_ACTIVE_ADAPTERS", default_value_t = 8)]
     pub max_active_adapters: u32,
+
+    /// Largest LoRA rank a device slot holds; adapters of higher rank are refused with 400.
+    #[arg(long, env = "QUIVER_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: u32,
 
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT.
     #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]

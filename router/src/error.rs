@@ -6,6 +6,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use crate::adapters::AdapterError;
 use crate::openai::error::{ErrorObject, ErrorResponse};
 use crate::scheduler::{AdmissionError, GenerationError};
 use crate::tokenizer::TokenizerError;
@@ -24,6 +25,13 @@ pub enum ApiError {
     Validation(#[from] ValidationError),
     #[error("The model `{0}` does not exist.")]
     ModelNotFound(String),
+    /// An adapter that cannot serve: bad id, not found, refused by the shard... `param` is
+    /// the request field it came from (`model`, or the load endpoint's `lora_path`).
+    #[error("{error}")]
+    Adapter {
+        error: AdapterError,
+        param: &'static str,
+    },
     #[error("Incorrect API key provided. Send it as `Authorization: Bearer <key>`.")]
     Unauthorized,
     #[error("{0}")]
@@ -49,11 +57,15 @@ impl ApiError {
             Self::Validation(error) if error.is_client_error() => StatusCode::BAD_REQUEST,
             Self::Validation(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
+            Self::Adapter { error, .. } if error.is_not_found() => StatusCode::NOT_FOUND,
+            Self::Adapter { error, .. } if error.is_client_error() => StatusCode::BAD_REQUEST,
+            Self::Adapter { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::Admission(AdmissionError::Overloaded) => StatusCode::TOO_MANY_REQUESTS,
             // It can never fit, however long the client waits.
             Self::Admission(AdmissionError::TooLarge { .. }) => StatusCode::BAD_REQUEST,
+            Self::Admission(AdmissionError::AdaptersDisabled { .. }) => StatusCode::BAD_REQUEST,
             Self::Admission(AdmissionError::ShuttingDown)
             | Self::Generation(GenerationError::ShuttingDown)
             | Self::ShardUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -72,6 +84,10 @@ impl ApiError {
             }
             Self::Validation(error) => ("server_error", error.code()),
             Self::ModelNotFound(_) => ("invalid_request_error", "model_not_found"),
+            Self::Adapter { error, .. } if error.is_client_error() => {
+                ("invalid_request_error", error.code())
+            }
+            Self::Adapter { error, .. } => ("server_error", error.code()),
             Self::Unauthorized => ("invalid_request_error", "invalid_api_key"),
             Self::NotFound(_) => ("invalid_request_error", "not_found"),
             Self::MethodNotAllowed(_) => ("invalid_request_error", "method_not_allowed"),
@@ -80,6 +96,9 @@ impl ApiError {
             }
             Self::Admission(AdmissionError::TooLarge { .. }) => {
                 ("invalid_request_error", "context_length_exceeded")
+            }
+            Self::Admission(AdmissionError::AdaptersDisabled { .. }) => {
+                ("invalid_request_error", "adapters_disabled")
             }
             Self::Admission(AdmissionError::ShuttingDown)
             | Self::Generation(GenerationError::ShuttingDown) => {
@@ -97,7 +116,9 @@ impl ApiError {
             Self::BadRequestBody { param, .. } => param.clone(),
             Self::Validation(error) => error.param().map(str::to_owned),
             Self::ModelNotFound(_) => Some("model".to_owned()),
+            Self::Adapter { param, .. } => Some((*param).to_owned()),
             Self::Admission(AdmissionError::TooLarge { .. }) => Some("max_tokens".to_owned()),
+            Self::Admission(AdmissionError::AdaptersDisabled { .. }) => Some("model".to_owned()),
             _ => None,
         }
     }
@@ -112,6 +133,24 @@ impl ApiError {
                 code: Some(code.to_owned()),
             },
         }
+    }
+}
+
+impl ApiError {
+    /// An adapter error about the request field `param`.
+    pub fn adapter(error: AdapterError, param: &'static str) -> Self {
+        let param = match error {
+            AdapterError::InvalidSource(_) => "adapter_source",
+            _ => param,
+        };
+        Self::Adapter { error, param }
+    }
+}
+
+/// Adapter errors of a generation request are about its `model`.
+impl From<AdapterError> for ApiError {
+    fn from(error: AdapterError) -> Self {
+        Self::adapter(error, "model")
     }
 }
 

@@ -9,7 +9,7 @@ use futures::FutureExt;
 
 use crate::pb;
 use crate::scheduler::Scheduler;
-use crate::shard::{ShardBackend, ShardError, ShardResult};
+use crate::shard::{ShardBackend, ShardResult};
 
 pub trait AdapterBackend: Send + Sync {
     /// `LoadAdapter` on every rank (the shard client sends a hub load to rank 0 first).
@@ -32,20 +32,22 @@ pub struct ServingBackend {
 impl AdapterBackend for ServingBackend {
     fn load(
         &self,
-        _request: pb::LoadAdapterRequest,
+        request: pb::LoadAdapterRequest,
     ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
-        // Until the shard client's load_adapter lands.
-        async {
-            Err(ShardError::Status {
-                rank: 0,
-                code: tonic::Code::Unimplemented,
-                message: "adapters are not wired to the shards yet".to_owned(),
-            })
-        }
-        .boxed()
+        self.shard.load_adapter(request)
     }
 
-    fn unload(&self, _adapter_id: String) -> BoxFuture<'static, ()> {
-        async {}.boxed()
+    fn unload(&self, adapter_id: String) -> BoxFuture<'static, ()> {
+        // Until Scheduler::unload_adapter lands: straight to the shards.
+        let shard = self.shard.clone();
+        async move {
+            let request = pb::UnloadAdapterRequest {
+                adapter_id: adapter_id.clone(),
+            };
+            if let Err(error) = shard.unload_adapter(request).await {
+                tracing::warn!(adapter = %adapter_id, %error, "UnloadAdapter failed");
+            }
+        }
+        .boxed()
     }
 }

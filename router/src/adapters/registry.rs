@@ -37,7 +37,7 @@ pub struct AdapterEntry {
     pub created: u64,
     /// Its own tokenizer/template where it has them, the base model's otherwise.
     pub assets: Arc<ModelAssets>,
-    /// Load order, so `/v1/models` lists adapters in the order they arrived.
+    /// When its load started, so `/v1/models` lists adapters in the order they arrived.
     order: u64,
 }
 
@@ -168,6 +168,11 @@ impl AdapterRegistry {
         }
     }
 
+    /// Whether a load of `id` is under way.
+    pub fn is_loading(&self, id: &str) -> bool {
+        matches!(self.states().get(id), Some(State::Loading { .. }))
+    }
+
     /// Every ready adapter, in load order.
     pub fn list(&self) -> Vec<Arc<AdapterEntry>> {
         let mut entries: Vec<_> = self
@@ -267,7 +272,7 @@ impl AdapterRegistry {
         let inner = self.inner.clone();
         let task_spec = spec.clone();
         let task = tokio::spawn(async move {
-            let result = inner.load_entry(task_spec.clone()).await;
+            let result = inner.load_entry(task_spec.clone(), generation).await;
             inner.finish(&task_spec, generation, &result);
             result
         });
@@ -296,8 +301,9 @@ impl AdapterRegistry {
 }
 
 impl Inner {
-    /// `LoadAdapter` on the shards, then the adapter's own tokenizer/template.
-    async fn load_entry(&self, spec: AdapterSpec) -> LoadResult {
+    /// `LoadAdapter` on the shards, then the adapter's own tokenizer/template. `order` is when
+    /// the load started, so `--preload-adapters` are listed in the order given.
+    async fn load_entry(&self, spec: AdapterSpec, order: u64) -> LoadResult {
         let (path, revision) = match &spec.location {
             AdapterLocation::Hub { revision, .. } => {
                 (String::new(), revision.clone().unwrap_or_default())
@@ -346,7 +352,7 @@ impl Inner {
             target_modules: loaded.target_modules,
             created: unix_now(),
             assets: Arc::new(assets),
-            order: self.counter.fetch_add(1, Ordering::Relaxed),
+            order,
         }))
     }
 

@@ -285,7 +285,12 @@ fn parse_hub_id(id: &str) -> Result<AdapterLocation, AdapterError> {
         None => (id, None),
     };
     let Some((owner, name)) = repo.split_once('/') else {
-        return Err(invalid(id, SHAPE));
+        // Not even trying to be a hub id: most likely a model name this server does not
+        // serve, which OpenAI answers with 404 model_not_found.
+        return Err(AdapterError::NotFound {
+            id: id.to_owned(),
+            detail: String::new(),
+        });
     };
     for part in [owner, name] {
         if let Err(reason) = check_hub_name(part) {
@@ -364,8 +369,16 @@ mod tests {
                 .location,
             hub("org/sql_lora.v2", Some("refs/pr/1"))
         );
+        // No slash at all: an unknown model name, not a malformed hub id.
+        for unknown in ["gpt-4", "sql-lora@v1"] {
+            let error = resolver.resolve(unknown, None).unwrap_err();
+            assert_eq!(error.code(), "model_not_found", "{unknown}");
+            assert_eq!(
+                error.to_string(),
+                format!("The model `{unknown}` does not exist.")
+            );
+        }
         for bad in [
-            "sql-lora",
             "org/",
             "/name",
             "a/b/c",
@@ -378,7 +391,6 @@ mod tests {
             "org/x@a..b",
             "org/x@rev with space",
             "org/x@a@b",
-            "",
         ] {
             let error = resolver.resolve(bad, None).unwrap_err();
             assert_eq!(error.code(), "invalid_adapter_id", "{bad}: {error}");

@@ -35,7 +35,9 @@ pub async fn chat_completions(
     OpenAiJson(request): OpenAiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     let ChatCompletionRequest { fields, params } = request;
-    let (adapter_id, assets) = state.resolve_model(params.model.as_deref())?;
+    let (adapter_id, assets) = state
+        .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
+        .await?;
     let valid = state
         .validator
         .chat(&assets, &adapter_id, fields, &params)

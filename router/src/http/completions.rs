@@ -34,7 +34,9 @@ pub async fn completions(
     OpenAiJson(request): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     let CompletionRequest { fields, params } = request;
-    let (adapter_id, assets) = state.resolve_model(params.model.as_deref())?;
+    let (adapter_id, assets) = state
+        .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
+        .await?;
     let valid = state
         .validator
         .completion(&assets, &adapter_id, fields, &params)

@@ -9,6 +9,7 @@ use axum::Router;
 
 use crate::error::ApiError;
 
+mod adapters;
 mod auth;
 mod chat;
 mod completions;
@@ -20,7 +21,7 @@ mod models;
 mod sse;
 mod state;
 
-pub use state::{AppState, ServedModels, ServerInfo, Settings, StartupError};
+pub use state::{AdapterSettings, AppState, ServedModels, ServerInfo, Settings, StartupError};
 
 /// The whole HTTP surface over `state`.
 pub fn router(state: AppState) -> Router {
@@ -29,6 +30,11 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(completions::completions))
         .route("/v1/models", get(models::list_models))
         .route("/v1/models/{*id}", get(models::retrieve_model))
+        .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))
+        .route(
+            "/v1/unload_lora_adapter",
+            post(adapters::unload_lora_adapter),
+        )
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

@@ -1,27 +1,48 @@
-//! `GET /v1/models` and `GET /v1/models/{id}`.
+//! `GET /v1/models` and `GET /v1/models/{id}`: the base model first, then every loaded
+//! adapter (its `parent` is the base model's served name, its `root` what it was loaded from).
 
 use axum::extract::{Path, State};
 use axum::Json;
 
 use super::state::AppState;
+use crate::adapters::AdapterEntry;
 use crate::error::ApiError;
 use crate::openai::models::{ModelCard, ModelList};
 
 pub async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
-    Json(ModelList::new(state.models.cards()))
+    let mut cards = vec![state.models.base_card()];
+    cards.extend(
+        state
+            .adapters
+            .list()
+            .iter()
+            .map(|entry| adapter_card(&state, entry)),
+    );
+    Json(ModelList::new(cards))
 }
 
-/// Looks the id up among the listed cards, so a model is retrievable exactly when it is listed.
+/// A model is retrievable exactly when it is listed: looking an id up never loads an adapter.
 /// The route captures the rest of the path: hub ids contain a slash.
 pub async fn retrieve_model(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
+    let base = state.models.base_card();
+    if base.id == id {
+        return Ok(Json(base));
+    }
     state
-        .models
-        .cards()
-        .into_iter()
-        .find(|card| card.id == id)
-        .map(Json)
+        .adapters
+        .get(&id)
+        .map(|entry| Json(adapter_card(&state, &entry)))
         .ok_or(ApiError::ModelNotFound(id))
+}
+
+fn adapter_card(state: &AppState, entry: &AdapterEntry) -> ModelCard {
+    ModelCard::adapter(
+        entry.id.clone(),
+        entry.root(),
+        state.models.served_name.clone(),
+        entry.created,
+    )
 }

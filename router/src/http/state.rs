@@ -1,11 +1,15 @@
 //! Everything the handlers share, built once at start-up: the scheduler handle, the shard (for
-//! `/health`), the validator, the base model's tokenizer and template, and what `/info` and
-//! `/v1/models` report.
+//! `/health`), the validator, the base model's tokenizer and template, the adapter registry,
+//! and what `/info` and `/v1/models` report.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use serde::Serialize;
 
+use crate::adapters::{
+    AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
+};
 use crate::config::RouterArgs;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -26,6 +30,9 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// `Authorization: Bearer <key>` required on `/v1/*` when set.
     pub api_key: Option<Arc<str>>,
+    /// Loaded adapters, and where ids not loaded yet are looked up.
+    pub adapters: AdapterRegistry,
+    pub resolver: Arc<Resolver>,
 }
 
 /// The serving settings from the command line that shape the state.
@@ -38,6 +45,19 @@ pub struct Settings {
     pub max_batch_size: u32,
     pub max_concurrent_requests: u32,
     pub api_key: Option<String>,
+    pub adapters: AdapterSettings,
+}
+
+/// `--adapter-source`, `--adapter-root`, `--preload-adapters`, `--max-active-adapters`,
+/// `--max-lora-rank`.
+#[derive(Debug, Clone, Default)]
+pub struct AdapterSettings {
+    pub source: AdapterSource,
+    pub root: Option<PathBuf>,
+    pub preload: Vec<String>,
+    /// Device slots; 0 serves no adapter (every adapter request fails in the scheduler).
+    pub max_active_adapters: u32,
+    pub max_lora_rank: u32,
 }
 
 impl Settings {
@@ -54,6 +74,13 @@ impl Settings {
             max_batch_size: args.max_batch_size,
             max_concurrent_requests: args.max_concurrent_requests,
             api_key: args.api_key.clone().filter(|key| !key.is_empty()),
+            adapters: AdapterSettings {
+                source: args.adapter_source,
+                root: args.adapter_root.clone(),
+                preload: args.preload_adapters.clone(),
+                max_active_adapters: args.max_active_adapters,
+                max_lora_rank: args.max_lora_rank,
+            },
         }
     }
 }
@@ -75,6 +102,10 @@ pub enum StartupError {
         block_size: u32,
         max_total_tokens: u32,
     },
+    #[error("{0}")]
+    AdapterRoot(String),
+    #[error("cannot preload adapter: {0}")]
+    Preload(AdapterError),
 }
 
 /// The names the base model answers to, and the cards `/v1/models` lists.
@@ -88,22 +119,18 @@ pub struct ServedModels {
 }
 
 impl ServedModels {
-    /// "" (or absent), the served name or the model id select the base model; adapters will
-    /// be resolved here too (issue 3), which is why this returns the adapter id.
-    pub fn resolve(&self, requested: Option<&str>) -> Result<String, ApiError> {
-        match requested.unwrap_or_default() {
-            "" => Ok(String::new()),
-            name if name == self.served_name || name == self.model_id => Ok(String::new()),
-            other => Err(ApiError::ModelNotFound(other.to_owned())),
-        }
+    /// "" (or absent), the served name or the model id select the base model; anything else is
+    /// an adapter id.
+    pub fn is_base(&self, requested: &str) -> bool {
+        requested.is_empty() || requested == self.served_name || requested == self.model_id
     }
 
-    pub fn cards(&self) -> Vec<ModelCard> {
-        vec![ModelCard::base(
+    pub fn base_card(&self) -> ModelCard {
+        ModelCard::base(
             self.served_name.clone(),
             self.model_id.clone(),
             self.created,
-        )]
+        )
     }
 }
 
@@ -146,6 +173,9 @@ impl AppState {
     ) -> Result<Self, StartupError> {
         let limits = Limits::resolve(settings.limits, info.max_position_embeddings)
             .map_err(StartupError::Limits)?;
+        // Before the warmup: a bad --adapter-root should not cost a model warmup.
+        let resolver = Resolver::new(settings.adapters.source, settings.adapters.root.as_deref())
+            .map_err(StartupError::AdapterRoot)?;
         if let Some(cap) = settings.max_batch_total_tokens {
             if cap < limits.max_total_tokens {
                 return Err(StartupError::Limits(format!(
@@ -160,9 +190,8 @@ impl AppState {
                 max_total_tokens: limits.max_total_tokens,
                 max_batch_size: settings.max_batch_size,
                 max_batch_total_tokens: settings.max_batch_total_tokens.unwrap_or(0),
-                // Adapter slots come with multi-LoRA serving (issue 3).
-                max_active_adapters: 0,
-                max_lora_rank: 0,
+                max_active_adapters: settings.adapters.max_active_adapters,
+                max_lora_rank: settings.adapters.max_lora_rank,
             })
             .await
             .map_err(StartupError::Warmup)?;
@@ -190,6 +219,7 @@ impl AppState {
                 max_batch_size: settings.max_batch_size,
                 max_concurrent_requests: settings.max_concurrent_requests,
                 max_total_tokens: limits.max_total_tokens,
+                max_active_adapters: settings.adapters.max_active_adapters,
             },
         );
 
@@ -230,6 +260,13 @@ impl AppState {
             },
             version: env!("CARGO_PKG_VERSION"),
         };
+        let base = Arc::new(base);
+        let backend: Arc<dyn AdapterBackend> = Arc::new(ServingBackend {
+            shard: shard.clone(),
+            scheduler: scheduler.clone(),
+        });
+        let adapters = AdapterRegistry::new(backend, base.clone());
+        preload(&adapters, &resolver, &settings.adapters.preload).await?;
         Ok(Self {
             scheduler,
             shard,
@@ -238,7 +275,7 @@ impl AppState {
                 vocab_size: info.vocab_size,
                 eos_token_ids,
             }),
-            base: Arc::new(base),
+            base,
             models: Arc::new(ServedModels {
                 served_name,
                 model_id,
@@ -247,15 +284,51 @@ impl AppState {
             info: Arc::new(server_info),
             metrics: Arc::new(Metrics::default()),
             api_key: settings.api_key.map(Arc::from),
+            adapters,
+            resolver: Arc::new(resolver),
         })
     }
 
-    /// The adapter id and the tokenizer/template a request's `model` runs with.
-    pub fn resolve_model(
+    /// The adapter id ("" for the base model) and the tokenizer/template a request's `model`
+    /// runs with. An adapter not loaded yet is looked up in `adapter_source` (else
+    /// `--adapter-source`) and loaded; this waits for that load, and only this request does.
+    pub async fn resolve_model(
         &self,
         requested: Option<&str>,
+        adapter_source: Option<&str>,
     ) -> Result<(String, Arc<ModelAssets>), ApiError> {
-        let adapter_id = self.models.resolve(requested)?;
-        Ok((adapter_id, self.base.clone()))
+        let source = adapter_source
+            .map(AdapterSource::parse)
+            .transpose()
+            .map_err(ApiError::from)?;
+        let requested = requested.unwrap_or_default();
+        if self.models.is_base(requested) {
+            return Ok((String::new(), self.base.clone()));
+        }
+        let entry = self
+            .adapters
+            .acquire(requested, || self.resolver.resolve(requested, source))
+            .await?;
+        Ok((entry.id.clone(), entry.assets.clone()))
     }
+}
+
+/// `--preload-adapters`, all at once; any failure stops start-up.
+async fn preload(
+    adapters: &AdapterRegistry,
+    resolver: &Resolver,
+    ids: &[String],
+) -> Result<(), StartupError> {
+    let loads = ids
+        .iter()
+        .map(|id| id.trim())
+        .filter(|id| !id.is_empty())
+        .map(|id| async move {
+            let spec = resolver.resolve(id, None)?;
+            adapters.load(spec).await
+        });
+    futures::future::try_join_all(loads)
+        .await
+        .map_err(StartupError::Preload)?;
+    Ok(())
 }

@@ -37,6 +37,9 @@ pub struct GenerationParams {
     pub min_tokens: Option<u32>,
     /// vLLM's extension: return prompt and completion token ids alongside the text.
     pub return_token_ids: Option<bool>,
+    /// Extension: where an adapter id in `model` is looked up, `hub` or `local` (default:
+    /// `--adapter-source`).
+    pub adapter_source: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

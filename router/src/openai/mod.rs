@@ -4,6 +4,7 @@
 //! as OpenAI's schema names them (plus the documented extensions). What the values mean and
 //! whether they are allowed is decided in `crate::validation`.
 
+pub mod adapters;
 pub mod chat;
 pub mod common;
 pub mod completions;

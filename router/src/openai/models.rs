@@ -17,15 +17,16 @@ impl ModelList {
     }
 }
 
-/// One servable model. Adapters will be listed as further cards whose `parent` is the base
-/// model (vLLM's convention); the base model has none.
+/// One servable model. Adapters are listed as further cards whose `parent` is the base model's
+/// served name (vLLM's convention); the base model has none.
 #[derive(Debug, Clone, Serialize)]
 pub struct ModelCard {
     pub id: String,
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
-    /// What the card serves: the base model's id (hub id or directory).
+    /// What the card serves: the base model's id (hub id or directory), or what an adapter was
+    /// loaded from (hub id, or its directory).
     pub root: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent: Option<String>,
@@ -40,6 +41,17 @@ impl ModelCard {
             owned_by: "quiver",
             root,
             parent: None,
+        }
+    }
+
+    pub fn adapter(id: String, root: String, parent: String, created: u64) -> Self {
+        Self {
+            id,
+            object: "model",
+            created,
+            owned_by: "quiver",
+            root,
+            parent: Some(parent),
         }
     }
 }

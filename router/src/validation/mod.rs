@@ -29,8 +29,8 @@ pub const MAX_STOP_SEQUENCES: usize = 4;
 /// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
 pub const MAX_N: u32 = 128;
 
-/// What a model needs to turn text into tokens and back. One for the base model; adapters
-/// that ship their own tokenizer or template will get their own.
+/// What a model needs to turn text into tokens and back. One for the base model; an adapter
+/// that ships its own tokenizer or template has its own (`crate::adapters`).
 #[derive(Debug, Clone)]
 pub struct ModelAssets {
     pub tokenizer: TextTokenizer,
@@ -62,7 +62,8 @@ pub struct ValidRequest {
 pub struct Validator {
     pub limits: Limits,
     pub vocab_size: u32,
-    /// Token ids that end a choice with `finish_reason: "stop"`.
+    /// Token ids that end a choice with `finish_reason: "stop"`: the model's and its
+    /// tokenizer's. An adapter's own tokenizer adds its stop ids to these.
     pub eos_token_ids: Vec<u32>,
 }
 
@@ -88,7 +89,7 @@ impl Validator {
             .ok_or(ValidationError::NoChatTemplate)?;
         let prompt = template.render(&messages, fields.tools.as_ref(), true)?;
         let input_ids = assets.tokenizer.encode(prompt, false).await?;
-        self.build(vec![input_ids], "messages", checked, adapter_id)
+        self.build(vec![input_ids], "messages", checked, adapter_id, assets)
     }
 
     /// Completions: each prompt is tokenized with special tokens (BOS), or taken as ids.
@@ -125,7 +126,17 @@ impl Validator {
                 PromptInput::Ids(ids) => ids,
             });
         }
-        self.build(prompt_ids, "prompt", checked, adapter_id)
+        self.build(prompt_ids, "prompt", checked, adapter_id, assets)
+    }
+
+    /// The model's EOS ids plus those of the tokenizer in use (an adapter's own tokenizer may
+    /// end turns with a token of its own, e.g. `<|im_end|>`).
+    fn eos_token_ids_for(&self, assets: &ModelAssets) -> Vec<u32> {
+        let mut ids = self.eos_token_ids.clone();
+        ids.extend_from_slice(assets.tokenizer.stop_token_ids());
+        ids.sort_unstable();
+        ids.dedup();
+        ids
     }
 
     /// Length and vocabulary checks per prompt, then one `GenerationRequest` per choice.
@@ -135,8 +146,10 @@ impl Validator {
         prompt_param: &str,
         checked: CheckedParams,
         adapter_id: &str,
+        assets: &ModelAssets,
     ) -> Result<ValidRequest, ValidationError> {
         let limits = self.limits;
+        let eos_token_ids = self.eos_token_ids_for(assets);
         let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
         let mut prompt_tokens = 0u32;
         for input_ids in prompts {
@@ -207,7 +220,7 @@ impl Validator {
                         seed,
                         ..checked.sampling.clone()
                     },
-                    eos_token_ids: self.eos_token_ids.clone(),
+                    eos_token_ids: eos_token_ids.clone(),
                     ignore_eos: checked.ignore_eos,
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),

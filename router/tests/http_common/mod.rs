@@ -9,6 +9,7 @@
 
 pub mod openapi;
 
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,8 +17,9 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
-use quiver_router::http::{self, AppState, Settings};
-use quiver_router::shard::{fake_next_token, FakeShard, ShardBackend};
+use quiver_router::adapters::AdapterSource;
+use quiver_router::http::{self, AdapterSettings, AppState, Settings, StartupError};
+use quiver_router::shard::{fake_next_token, fake_next_token_for, FakeShard, ShardBackend};
 use quiver_router::template::ChatTemplate;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::{ModelAssets, RequestedLimits};
@@ -70,12 +72,28 @@ pub fn expected_generation(
     max_tokens: u32,
     ignore_eos: bool,
 ) -> (Vec<u32>, &'static str) {
+    expected_generation_for("", last, max_tokens, ignore_eos, &[EOS])
+}
+
+/// As `expected_generation`, under the fake's token rule for `adapter_id` ("" is the base
+/// model), ending at any of `eos`.
+pub fn expected_generation_for(
+    adapter_id: &str,
+    last: u32,
+    max_tokens: u32,
+    ignore_eos: bool,
+    eos: &[u32],
+) -> (Vec<u32>, &'static str) {
     let mut ids = Vec::new();
     let mut previous = last;
     while ids.len() < max_tokens as usize {
-        let next = fake_next_token(previous, VOCAB);
+        let next = if adapter_id.is_empty() {
+            fake_next_token(previous, VOCAB)
+        } else {
+            fake_next_token_for(previous, adapter_id, VOCAB)
+        };
         ids.push(next);
-        if next == EOS && !ignore_eos {
+        if eos.contains(&next) && !ignore_eos {
             return (ids, "stop");
         }
         previous = next;
@@ -134,6 +152,14 @@ pub struct Options {
     pub max_concurrent_requests: u32,
     pub step_delay: Duration,
     pub with_template: bool,
+    pub adapter_source: AdapterSource,
+    pub adapter_root: Option<PathBuf>,
+    pub preload_adapters: Vec<String>,
+    pub max_active_adapters: u32,
+    /// How long each LoadAdapter takes in the fake shard.
+    pub adapter_load_delay: Duration,
+    /// (adapter id, directory) the fake's LoadAdapter answers for a hub adapter.
+    pub adapter_paths: Vec<(String, String)>,
 }
 
 impl Default for Options {
@@ -146,6 +172,12 @@ impl Default for Options {
             max_concurrent_requests: 64,
             step_delay: Duration::ZERO,
             with_template: true,
+            adapter_source: AdapterSource::Hub,
+            adapter_root: None,
+            preload_adapters: Vec::new(),
+            max_active_adapters: 4,
+            adapter_load_delay: Duration::ZERO,
+            adapter_paths: Vec::new(),
         }
     }
 }
@@ -162,12 +194,22 @@ impl TestApp {
     }
 
     pub async fn with_options(options: Options) -> Self {
-        let shard = Arc::new(
-            FakeShard::new(VOCAB)
-                .with_eos(EOS)
-                .with_cache(4, 256)
-                .with_step_delay(options.step_delay),
-        );
+        match Self::try_with_options(options).await {
+            Ok(app) => app,
+            Err(error) => panic!("app state starts: {error}"),
+        }
+    }
+
+    pub async fn try_with_options(options: Options) -> Result<Self, StartupError> {
+        let mut fake = FakeShard::new(VOCAB)
+            .with_eos(EOS)
+            .with_cache(4, 256)
+            .with_step_delay(options.step_delay)
+            .with_adapter_load_delay(options.adapter_load_delay);
+        for (id, dir) in &options.adapter_paths {
+            fake = fake.with_adapter_path(id.clone(), dir.clone());
+        }
+        let shard = Arc::new(fake);
         let backend: Arc<dyn ShardBackend> = shard.clone();
         let info = backend.info().await.expect("fake Info");
         let template = options.with_template.then(|| {
@@ -194,15 +236,20 @@ impl TestApp {
             max_batch_size: 32,
             max_concurrent_requests: options.max_concurrent_requests,
             api_key: options.api_key,
+            adapters: AdapterSettings {
+                source: options.adapter_source,
+                root: options.adapter_root,
+                preload: options.preload_adapters,
+                max_active_adapters: options.max_active_adapters,
+                max_lora_rank: 64,
+            },
         };
-        let state = AppState::start(backend, info, assets, settings)
-            .await
-            .expect("app state starts");
-        Self {
+        let state = AppState::start(backend, info, assets, settings).await?;
+        Ok(Self {
             app: http::router(state.clone()),
             state,
             shard,
-        }
+        })
     }
 
     pub async fn send(&self, request: Request<Body>) -> (StatusCode, String) {
@@ -237,6 +284,16 @@ impl TestApp {
             .expect("request");
         let (status, text) = self.send(request).await;
         (status, parse_json(&text))
+    }
+
+    /// POSTs `body` as JSON and returns the answer as text (the adapter endpoints answer
+    /// plain text on success).
+    pub async fn post_text(&self, path: &str, body: &Value) -> (StatusCode, String) {
+        let request = Request::post(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        self.send(request).await
     }
 
     pub async fn get(&self, path: &str) -> (StatusCode, Value) {
