@@ -85,9 +85,19 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]
     pub preload_adapters: Vec<String>,
 
-    /// Adapters resident on the device at once (router default: 8).
+    /// Adapters resident on the device at once, in preallocated LoRA slots (router default: 8).
     #[arg(long, env = "QUIVER_MAX_ACTIVE_ADAPTERS")]
     pub max_active_adapters: Option<u32>,
+
+    /// Largest LoRA rank a device slot holds; adapters of higher rank are refused (router
+    /// default: 64).
+    #[arg(long, env = "QUIVER_MAX_LORA_RANK")]
+    pub max_lora_rank: Option<u32>,
+
+    /// Loaded adapters each shard keeps in host memory (least recently used beyond it are
+    /// dropped and reloaded from disk when asked for again) (shard default: 64).
+    #[arg(long, env = "QUIVER_MAX_CPU_ADAPTERS")]
+    pub max_cpu_adapters: Option<u32>,
 
     /// Name the base model is listed and answered under (default: --model-id, or quiver-demo for
     /// the demo model).

@@ -72,6 +72,7 @@ pub fn shard_command(
         .flag("--device", flag_value(args.device))
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
+        .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
         // The launcher parses the shards' JSON lines and re-logs them in its own format.
         .arg("--json-logs");
     // A revision only means something for a hub id; the demo model is a local directory.
@@ -122,6 +123,7 @@ pub fn router_command(
         cmd.flag("--preload-adapters", args.preload_adapters.join(","));
     }
     cmd.flag_if_set("--max-active-adapters", args.max_active_adapters)
+        .flag_if_set("--max-lora-rank", args.max_lora_rank)
         .flag(
             "--graceful-shutdown-secs",
             args.graceful_shutdown_secs.to_string(),
@@ -181,6 +183,8 @@ mod tests {
             "cuda",
             "--gpu-memory-fraction",
             "0.8",
+            "--max-cpu-adapters",
+            "16",
         ]);
         let model = ModelSource::User(args.requested_model_id().unwrap());
         let cmd = shard_command(
@@ -209,6 +213,8 @@ mod tests {
                 "cuda",
                 "--gpu-memory-fraction",
                 "0.8",
+                "--max-cpu-adapters",
+                "16",
                 "--json-logs",
                 "--revision",
                 "main",
@@ -232,7 +238,12 @@ mod tests {
         assert_eq!(value_of(&cmd, "--dtype").as_deref(), Some("auto"));
         assert_eq!(value_of(&cmd, "--device").as_deref(), Some("auto"));
         assert_eq!(value_of(&cmd, "--world-size").as_deref(), Some("1"));
-        for absent in ["--revision", "--cpu-kv-cache-gib", "--gpu-memory-fraction"] {
+        for absent in [
+            "--revision",
+            "--cpu-kv-cache-gib",
+            "--gpu-memory-fraction",
+            "--max-cpu-adapters",
+        ] {
             assert!(
                 value_of(&cmd, absent).is_none(),
                 "{absent} should not be passed"
@@ -283,6 +294,8 @@ mod tests {
             "a,b",
             "--max-active-adapters",
             "4",
+            "--max-lora-rank",
+            "32",
             "--served-model-name",
             "my-model",
             "--graceful-shutdown-secs",
@@ -326,6 +339,8 @@ mod tests {
                 "a,b",
                 "--max-active-adapters",
                 "4",
+                "--max-lora-rank",
+                "32",
                 "--graceful-shutdown-secs",
                 "7",
                 "--json-logs",
@@ -353,6 +368,7 @@ mod tests {
             "--adapter-root",
             "--preload-adapters",
             "--max-active-adapters",
+            "--max-lora-rank",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),
