@@ -1,0 +1,86 @@
+"""Batched multi-LoRA compute: one entry point, `add_lora`, three interchangeable backends.
+
+- "triton" (`lora_triton`): fused shrink+expand kernels, BGMV for decode rows and SGMV for
+  prefill segments; the default on CUDA.
+- "torch" (`lora_torch`): vectorised torch, no loop per token; the default off CUDA.
+- "reference" (`lora_reference`): the per-token loop that defines the semantics.
+
+The backend is picked per call from the tensors' device; `backend=` or the environment variable
+QUIVER_LORA_BACKEND (auto|triton|torch|reference) force one, e.g. to debug a suspected kernel bug
+in a running server with the reference.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_reference import add_lora_reference
+from quiver_server.kernels.lora_torch import add_lora_torch
+
+__all__ = ["LoraBatchMeta", "add_lora", "BACKENDS"]
+
+BACKENDS = ("auto", "triton", "torch", "reference")
+
+
+def _check(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
+) -> None:
+    """Shape and dtype checks on host metadata only (no device sync)."""
+    num_tokens, in_features = x.shape
+    slots, rank, a_in = lora_a.shape
+    b_slots, out_features, b_rank = lora_b.shape
+    width = len(range(*out_slice.indices(y.shape[1])))
+    problems = []
+    if y.shape[0] != num_tokens or meta.num_tokens != num_tokens:
+        problems.append(f"tokens: x {num_tokens}, y {y.shape[0]}, meta {meta.num_tokens}")
+    if a_in != in_features:
+        problems.append(f"lora_a in_features {a_in} != x's {in_features}")
+    if (b_slots, b_rank) != (slots, rank) or scaling.shape != (slots,):
+        problems.append(
+            f"slot/rank dims differ: lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, "
+            f"scaling {tuple(scaling.shape)}"
+        )
+    if out_features != width or out_slice.step not in (None, 1):
+        problems.append(f"lora_b out_features {out_features} != width of {out_slice} ({width})")
+    if not (x.dtype == lora_a.dtype == lora_b.dtype == y.dtype):
+        problems.append(f"dtypes differ: x {x.dtype}, A {lora_a.dtype}, B {lora_b.dtype}, y {y.dtype}")
+    if scaling.dtype != torch.float32:
+        problems.append(f"scaling must be float32, got {scaling.dtype}")
+    if problems:
+        raise ValueError("add_lora: " + "; ".join(problems))
+
+
+def _backend(requested: str | None, device: torch.device) -> str:
+    name = requested or os.environ.get("QUIVER_LORA_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}, expected one of {BACKENDS}")
+    if name == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return name
+
+
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, *, backend: str | None = None,
+) -> None:
+    """In place: for every token t with s = token_slots[t] >= 0:
+       y[t, out_slice] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))
+    x [T, in], lora_a [S, R, in], lora_b [S, out, R] (out = width of out_slice), scaling [S] float32,
+    y [T, out_total]. Ranks below R are zero-padded in the buffers. x, A, B and y share one dtype
+    (float32, bfloat16 or float16); products are accumulated in float32."""
+    if not meta.has_lora or x.shape[0] == 0:
+        return
+    _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
+    chosen = _backend(backend, x.device)
+    if chosen == "triton":
+        from quiver_server.kernels.lora_triton import add_lora_triton  # imports triton lazily
+
+        add_lora_triton(y, x, lora_a, lora_b, scaling, meta, out_slice)
+    elif chosen == "torch":
+        add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice)
+    else:
+        add_lora_reference(y, x, lora_a, lora_b, scaling, meta, out_slice)

@@ -1,0 +1,78 @@
+"""Per-batch LoRA index metadata: which device slot each token's adapter sits in.
+
+Built once per forward pass (host lists -> a few small int32 device tensors) and shared by every
+LoRA-carrying linear layer of that pass. Two views of the same mapping:
+
+- `token_slots[t]`: the slot of token t's adapter, -1 for the base model. The decode kernel
+  (BGMV: one row per request) reads this.
+- segments: maximal runs of consecutive tokens with one slot, `seg_indptr` (CSR style, covering
+  [0, T) without gaps, base-model runs included with slot -1) and `seg_slots`. The prefill kernel
+  (SGMV) tiles each segment into row blocks that share one adapter, so it can use matrix units.
+  Adjacent requests on the same adapter merge into one segment: bigger tiles, same result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoraBatchMeta:
+    token_slots: torch.Tensor  # int32 [T]: slot of each token's adapter, -1 = base model (no delta)
+    seg_indptr: torch.Tensor  # int32 [num_segments+1]: consecutive token runs sharing one slot
+    seg_slots: torch.Tensor  # int32 [num_segments]
+    max_rank: int  # rank dimension of the slot buffers
+    is_decode: bool  # one token per request -> BGMV, else SGMV over segments
+    has_lora: bool  # False when every token is -1 (skip all LoRA work)
+    # Longest segment in tokens (host int, so launching the SGMV grid needs no device sync);
+    # 0 = unknown, kernels then assume the whole batch could be one segment.
+    max_seg_len: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_slots.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_slots.shape[0])
+
+    @staticmethod
+    def build(
+        slots_per_request: list[int], tokens_per_request: list[int], max_rank: int, device
+    ) -> "LoraBatchMeta":
+        """slots_per_request[i]: device slot of request i's adapter (-1 = base model);
+        tokens_per_request[i]: its tokens in this pass, in the batch's token order
+        (prompt length in prefill, 1 in decode)."""
+        if len(slots_per_request) != len(tokens_per_request):
+            raise ValueError(
+                f"{len(slots_per_request)} slots for {len(tokens_per_request)} requests"
+            )
+        if any(s < -1 for s in slots_per_request):
+            raise ValueError(f"adapter slots must be >= -1, got {slots_per_request}")
+        if any(n < 0 for n in tokens_per_request):
+            raise ValueError(f"token counts must be >= 0, got {tokens_per_request}")
+        indptr = [0]
+        seg_slots: list[int] = []
+        for slot, count in zip(slots_per_request, tokens_per_request):
+            if count == 0:
+                continue
+            if seg_slots and seg_slots[-1] == slot:
+                indptr[-1] += count
+            else:
+                seg_slots.append(slot)
+                indptr.append(indptr[-1] + count)
+        seg_lens = [indptr[i + 1] - indptr[i] for i in range(len(seg_slots))]
+        token_slots = torch.repeat_interleave(
+            torch.tensor(seg_slots, dtype=torch.int32), torch.tensor(seg_lens, dtype=torch.long)
+        )
+        return LoraBatchMeta(
+            token_slots=token_slots.to(device),
+            seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device),
+            seg_slots=torch.tensor(seg_slots, dtype=torch.int32).to(device),
+            max_rank=max_rank,
+            is_decode=all(n == 1 for n in tokens_per_request),
+            has_lora=any(s >= 0 for s in seg_slots),
+            max_seg_len=max(seg_lens, default=0),
+        )

@@ -1,0 +1,309 @@
+"""LoRA kernels against their reference: Triton (CPU interpreter), vectorised torch, dispatcher.
+
+The reference (`lora_reference`) is the per-token loop of the docstring semantics; it is itself
+checked against an independent float64 computation of y + scaling * B @ (A @ x) per token. Every
+case draws fresh random inputs; y starts as random data (never zeros), and columns outside
+out_slice must come back bit-identical, so a kernel writing the wrong columns or rows fails.
+
+Triton runs under TRITON_INTERPRET=1 on CPU tensors. The flag is read when a kernel is
+decorated (and again while launching), so this module loads its own copy of `lora_triton` with
+the flag set, and sets it around each of its tests only: other test modules and the real
+`quiver_server.kernels.lora_triton` are untouched. Interpreter cases are small (each launch runs the kernel in numpy, per program).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import sys
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from quiver_server import kernels
+from quiver_server.kernels import LoraBatchMeta, add_lora
+from quiver_server.kernels import lora_torch
+from quiver_server.kernels.lora_reference import add_lora_reference
+
+
+def _load_interpreted_triton():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        path = os.path.join(os.path.dirname(kernels.__file__), "lora_triton.py")
+        spec = importlib.util.spec_from_file_location("quiver_lora_triton_interpreted", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # dataclasses look their module up by name
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+lora_triton = _load_interpreted_triton()
+
+
+@pytest.fixture(autouse=True)
+def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The interpreter also consults the flag while launching (lazy imports inside triton).
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+# Max error relative to the largest |delta| of the case; 16-bit y rounds once per element and
+# SGMV rounds the rank intermediate to the weight dtype (as PEFT does), hence the wider bounds.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@dataclass
+class Case:
+    y: torch.Tensor
+    x: torch.Tensor
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: torch.Tensor
+    meta: LoraBatchMeta
+    out_slice: slice
+    slots_per_request: list[int]
+    tokens_per_request: list[int]
+
+
+def make_case(
+    tokens_per_request: list[int], slots_per_request: list[int], in_features: int,
+    out_features: int, num_slots: int, max_rank: int, ranks: list[int] | None = None,
+    dtype: torch.dtype = torch.float32, col_offset: int = 5, extra_cols: int = 3, seed: int = 0,
+) -> Case:
+    """Slot buffers hold adapters of `ranks` (one per slot) zero-padded to max_rank, as the
+    adapter manager writes them; y has columns before and after the LoRA's out_slice."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = ranks or [max_rank] * num_slots
+    lora_a = torch.zeros(num_slots, max_rank, in_features)
+    lora_b = torch.zeros(num_slots, out_features, max_rank)
+    for slot, rank in enumerate(ranks):
+        lora_a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
+        lora_b[slot, :, :rank] = torch.randn(out_features, rank, generator=gen) / rank**0.5
+    num_tokens = sum(tokens_per_request)
+    total_cols = col_offset + out_features + extra_cols
+    return Case(
+        y=torch.randn(num_tokens, total_cols, generator=gen).to(dtype),
+        x=torch.randn(num_tokens, in_features, generator=gen).to(dtype),
+        lora_a=lora_a.to(dtype),
+        lora_b=lora_b.to(dtype),
+        scaling=torch.rand(num_slots, generator=gen) * 2 + 0.25,
+        meta=LoraBatchMeta.build(slots_per_request, tokens_per_request, max_rank, "cpu"),
+        out_slice=slice(col_offset, col_offset + out_features),
+        slots_per_request=slots_per_request,
+        tokens_per_request=tokens_per_request,
+    )
+
+
+def float64_expected(case: Case) -> torch.Tensor:
+    """Independent of the reference: per request, in float64, from the request lists."""
+    y = case.y.double().clone()
+    start = 0
+    for slot, count in zip(case.slots_per_request, case.tokens_per_request):
+        if slot >= 0:
+            rows = slice(start, start + count)
+            h = case.x[rows].double() @ case.lora_a[slot].double().T
+            delta = case.scaling[slot].double() * (h @ case.lora_b[slot].double().T)
+            y[rows, case.out_slice] += delta
+        start += count
+    return y
+
+
+def run(fn, case: Case) -> torch.Tensor:
+    y = case.y.clone()
+    fn(y, case.x, case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
+    return y
+
+
+def assert_matches(actual: torch.Tensor, case: Case, expected: torch.Tensor | None = None) -> None:
+    expected = float64_expected(case) if expected is None else expected.double()
+    inside = case.out_slice
+    assert actual.dtype == case.y.dtype
+    # Columns outside the LoRA's slice are never touched, bit for bit.
+    assert torch.equal(actual[:, : inside.start], case.y[:, : inside.start])
+    assert torch.equal(actual[:, inside.stop :], case.y[:, inside.stop :])
+    # Base-model tokens are never touched either.
+    base_rows = case.meta.token_slots < 0
+    assert torch.equal(actual[base_rows], case.y[base_rows])
+    delta = expected[:, inside] - case.y[:, inside].double()
+    scale = max(delta.abs().max().item(), 1.0)
+    error = (actual[:, inside].double() - expected[:, inside]).abs().max().item()
+    assert not torch.isnan(actual).any()
+    assert error <= TOLERANCE[case.y.dtype] * scale, f"max error {error:.3g} (delta scale {scale:.3g})"
+
+
+def random_batch(rng: random.Random, num_requests: int, max_tokens: int, num_slots: int) -> tuple[list[int], list[int]]:
+    tokens = [rng.randint(1, max_tokens) for _ in range(num_requests)]
+    slots = [rng.randrange(-1, num_slots) for _ in range(num_requests)]
+    return tokens, slots
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+def test_meta_merges_adjacent_requests_of_one_slot_into_one_segment() -> None:
+    meta = LoraBatchMeta.build([2, 2, -1, 0, 0, 2], [3, 1, 2, 1, 4, 2], max_rank=16, device="cpu")
+    assert meta.token_slots.tolist() == [2, 2, 2, 2, -1, -1, 0, 0, 0, 0, 0, 2, 2]
+    assert meta.seg_indptr.tolist() == [0, 4, 6, 11, 13]
+    assert meta.seg_slots.tolist() == [2, -1, 0, 2]
+    assert meta.token_slots.dtype == meta.seg_indptr.dtype == meta.seg_slots.dtype == torch.int32
+    assert (meta.max_rank, meta.is_decode, meta.has_lora, meta.max_seg_len) == (16, False, True, 5)
+
+
+def test_meta_decode_and_all_base() -> None:
+    decode = LoraBatchMeta.build([1, -1, 3], [1, 1, 1], max_rank=8, device="cpu")
+    assert decode.is_decode and decode.has_lora
+    assert decode.token_slots.tolist() == [1, -1, 3]
+    base = LoraBatchMeta.build([-1, -1], [5, 1], max_rank=8, device="cpu")
+    assert not base.has_lora and not base.is_decode
+    assert base.seg_slots.tolist() == [-1] and base.seg_indptr.tolist() == [0, 6]
+
+
+def test_meta_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="slots for"):
+        LoraBatchMeta.build([0], [1, 2], max_rank=8, device="cpu")
+    with pytest.raises(ValueError, match=">= -1"):
+        LoraBatchMeta.build([-2], [1], max_rank=8, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference against float64 math, including the paths the fast backends take.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_reference_matches_float64(dtype: torch.dtype) -> None:
+    case = make_case([3, 1, 4, 2], [1, -1, 0, 1], 24, 20, num_slots=3, max_rank=8,
+                     ranks=[8, 3, 1], dtype=dtype, seed=1)
+    assert_matches(run(add_lora_reference, case), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Vectorised torch (CPU path): every strategy, many shapes, against the reference.
+
+TORCH_STRATEGIES = {
+    "gather_rows": lambda y, x, a, b, s, m, sl: lora_torch.gather_rows(y[:, sl], x, a, b, s, m.token_slots),
+    "group_by_slot": lambda y, x, a, b, s, m, sl: lora_torch.group_by_slot(y[:, sl], x, a, b, s, m.token_slots),
+    "by_segment": lambda y, x, a, b, s, m, sl: lora_torch.by_segment(y[:, sl], x, a, b, s, m.seg_indptr, m.seg_slots),
+    "add_lora_torch": lora_torch.add_lora_torch,
+    "dispatcher": add_lora,  # on CPU tensors "auto" is the torch path
+}
+
+
+@pytest.mark.parametrize("strategy", list(TORCH_STRATEGIES))
+@pytest.mark.parametrize("seed", range(6))
+def test_torch_paths_match_reference(strategy: str, seed: int) -> None:
+    rng = random.Random(seed)
+    decode = seed % 2 == 0
+    num_slots = rng.choice([1, 4, 32])
+    max_rank = rng.choice([8, 16, 64, 128])
+    num_requests = rng.randint(1, 24)
+    tokens, slots = random_batch(rng, num_requests, 1 if decode else 40, num_slots)
+    ranks = [rng.randint(1, max_rank) for _ in range(num_slots)]
+    case = make_case(tokens, slots, rng.choice([64, 96, 256]), rng.choice([64, 72, 320]),
+                     num_slots, max_rank, ranks, dtype=rng.choice(list(TOLERANCE)), seed=seed)
+    if not case.meta.has_lora:
+        case = make_case(tokens, [0] * len(tokens), 64, 64, num_slots, max_rank, ranks, seed=seed)
+    actual = run(TORCH_STRATEGIES[strategy], case)
+    assert_matches(actual, case, expected=run(add_lora_reference, case))
+    assert_matches(actual, case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_torch_path_prefill_mixed_segments(dtype: torch.dtype) -> None:
+    # Segments of length 1 next to long ones, base tokens between adapters, a slot used twice.
+    case = make_case([1, 17, 1, 1, 9, 1], [3, 0, -1, 3, 3, 1], 128, 48, num_slots=4, max_rank=16,
+                     ranks=[16, 1, 7, 16], dtype=dtype, col_offset=48, seed=3)
+    assert_matches(run(lora_torch.add_lora_torch, case), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels under the interpreter.
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_rank,ranks", [(16, [16, 5, 1]), (128, [128, 64, 3])])
+def test_triton_bgmv_decode(dtype: torch.dtype, max_rank: int, ranks: list[int]) -> None:
+    # Every slot, repeated slots and base rows; in/out not multiples of the tiles.
+    slots = [2, -1, 0, 1, 2, -1, 0]
+    case = make_case([1] * len(slots), slots, 72, 40, num_slots=3, max_rank=max_rank,
+                     ranks=ranks, dtype=dtype, col_offset=24, seed=max_rank)
+    assert case.meta.is_decode
+    assert_matches(run(lora_triton.add_lora_triton, case), case)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("max_rank,ranks", [(16, [16, 5, 1]), (128, [128, 64, 3])])
+def test_triton_sgmv_prefill(dtype: torch.dtype, max_rank: int, ranks: list[int]) -> None:
+    # Segments of 1 token, a segment longer than one 16-row block, base segments in between.
+    case = make_case([1, 19, 2, 1, 4], [1, 0, -1, 2, 0], 40, 72, num_slots=3, max_rank=max_rank,
+                     ranks=ranks, dtype=dtype, col_offset=17, seed=max_rank + 1)
+    assert not case.meta.is_decode
+    assert_matches(run(lora_triton.add_lora_triton, case), case)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_random_shapes_and_launch_configs(seed: int) -> None:
+    # Column splits and tile sizes change which program computes what, never the result.
+    rng = random.Random(100 + seed)
+    decode = seed % 2 == 0
+    num_slots = rng.choice([2, 5])
+    max_rank = rng.choice([1, 8, 24, 32])
+    tokens, slots = random_batch(rng, rng.randint(1, 5), 1 if decode else 20, num_slots)
+    slots[0] = max(slots[0], 0)
+    ranks = [rng.randint(1, max_rank) for _ in range(num_slots)]
+    case = make_case(tokens, slots, rng.choice([16, 33, 80]), rng.choice([16, 50, 130]),
+                     num_slots, max_rank, ranks, dtype=rng.choice(list(TOLERANCE)),
+                     col_offset=rng.choice([0, 9]), seed=seed)
+    config = lora_triton.LaunchConfig(
+        block_m=rng.choice([None, 16]), block_k=rng.choice([None, 16, 32]),
+        block_n=rng.choice([None, 16, 32]), splits=rng.choice([None, 1, 3]),
+    )
+    actual = run(lambda *args: lora_triton.add_lora_triton(*args, config=config), case)
+    assert_matches(actual, case, expected=run(add_lora_reference, case))
+
+
+def test_triton_sgmv_without_max_seg_len_hint() -> None:
+    # A meta built by hand without max_seg_len: the grid falls back to T row blocks.
+    case = make_case([3, 20], [0, 1], 32, 32, num_slots=2, max_rank=8, seed=7)
+    meta = case.meta
+    case.meta = LoraBatchMeta(meta.token_slots, meta.seg_indptr, meta.seg_slots,
+                              meta.max_rank, meta.is_decode, meta.has_lora)
+    assert_matches(run(lora_triton.add_lora_triton, case), case)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatcher
+
+
+def test_all_base_batch_is_a_no_op_for_every_backend() -> None:
+    case = make_case([3, 1], [-1, -1], 32, 16, num_slots=2, max_rank=8)
+    for backend in ("torch", "reference", "triton"):
+        y = case.y.clone()
+        add_lora(y, case.x, case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice, backend=backend)
+        assert torch.equal(y, case.y)
+
+
+def test_dispatcher_backends_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_case([2, 1, 5], [1, -1, 0], 48, 24, num_slots=2, max_rank=16, seed=11)
+    monkeypatch.setenv("QUIVER_LORA_BACKEND", "reference")
+    assert torch.equal(run(add_lora, case), run(add_lora_reference, case))
+    monkeypatch.setenv("QUIVER_LORA_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="unknown LoRA backend"):
+        run(add_lora, case)
+
+
+def test_dispatcher_rejects_mismatched_shapes() -> None:
+    case = make_case([2, 1], [1, 0], 48, 24, num_slots=2, max_rank=16)
+    y = case.y.clone()
+    with pytest.raises(ValueError, match="out_features 24"):
+        add_lora(y, case.x, case.lora_a, case.lora_b, case.scaling, case.meta, slice(0, 20))
+    with pytest.raises(ValueError, match="dtypes differ"):
+        add_lora(y, case.x.half(), case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
+    with pytest.raises(ValueError, match="in_features"):
+        add_lora(y, case.x[:, :40], case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
