@@ -240,8 +240,8 @@ def test_triton_bgmv_decode(dtype: torch.dtype, max_rank: int, ranks: list[int])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_rank,ranks", [(16, [16, 5, 1]), (128, [128, 64, 3])])
 def test_triton_sgmv_prefill(dtype: torch.dtype, max_rank: int, ranks: list[int]) -> None:
-    # Segments of 1 token, a segment longer than one 16-row block, base segments in between.
-    case = make_case([1, 19, 2, 1, 4], [1, 0, -1, 2, 0], 40, 72, num_slots=3, max_rank=max_rank,
+    # Segments of 1 token, a segment spanning two 64-row blocks, base segments in between.
+    case = make_case([1, 70, 2, 1, 4], [1, 0, -1, 2, 0], 40, 72, num_slots=3, max_rank=max_rank,
                      ranks=ranks, dtype=dtype, col_offset=17, seed=max_rank + 1)
     assert not case.meta.is_decode
     assert_matches(run(lora_triton.add_lora_triton, case), case)
@@ -254,14 +254,14 @@ def test_triton_random_shapes_and_launch_configs(seed: int) -> None:
     decode = seed % 2 == 0
     num_slots = rng.choice([2, 5])
     max_rank = rng.choice([1, 8, 24, 32])
-    tokens, slots = random_batch(rng, rng.randint(1, 5), 1 if decode else 20, num_slots)
+    tokens, slots = random_batch(rng, rng.randint(1, 5), 1 if decode else 40, num_slots)
     slots[0] = max(slots[0], 0)
     ranks = [rng.randint(1, max_rank) for _ in range(num_slots)]
     case = make_case(tokens, slots, rng.choice([16, 33, 80]), rng.choice([16, 50, 130]),
                      num_slots, max_rank, ranks, dtype=rng.choice(list(TOLERANCE)),
                      col_offset=rng.choice([0, 9]), seed=seed)
     config = lora_triton.LaunchConfig(
-        block_m=rng.choice([None, 16]), block_k=rng.choice([None, 16, 32]),
+        block_m=rng.choice([None, 16, 32]), block_k=rng.choice([None, 16, 32]),
         block_n=rng.choice([None, 16, 32]), splits=rng.choice([None, 1, 3]),
     )
     actual = run(lambda *args: lora_triton.add_lora_triton(*args, config=config), case)
