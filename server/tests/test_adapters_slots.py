@@ -1,0 +1,195 @@
+"""Memory tiers: six adapters rotating through two device slots while other requests keep
+decoding, a host cache smaller than the adapter set (evicted adapters are read from disk
+again), slot and unload guards, and the host LRU's order and pinning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_adapters import ADAPTER_KINDS, assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_models import build_tiny_model
+
+from quiver_server.adapters.host_cache import HostAdapterCache
+from quiver_server.adapters.loader import LoadedAdapter
+from quiver_server.batch_types import RequestSpec
+from quiver_server.engine import Engine
+from quiver_server.kv_cache import BLOCK_SIZE
+
+NEW_TOKENS = 12
+PROMPT = [17, 4, 250, 31, 99, 8, 145, 60, 7, 203, 11]
+KINDS = ("rank4", "rank8-attention", "rank16", "qv-only", "mlp-only", "rslora")
+HOST_CAPACITY = 3
+
+
+@dataclass
+class Setup:
+    base_dir: Path
+    adapters: dict[str, Path]
+    expected: dict[str, object]  # kind -> peft's greedy Reference
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    base_dir = build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=4)
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {kind: build_adapter(base_dir, root / kind, seed=40 + i, **ADAPTER_KINDS[kind]) for i, kind in enumerate(KINDS)}
+    expected = {kind: reference_greedy(peft_reference(base_dir, path), PROMPT, NEW_TOKENS) for kind, path in adapters.items()}
+    return Setup(base_dir, adapters, expected)
+
+
+def _engine(setup: Setup, slots: int = 2, max_cpu_adapters: int = HOST_CAPACITY, dtype: str = "float32") -> Engine:
+    engine = Engine(str(setup.base_dir), "tiny", dtype=dtype, device="cpu", cpu_kv_cache_gib=0.01,
+                    max_cpu_adapters=max_cpu_adapters)
+    engine.warmup(128, 64, 8, max_active_adapters=slots, max_lora_rank=16)
+    return engine
+
+
+def _request(rid: int, kind: str) -> RequestSpec:
+    per_request = -(-(len(PROMPT) + NEW_TOKENS) // BLOCK_SIZE)
+    blocks = list(range(rid * per_request, (rid + 1) * per_request))
+    return RequestSpec(id=rid, input_ids=PROMPT, blocks=blocks, max_new_tokens=NEW_TOKENS, adapter_id=kind)
+
+
+def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup) -> None:
+    """The router's pattern: an adapter is activated into a slot once the requests using it have
+    finished; meanwhile the request in the other slot keeps decoding. With a host cache of three,
+    every second round re-reads adapters from disk."""
+    engine = _engine(setup)
+    for kind, path in setup.adapters.items():
+        engine.load_adapter(kind, "local", str(path))
+    # LRU: the last three loads are in host memory, the first three were evicted.
+    assert engine.adapters.host.ids() == list(KINDS[-HOST_CAPACITY:])
+
+    outputs: dict[int, list[int]] = {}
+    running: dict[int, str] = {}  # request id -> adapter
+    batch_ids: list[int] = []
+
+    def step() -> None:
+        result = engine.decode(batch_ids)
+        batch_ids[:] = [result.batch_id]
+        for g in result.generations:
+            outputs[g.request_id].append(g.token_id)
+        done = [rid for rid in running if len(outputs[rid]) == NEW_TOKENS]
+        for rid in done:
+            del running[rid]
+        if done:
+            kept = engine.filter_batch(result.batch_id, list(running))
+            if not kept:
+                batch_ids.clear()
+
+    plan = [*KINDS, *reversed(KINDS)]
+    for rid, kind in enumerate(plan):
+        slot = rid % 2
+        if rid == 1:
+            with pytest.raises(ValueError, match="running requests use"):
+                engine.activate_adapter(kind, 0)  # slot 0 serves request 0
+            with pytest.raises(ValueError, match="still has running requests"):
+                engine.unload_adapter(plan[0])
+        while any(engine.slots.slot_of(running_kind) == slot for running_kind in running.values()):
+            step()
+        engine.activate_adapter(kind, slot)
+        result = engine.prefill(1000 + rid, [_request(rid, kind)])
+        outputs[rid] = [result.generations[0].token_id]
+        running[rid] = kind
+        batch_ids.append(result.batch_id)
+        step()  # the new request and the one in the other slot decode together
+        assert len(engine.adapters.host) <= HOST_CAPACITY + 1  # + the one just (re)read
+    while running:
+        step()
+    for rid, kind in enumerate(plan):
+        assert_greedy_matches(outputs[rid], setup.expected[kind], f"request {rid} ({kind})")
+
+
+def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
+    engine = _engine(setup)
+    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    engine.activate_adapter("a", 1)
+    assert engine.slots.slot_of("a") == 1
+    engine.unload_adapter("a")
+    assert engine.slots.adapter_in(1) is None and "a" not in engine.adapters and len(engine.adapters.host) == 0
+    assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.slots.parts.values())
+    with pytest.raises(ValueError, match="'a' is not active in a slot"):
+        engine.prefill(1, [_request(0, "a")])
+    with pytest.raises(ValueError, match="'a' is not loaded"):
+        engine.activate_adapter("a", 0)
+    engine.unload_adapter("never-loaded")  # idempotent
+    # Loaded again (from anywhere) it serves as before.
+    engine.load_adapter("a", "local", str(setup.adapters["qv-only"]))
+    engine.activate_adapter("a", 0)
+    outputs = [engine.prefill(1, [_request(0, "a")]).generations[0].token_id]
+    outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
+    assert_greedy_matches(outputs, setup.expected["qv-only"], "reloaded")
+
+
+def test_load_is_idempotent_but_one_id_names_one_directory(setup: Setup) -> None:
+    engine = _engine(setup)
+    first = engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    assert engine.load_adapter("a", "local", str(setup.adapters["rank4"])) == first
+    with pytest.raises(ValueError, match="already loaded from"):
+        engine.load_adapter("a", "local", str(setup.adapters["rank16"]))
+
+
+def test_bad_slot_operations(setup: Setup) -> None:
+    engine = _engine(setup)
+    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    with pytest.raises(ValueError, match="slot 2 is out of range"):
+        engine.activate_adapter("a", 2)
+    with pytest.raises(ValueError, match="'b' is not loaded"):
+        engine.activate_adapter("b", 0)
+
+
+def test_no_slots_means_adapters_are_disabled(setup: Setup) -> None:
+    engine = Engine(str(setup.base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="call warmup first"):
+        engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    with pytest.raises(ValueError, match="max_lora_rank must be positive"):
+        engine.warmup(128, 64, 8, max_active_adapters=2, max_lora_rank=0)
+    engine.warmup(128, 64, 8)
+    with pytest.raises(ValueError, match="disabled"):
+        engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    with pytest.raises(ValueError, match="no adapter slots"):
+        engine.prefill(1, [_request(0, "a")])
+
+
+def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
+    engine = _engine(setup, dtype="bfloat16")
+    engine.load_adapter("a", "local", str(setup.adapters["rank16"]))
+    engine.activate_adapter("a", 0)
+    host = engine.adapters.get("a")
+    assert {t.dtype for pair in host.weights.values() for t in pair} == {torch.bfloat16}
+    part = engine.slots.parts[(0, "q_proj")]
+    assert part.lora_a.dtype == part.lora_b.dtype == torch.bfloat16 and part.scaling.dtype == torch.float32
+    # Rank 16 fills the slot's first 16 rank rows; peft's own bf16-rounded A is what is there.
+    reference = peft_reference(setup.base_dir, setup.adapters["rank16"])
+    peft_a = reference.base_model.model.model.layers[0].self_attn.q_proj.lora_A["default"].weight
+    torch.testing.assert_close(part.lora_a[0, :16], peft_a.to(torch.bfloat16), atol=0, rtol=0)
+    assert engine.prefill(1, [_request(0, "a")]).generations
+
+
+# ---- host LRU ------------------------------------------------------------------------------
+
+
+def _fake(adapter_id: str) -> LoadedAdapter:
+    return LoadedAdapter(adapter_id=adapter_id, path="/x", rank=1, scaling=1.0, weights={})
+
+
+def test_host_cache_evicts_least_recently_used_and_never_a_pinned_one() -> None:
+    cache = HostAdapterCache(2)
+    assert cache.put(_fake("a")) == [] and cache.put(_fake("b")) == []
+    assert cache.put(_fake("c")) == ["a"]
+    assert cache.get("b") is not None  # b is now the most recently used
+    assert cache.put(_fake("d")) == ["c"]
+    cache.pin("b")
+    assert cache.put(_fake("e")) == ["d"]  # b is the oldest but pinned
+    assert cache.ids() == ["b", "e"]
+    cache.pin("e")
+    assert cache.put(_fake("f")) == [] and cache.ids() == ["b", "e", "f"]  # over the bound while pinned
+    assert cache.unpin("b") == ["b"]
+    assert cache.ids() == ["e", "f"]
+    cache.remove("e")
+    assert "e" not in cache and len(cache) == 1
+    with pytest.raises(ValueError):
+        HostAdapterCache(0)

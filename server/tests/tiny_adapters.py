@@ -1,0 +1,112 @@
+"""Random LoRA adapters written by `peft` itself, and `peft` as the reference that runs them.
+
+    from tiny_adapters import build_adapter, peft_reference, reference_greedy
+    adapter = build_adapter(base_dir, tmp_path / "a", seed=1, r=8, target_modules=["q_proj", "v_proj"])
+    model = peft_reference(base_dir, adapter)        # transformers base + PeftModel, float32, eval
+
+PEFT initialises lora_B to zero (an untrained adapter changes nothing), so both halves are
+redrawn here at a scale that moves the logits well away from the base model's: a wrong
+scaling, a missed module or a swapped slot then changes greedy tokens, not just the 5th decimal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import transformers
+
+from quiver_server.logging_setup import adopt_transformers_logging
+
+# Tie rule of DESIGN.md: a greedy divergence is accepted only where the reference's two best
+# logits are this close.
+TIE_TOLERANCE = 1e-4
+
+
+def build_adapter(
+    base_dir: Path,
+    adapter_dir: Path,
+    seed: int,
+    scale: float = 0.3,
+    safe_serialization: bool = True,
+    **lora_config: Any,
+) -> Path:
+    """Writes a random LoRA adapter for the model in `base_dir` with peft's save_pretrained.
+    `lora_config` goes to peft.LoraConfig (r, lora_alpha, target_modules, use_rslora, ...)."""
+    adopt_transformers_logging()
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **lora_config))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".lora_A." in name:  # [r, in]: unit-variance rank components
+                param.copy_(torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+            elif ".lora_B." in name:  # [out, r]
+                param.copy_(scale * torch.randn(param.shape, generator=generator) / param.shape[1] ** 0.5)
+            elif "lora_magnitude_vector" in name:  # DoRA (only built to be refused)
+                param.copy_(param + 0.1 * torch.randn(param.shape, generator=generator))
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(adapter_dir, safe_serialization=safe_serialization)
+    return adapter_dir
+
+
+def peft_reference(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
+    """The base model from disk with the adapter from disk (None: the bare base), float32."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    if adapter_dir is None:
+        return base.eval()
+    return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+
+
+@dataclass
+class Reference:
+    """Greedy continuation of one prompt, with the logits behind each choice."""
+
+    tokens: list[int]
+    logits: list[torch.Tensor]
+
+
+@torch.no_grad()
+def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> Reference:
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,  # never stop early, never suppress EOS: plain argmax every step
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return Reference(out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits])
+
+
+def assert_greedy_matches(got: list[int], ref: Reference, what: str) -> None:
+    """Token-for-token equality, except after a position where the reference itself is a tie."""
+    assert len(got) == len(ref.tokens), what
+    for position, (token, want, logits) in enumerate(zip(got, ref.tokens, ref.logits)):
+        if token != want:
+            top2 = torch.topk(logits, 2).values
+            assert float(top2[0] - top2[1]) < TIE_TOLERANCE, f"{what}: diverged at {position}: {got} vs {ref.tokens}"
+            return
+
+
+ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# The adapter kinds every parity test covers: kind -> peft.LoraConfig arguments.
+ADAPTER_KINDS: dict[str, dict[str, Any]] = {
+    "rank4": {"r": 4, "lora_alpha": 8, "target_modules": ALL_PROJECTIONS},
+    "rank8-attention": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]},
+    "rank16": {"r": 16, "lora_alpha": 16, "target_modules": ALL_PROJECTIONS},
+    "rank64": {"r": 64, "lora_alpha": 32, "target_modules": ALL_PROJECTIONS},
+    "qv-only": {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+    "every-linear": {"r": 8, "lora_alpha": 8, "target_modules": "all-linear"},
+    "mlp-only": {"r": 8, "lora_alpha": 16, "target_modules": ["gate_proj", "up_proj", "down_proj"]},
+    "rslora": {"r": 16, "lora_alpha": 16, "use_rslora": True, "target_modules": ALL_PROJECTIONS},
+    # PEFT's own matching rules: a regex over module paths, and a layer filter.
+    "regex-layer0": {"r": 8, "lora_alpha": 16, "target_modules": r".*\.layers\.0\.self_attn\.(q|k|o)_proj"},
+    "layers-to-transform": {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "down_proj"], "layers_to_transform": [1]},
+}
