@@ -57,7 +57,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--requests-per-client", type=int, default=3)
+    p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs per scenario and baseline; the report keeps the fastest of each")
     p.add_argument("--model-root", type=Path, default=REPO_ROOT / ".cache" / "bench-models")
     p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
     args = p.parse_args()
@@ -66,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.max_tokens = min(args.max_tokens, 16)
         args.requests_per_client = 1
+        args.repeats = 1
     return args
 
 
@@ -104,7 +107,8 @@ def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, promp
             workload = load.Workload(SERVED_NAME, prompts, args.max_tokens, args.requests_per_client,
                                      scenario.adapters)
             log(f"quiver {scenario.name}")
-            results[scenario.name] = load.measure(stack.base_url + "/v1", workload, scenario.concurrency)
+            results[scenario.name] = load.measure(stack.base_url + "/v1", workload, scenario.concurrency,
+                                                  args.repeats)
     finally:
         stack.stop()
     return results
@@ -119,7 +123,7 @@ def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios,
             continue  # base-model baseline only; peft's lives with the adapter scenarios
         log(f"transformers generate, batch {scenario.concurrency}")
         results[scenario.name] = hf_baseline.measure(model, args.device, prompts, scenario.concurrency,
-                                                     args.max_tokens)
+                                                     args.max_tokens, args.repeats)
     del model
     bench_model.release_device_memory()
     return results
@@ -159,7 +163,8 @@ def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict
                                          ("hidden_size", "intermediate_size", "num_hidden_layers",
                                           "num_attention_heads", "num_key_value_heads", "vocab_size")}},
         "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                     "requests_per_client": args.requests_per_client, "sampling": "greedy",
+                     "requests_per_client": args.requests_per_client, "repeats": args.repeats,
+                     "sampling": "greedy",
                      "ignore_eos": True, "client": "openai SDK, streaming /v1/completions"},
         "scenarios": rows,
     }
