@@ -19,10 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-try:
-    from quiver_server.kernels import add_lora
-except ImportError:  # TEMPORARY until quiver_server.kernels lands: same semantics, slow
-    from quiver_server.kernels.lora_reference import add_lora_reference as add_lora
+from quiver_server.kernels import add_lora
 
 
 @dataclass

@@ -1,0 +1,148 @@
+"""The adapter RPCs over real gRPC: LoadAdapter, ActivateAdapter, Prefill/Decode with an
+adapter (equal to peft's greedy output), UnloadAdapter, and the statuses of bad calls."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from shard_harness import BlockPool, greedy_request, running_shard
+from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_models import build_tiny_model
+
+from quiver_server.engine import Engine
+from quiver_server.pb import shard_pb2, shard_pb2_grpc
+from quiver_server.service import ShardService
+
+NEW_TOKENS = 6
+PROMPT = [9, 80, 41, 7, 230, 15, 66]
+MAX_RANK = 16
+
+
+@dataclass
+class Shard:
+    stub: shard_pb2_grpc.ShardStub
+    pool: BlockPool
+    base_dir: Path
+    adapters: dict[str, Path]
+    engine: Engine
+
+
+@pytest.fixture(scope="module")
+def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shard]:
+    base_dir = build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=6)
+    root = tmp_path_factory.mktemp("adapters")
+    adapters = {
+        "qv": build_adapter(base_dir, root / "qv", seed=1, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+        "mlp": build_adapter(base_dir, root / "mlp", seed=2, r=16, lora_alpha=8, use_rslora=True,
+                             target_modules=["gate_proj", "up_proj", "down_proj"]),
+        "too-big": build_adapter(base_dir, root / "too-big", seed=3, r=32, target_modules=["q_proj"]),
+    }
+    engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+    socket_path = tmp_path_factory.mktemp("sock") / "shard.sock"
+    with running_shard(ShardService(engine), socket_path) as stub:
+        warm = stub.Warmup(shard_pb2.WarmupRequest(
+            max_batch_prefill_tokens=64, max_total_tokens=64, max_batch_size=4,
+            max_active_adapters=2, max_lora_rank=MAX_RANK,
+        ))
+        yield Shard(stub, BlockPool(warm.block_size, warm.num_blocks), base_dir, adapters, engine)
+
+
+def _status(code: grpc.StatusCode, call, request) -> str:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as raised:
+        call(request)
+    assert raised.value.code() == code, raised.value.details()
+    return raised.value.details()
+
+
+def _generate(shard: Shard, batch_id: int, adapter_id: str) -> list[int]:
+    request = greedy_request(1, PROMPT, NEW_TOKENS, shard.pool)
+    request.adapter_id = adapter_id
+    prefill = shard.stub.Prefill(shard_pb2.PrefillRequest(batch_id=batch_id, requests=[request]))
+    tokens = [prefill.generations[0].token_id]
+    batch = prefill.batch
+    for _ in range(NEW_TOKENS - 1):
+        decode = shard.stub.Decode(shard_pb2.DecodeRequest(batches=[batch]))
+        tokens.append(decode.generations[0].token_id)
+        batch = decode.batch
+    shard.stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=batch_id))
+    return tokens
+
+
+def test_load_activate_generate_unload(shard: Shard) -> None:
+    stub = shard.stub
+    loaded = stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv", source="local", path=str(shard.adapters["qv"])))
+    assert (loaded.rank, loaded.scaling, list(loaded.target_modules)) == (8, 2.0, ["q_proj", "v_proj"])
+    assert Path(loaded.path) == shard.adapters["qv"].resolve()
+    # A hub adapter on a rank other than 0 arrives with rank 0's download directory.
+    mlp = stub.LoadAdapter(shard_pb2.LoadAdapterRequest(
+        adapter_id="owner/mlp", source="hub", path=str(shard.adapters["mlp"]), revision="main"
+    ))
+    assert mlp.scaling == pytest.approx(8 / 16**0.5)
+
+    stub.ActivateAdapter(shard_pb2.ActivateAdapterRequest(adapter_id="qv", slot=0))
+    stub.ActivateAdapter(shard_pb2.ActivateAdapterRequest(adapter_id="owner/mlp", slot=1))
+    for batch_id, (adapter_id, kind) in enumerate([("qv", "qv"), ("owner/mlp", "mlp"), ("", None)]):
+        reference = peft_reference(shard.base_dir, None if kind is None else shard.adapters[kind])
+        expected = reference_greedy(reference, PROMPT, NEW_TOKENS)
+        assert_greedy_matches(_generate(shard, 10 + batch_id, adapter_id), expected, adapter_id or "base")
+
+    stub.UnloadAdapter(shard_pb2.UnloadAdapterRequest(adapter_id="qv"))
+    request = greedy_request(1, PROMPT, NEW_TOKENS, shard.pool)
+    request.adapter_id = "qv"
+    details = _status(grpc.StatusCode.INVALID_ARGUMENT, stub.Prefill,
+                      shard_pb2.PrefillRequest(batch_id=20, requests=[request]))
+    assert "'qv' is not active" in details
+
+
+def test_mismatch_is_invalid_argument(shard: Shard) -> None:
+    details = _status(
+        grpc.StatusCode.INVALID_ARGUMENT, shard.stub.LoadAdapter,
+        shard_pb2.LoadAdapterRequest(adapter_id="too-big", source="local", path=str(shard.adapters["too-big"])),
+    )
+    assert "r=32 exceeds" in details and f"max_lora_rank={MAX_RANK}" in details
+
+
+def test_missing_directory_is_not_found(shard: Shard, tmp_path: Path) -> None:
+    details = _status(
+        grpc.StatusCode.NOT_FOUND, shard.stub.LoadAdapter,
+        shard_pb2.LoadAdapterRequest(adapter_id="gone", source="local", path=str(tmp_path / "gone")),
+    )
+    assert "does not exist" in details
+
+
+def test_bad_activation_is_invalid_argument(shard: Shard) -> None:
+    details = _status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.ActivateAdapter,
+                      shard_pb2.ActivateAdapterRequest(adapter_id="never-loaded", slot=0))
+    assert "'never-loaded' is not loaded" in details
+    shard.stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv2", source="local", path=str(shard.adapters["qv"])))
+    details = _status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.ActivateAdapter,
+                      shard_pb2.ActivateAdapterRequest(adapter_id="qv2", slot=2))
+    assert "slot 2 is out of range" in details
+
+
+def test_a_slow_load_does_not_hold_up_steps(shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub download can take minutes: the steps of running requests go on meanwhile."""
+    entered, release = threading.Event(), threading.Event()
+    real_load = shard.engine.load_adapter
+
+    def stuck_load(*args: str) -> object:
+        entered.set()
+        release.wait(60)
+        return real_load(*args)
+
+    monkeypatch.setattr(shard.engine, "load_adapter", stuck_load)
+    pending = shard.stub.LoadAdapter.future(
+        shard_pb2.LoadAdapterRequest(adapter_id="slow", source="local", path=str(shard.adapters["qv"]))
+    )
+    try:
+        assert entered.wait(30)
+        assert len(_generate(shard, 30, "")) == NEW_TOKENS
+        assert not pending.done()
+    finally:
+        release.set()
+    assert pending.result(timeout=60).rank == 8
