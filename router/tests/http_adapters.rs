@@ -606,3 +606,45 @@ async fn requests_for_an_adapter_still_loading_share_one_load_and_block_nobody()
     assert!(loads[0].path.is_empty());
     app.wait_idle().await;
 }
+
+#[tokio::test]
+async fn unloading_lets_running_requests_finish() {
+    let app = TestApp::with_options(Options {
+        step_delay: Duration::from_millis(20),
+        ..Options::default()
+    })
+    .await;
+    let adapter = "org/busy";
+    let body = chat_for(adapter, "hi", json!({"max_tokens": 12, "ignore_eos": true}));
+    let running = app.post("/v1/chat/completions", &body);
+    let unload = async {
+        while app.shard.live_requests() == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        let (status, text) = app
+            .post_text("/v1/unload_lora_adapter", &json!({"lora_name": adapter}))
+            .await;
+        assert_eq!(status, StatusCode::OK, "{text}");
+        let (status, refused) = app
+            .post("/v1/chat/completions", &chat_for(adapter, "hi", json!({})))
+            .await;
+        assert_error(status, &refused, StatusCode::NOT_FOUND, "model_not_found");
+        // The running request still holds it.
+        assert!(app.shard.unloaded_adapters().is_empty());
+    };
+    let ((status, body), ()) = tokio::join!(running, unload);
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let last = *chat_prompt_ids("hi").last().unwrap();
+    let (ids, _) = expected_generation_for(adapter, last, 12, true, &[EOS]);
+    let shown: Vec<u32> = ids.iter().copied().filter(|&id| id != EOS).collect();
+    assert_eq!(body["choices"][0]["message"]["content"], decode(&shown));
+    assert_eq!(body["choices"][0]["finish_reason"], "length");
+    for _ in 0..200 {
+        if app.shard.unloaded_adapters() == [adapter] {
+            app.wait_idle().await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never unloaded: {:?}", app.shard.unloaded_adapters());
+}

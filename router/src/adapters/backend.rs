@@ -38,14 +38,11 @@ impl AdapterBackend for ServingBackend {
     }
 
     fn unload(&self, adapter_id: String) -> BoxFuture<'static, ()> {
-        // Until Scheduler::unload_adapter lands: straight to the shards.
-        let shard = self.shard.clone();
+        // Asked now, so requests the scheduler already has are served first.
+        let unload = self.scheduler.unload_adapter(adapter_id.clone());
         async move {
-            let request = pb::UnloadAdapterRequest {
-                adapter_id: adapter_id.clone(),
-            };
-            if let Err(error) = shard.unload_adapter(request).await {
-                tracing::warn!(adapter = %adapter_id, %error, "UnloadAdapter failed");
+            if let Err(error) = unload.await {
+                tracing::warn!(adapter = %adapter_id, %error, "unloading the adapter failed");
             }
         }
         .boxed()

@@ -212,10 +212,13 @@ impl AdapterRegistry {
             let _ = loading.await;
         }
         tracing::info!(adapter = id, "unloading adapter");
+        // Handed over before this returns, so the scheduler orders it after every request it
+        // already has for the adapter.
+        let unloading = self.inner.backend.unload(id.to_owned());
         let inner = self.inner.clone();
         let id = id.to_owned();
         tokio::spawn(async move {
-            inner.backend.unload(id.clone()).await;
+            unloading.await;
             let mut states = lock(&inner.states);
             if matches!(states.get(&id), Some(State::Unloading)) {
                 states.remove(&id);
