@@ -29,11 +29,21 @@ def _check(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
 ) -> None:
-    """Shape and dtype checks on host metadata only (no device sync)."""
+    """Shape and dtype checks on host metadata only (no device sync). Runs for every target
+    module of every layer, so the passing case is one boolean expression."""
     num_tokens, in_features = x.shape
     slots, rank, a_in = lora_a.shape
     b_slots, out_features, b_rank = lora_b.shape
-    width = len(range(*out_slice.indices(y.shape[1])))
+    start, stop, step = out_slice.indices(y.shape[1])
+    if (
+        y.shape[0] == num_tokens == meta.token_slots.shape[0]
+        and a_in == in_features
+        and b_slots == slots and b_rank == rank and scaling.shape == (slots,)
+        and stop - start == out_features and step == 1
+        and x.dtype == lora_a.dtype == lora_b.dtype == y.dtype
+        and scaling.dtype == torch.float32
+    ):
+        return
     problems = []
     if y.shape[0] != num_tokens or meta.num_tokens != num_tokens:
         problems.append(f"tokens: x {num_tokens}, y {y.shape[0]}, meta {meta.num_tokens}")
@@ -44,14 +54,13 @@ def _check(
             f"slot/rank dims differ: lora_a {tuple(lora_a.shape)}, lora_b {tuple(lora_b.shape)}, "
             f"scaling {tuple(scaling.shape)}"
         )
-    if out_features != width or out_slice.step not in (None, 1):
-        problems.append(f"lora_b out_features {out_features} != width of {out_slice} ({width})")
+    if stop - start != out_features or step != 1:
+        problems.append(f"lora_b out_features {out_features} != width of {out_slice} ({stop - start})")
     if not (x.dtype == lora_a.dtype == lora_b.dtype == y.dtype):
         problems.append(f"dtypes differ: x {x.dtype}, A {lora_a.dtype}, B {lora_b.dtype}, y {y.dtype}")
     if scaling.dtype != torch.float32:
         problems.append(f"scaling must be float32, got {scaling.dtype}")
-    if problems:
-        raise ValueError("add_lora: " + "; ".join(problems))
+    raise ValueError("add_lora: " + "; ".join(problems))
 
 
 def _backend(requested: str | None, device: torch.device) -> str:

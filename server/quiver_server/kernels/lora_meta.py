@@ -64,13 +64,20 @@ class LoraBatchMeta:
                 seg_slots.append(slot)
                 indptr.append(indptr[-1] + count)
         seg_lens = [indptr[i + 1] - indptr[i] for i in range(len(seg_slots))]
-        token_slots = torch.repeat_interleave(
-            torch.tensor(seg_slots, dtype=torch.int32), torch.tensor(seg_lens, dtype=torch.long)
+        num_tokens, num_segments = indptr[-1], len(seg_slots)
+        # One host buffer, one copy to the device, three views of it.
+        host = torch.empty(num_tokens + 2 * num_segments + 1, dtype=torch.int32)
+        host[:num_tokens] = torch.repeat_interleave(
+            torch.tensor(seg_slots, dtype=torch.int32), torch.tensor(seg_lens, dtype=torch.long),
+            output_size=num_tokens,
         )
+        host[num_tokens:num_tokens + num_segments + 1] = torch.tensor(indptr, dtype=torch.int32)
+        host[num_tokens + num_segments + 1:] = torch.tensor(seg_slots, dtype=torch.int32)
+        packed = host.to(device)
         return LoraBatchMeta(
-            token_slots=token_slots.to(device),
-            seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device),
-            seg_slots=torch.tensor(seg_slots, dtype=torch.int32).to(device),
+            token_slots=packed[:num_tokens],
+            seg_indptr=packed[num_tokens:num_tokens + num_segments + 1],
+            seg_slots=packed[num_tokens + num_segments + 1:],
             max_rank=max_rank,
             is_decode=all(n == 1 for n in tokens_per_request),
             has_lora=any(s >= 0 for s in seg_slots),

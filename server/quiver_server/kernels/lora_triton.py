@@ -18,7 +18,8 @@ the splits of a row run side by side. Splits are only used when rows alone canno
 
 - BGMV (`bgmv`): grid (T, splits). One program per token row: its slot from token_slots
   (-1 -> return at once), shrink as a [BLOCK_R, BLOCK_K] multiply-reduce over `in` (a GEMV:
-  decode is memory-bound, matrix units would idle), then expand BLOCK_N columns at a time.
+  decode is memory-bound, matrix units would idle), h scaled and rounded to the weights' dtype
+  as in SGMV, then expand BLOCK_N columns at a time.
 - SGMV (`sgmv`): grid (segments, row blocks of the longest segment, splits). A program takes
   BLOCK_M consecutive tokens of one segment, so all of them share A[s] and B[s]: shrink with
   tl.dot over `in` (x tile [BLOCK_M, BLOCK_K] @ A^T tile [BLOCK_K, BLOCK_R]), h scaled and cast
@@ -80,6 +81,9 @@ def _bgmv_kernel(
         av = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)
         partial += av.to(tl.float32) * xv[None, :]
     h = tl.sum(partial, axis=1) * tl.load(scaling_ptr + slot)
+    # Rounded to the weights' dtype like SGMV's (and PEFT's) intermediate, so a token gets the
+    # same delta whichever kernel its batch runs (a no-op for float32).
+    h = h.to(b_ptr.dtype.element_ty).to(tl.float32)
 
     # Expand into this program's columns [n_start, n_end).
     n_start = split * cols_per_split
