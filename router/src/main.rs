@@ -55,6 +55,14 @@ async fn run(args: RouterArgs) -> Result<(), BoxError> {
     let assets = load_assets(Path::new(&info.model_path))?;
     let state = AppState::start(shard, info, assets, Settings::from_args(&args)).await?;
     tracing::info!(limits = ?state.info.limits, "KV cache sized");
+    tracing::info!(
+        source = %args.adapter_source,
+        root = ?args.adapter_root,
+        max_active_adapters = args.max_active_adapters,
+        max_lora_rank = args.max_lora_rank,
+        preloaded = ?state.adapters.list().iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(),
+        "adapters"
+    );
 
     let listener = TcpListener::bind((args.hostname.as_str(), args.port))
         .await
