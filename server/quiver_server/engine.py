@@ -5,15 +5,13 @@ life: `prefill` runs its prompt, writes the prompt's K/V into the blocks the rou
 samples the first token; each `decode` feeds the last sampled token of every request of the
 merged batches, writes its K/V and samples the next; `filter_batch` drops finished requests.
 
-LoRA adapters (see `adapters/`): `load_adapter` reads one into host memory (thread-safe, so the
-service runs it beside the steps), `activate_adapter` copies it into a device slot between steps,
-and a request names its adapter by id; it keeps the slot it was prefilled with for its life, so
-the engine refuses to overwrite or unload a slot that running requests use.
+LoRA adapters (`adapters/`, held by `self.lora`): `load_adapter` reads one into host memory
+(thread-safe, so the service runs it beside the steps), `activate_adapter` copies it into a
+device slot between steps, and a request names its adapter by id and keeps that slot for life.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -21,9 +19,7 @@ from pathlib import Path
 import torch
 
 from quiver_server import sampling
-from quiver_server.adapters.registry import AdapterRegistry
-from quiver_server.adapters.slots import AdapterSlots
-from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.adapters.manager import AdapterManager
 from quiver_server.batch_state import CachedBatch, RequestState
 from quiver_server.batch_types import AdapterInfo, ModelInfo, RequestSpec, StepResult, TokenOut
 from quiver_server.forward_batch import ForwardBatch, build_decode, build_lora_meta, build_prefill
@@ -89,9 +85,7 @@ class Engine:
         )
         self.kv_cache: PagedKVCache | None = None
         self.batches: dict[int, CachedBatch] = {}
-        self.lora_spec = BaseModelSpec.from_model(self.model, config)
-        self.adapters = AdapterRegistry(self.lora_spec, self.dtype, self.device, max_cpu_adapters)
-        self.slots: AdapterSlots | None = None  # allocated by warmup; None = adapters disabled
+        self.lora = AdapterManager(self.model, config, self.dtype, self.device, max_cpu_adapters)
 
     # ---- warmup -------------------------------------------------------------------------------
 
@@ -113,7 +107,7 @@ class Engine:
             raise ValueError(f"max_lora_rank must be positive with max_active_adapters={max_active_adapters}")
         self.batches.clear()
         self.kv_cache = None
-        self._allocate_slots(max_active_adapters, max_lora_rank)
+        self.lora.allocate_slots(max_active_adapters, max_lora_rank)
         if self.device.type == "cuda":
             num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
         else:
@@ -142,12 +136,12 @@ class Engine:
         input_ids = (torch.arange(num_tokens) % self.vocab_size).to(self.device)
         # With adapter slots, every token goes through the LoRA kernels too (on slot 0, whatever
         # it holds: the logits are thrown away), so their memory and compilation are covered.
-        slots = [0] * len(lens) if self.slots is not None else None
-        max_rank = self.slots.max_rank if self.slots is not None else 0
+        slots = [0] * len(lens) if self.lora.slots is not None else None
+        max_rank = self.lora.max_rank
         prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank)
         decode_lora = build_lora_meta(slots, [1] * len(lens), max_rank, self.device) if slots else None
         decode = build_decode(lens, table.to(self.device), BLOCK_SIZE, self.device, decode_lora)
-        with self.slots.every_part_in_use() if self.slots is not None else contextlib.nullcontext():
+        with self.lora.exercising_every_slot_buffer():
             self.model(input_ids, prefill, scratch)
             decode_ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
             self.model(decode_ids, decode, scratch)
@@ -193,7 +187,7 @@ class Engine:
         lora_slots = [r.lora_slot for r in states] if any(r.adapter_id for r in requests) else None
         forward = build_prefill(
             [len(r.input_ids) for r in requests], batch.block_table(self.device), BLOCK_SIZE, self.device,
-            lora_slots, self._max_lora_rank,
+            lora_slots, self.lora.max_rank,
         )
         result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start)
         self.batches[batch_id] = batch
@@ -222,7 +216,7 @@ class Engine:
         if not batch.requests:
             return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
         input_ids = torch.tensor([r.last_token for r in batch.requests], dtype=torch.long).to(self.device)
-        lora = batch.lora_meta(self._max_lora_rank, self.device) if self.slots is not None else None
+        lora = batch.lora_meta(self.lora.max_rank, self.device) if self.lora.slots is not None else None
         forward = build_decode(
             [r.length for r in batch.requests], batch.block_table(self.device), BLOCK_SIZE, self.device, lora
         )
@@ -297,8 +291,7 @@ class Engine:
 
     def _validate(self, request: RequestSpec, num_blocks: int) -> None:
         rid = request.id
-        if request.adapter_id:
-            self._slot_of(request)
+        self.lora.slot_for(rid, request.adapter_id)
         if not request.input_ids:
             raise ValueError(f"request {rid}: empty prompt")
         if max(request.input_ids) >= self.vocab_size or min(request.input_ids) < 0:
@@ -336,7 +329,7 @@ class Engine:
             generator=sampling.new_generator(request.sampling.seed),
             seen=seen,
             adapter_id=request.adapter_id,
-            lora_slot=self._slot_of(request) if request.adapter_id else -1,
+            lora_slot=self.lora.slot_for(request.id, request.adapter_id),
         )
 
     # ---- adapters -----------------------------------------------------------------------------
@@ -346,76 +339,18 @@ class Engine:
         what differs; AdapterNotFoundError for a missing directory or hub repo). Source "local"
         reads `path`; "hub" downloads `adapter_id` (owner/name[@revision]) unless `path` gives
         the directory another rank downloaded. Safe to call while steps run on another thread."""
-        if self.adapters.max_rank < 1:
-            raise ValueError(
-                "LoRA adapters are disabled: warmup allocated no adapter slots (max_active_adapters=0)"
-                if self.kv_cache is not None else "call warmup first: it sizes the adapter slots"
-            )
-        return self.adapters.load(adapter_id, source, path, revision)
+        return self.lora.load(adapter_id, source, path, revision)
 
     @torch.inference_mode()
     def activate_adapter(self, adapter_id: str, slot: int) -> None:
-        """Copies a loaded adapter into device slot `slot`, replacing what it held."""
-        slots = self._require_slots()
-        slots.check_slot(slot)
-        if slots.adapter_in(slot) == adapter_id:
-            return
-        busy = self._running_adapters_by_slot().get(slot)
-        if busy:
-            raise ValueError(f"slot {slot} holds adapter {busy!r}, which running requests use")
-        adapter = self.adapters.get(adapter_id)
-        replaced = slots.activate(adapter, slot)
-        self.adapters.host.pin(adapter_id)
-        if replaced is not None and slots.slot_of(replaced) is None:
-            self.adapters.host.unpin(replaced)
-        log.info("adapter %s is in slot %d%s", adapter_id, slot, f" (replacing {replaced})" if replaced else "")
+        """Copies a loaded adapter into device slot `slot`, replacing what it held; refused for a
+        slot that running requests use."""
+        self.lora.activate(adapter_id, slot, self._running_adapters_by_slot())
 
     @torch.inference_mode()
     def unload_adapter(self, adapter_id: str) -> None:
-        """Forgets an adapter: its slots and its host copy. Unknown ids are ignored (idempotent)."""
-        if adapter_id in self._running_adapters_by_slot().values():
-            raise ValueError(f"adapter {adapter_id!r} still has running requests")
-        if self.slots is not None:
-            while (slot := self.slots.slot_of(adapter_id)) is not None:
-                self.slots.clear(slot)
-        if adapter_id in self.adapters:
-            log.info("unloaded adapter %s", adapter_id)
-        self.adapters.forget(adapter_id)
-
-    @property
-    def _max_lora_rank(self) -> int:
-        return self.slots.max_rank if self.slots is not None else 0
-
-    def _allocate_slots(self, max_active_adapters: int, max_lora_rank: int) -> None:
-        # The old buffers go first, so a bigger table can use their memory.
-        AdapterSlots.detach(self.model, self.lora_spec)
-        self.slots = None
-        self.adapters.host.unpin_all()
-        self.adapters.max_rank = 0
-        if max_active_adapters < 1:
-            return
-        self.slots = AdapterSlots(
-            self.model, self.lora_spec, max_active_adapters, max_lora_rank, self.dtype, self.device
-        )
-        self.adapters.max_rank = max_lora_rank
-        log.info("adapter slots: %d of rank up to %d (%.1f MiB)", max_active_adapters, max_lora_rank,
-                 self.slots.nbytes / 2**20)
-
-    def _require_slots(self) -> AdapterSlots:
-        if self.slots is None:
-            raise ValueError("LoRA adapters are disabled: warmup allocated no adapter slots (max_active_adapters=0)")
-        return self.slots
-
-    def _slot_of(self, request: RequestSpec) -> int:
-        if self.slots is None:
-            raise ValueError(
-                f"request {request.id}: adapter {request.adapter_id!r} is not active: this shard has no "
-                "adapter slots (max_active_adapters=0)"
-            )
-        slot = self.slots.slot_of(request.adapter_id)
-        if slot is None:
-            raise ValueError(f"request {request.id}: adapter {request.adapter_id!r} is not active in a slot")
-        return slot
+        """Forgets an adapter (slots, host copy); refused while requests use it; idempotent."""
+        self.lora.unload(adapter_id, self._running_adapters_by_slot())
 
     def _running_adapters_by_slot(self) -> dict[int, str]:
         return {

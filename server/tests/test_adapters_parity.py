@@ -81,7 +81,7 @@ def _collect(outputs: dict[int, list[int]], step: StepResult) -> None:
 
 def test_adapter_info_matches_peft_config(setup: Setup) -> None:
     for kind, config in ADAPTER_KINDS.items():
-        info = setup.engine.adapters.info(kind)
+        info = setup.engine.lora.registry.info(kind)
         assert info is not None
         expected = config["lora_alpha"] / (config["r"] ** 0.5 if config.get("use_rslora") else config["r"])
         assert info.scaling == pytest.approx(expected)
@@ -101,7 +101,7 @@ def test_prefill_and_decode_logits_equal_peft_in_one_mixed_batch(setup: Setup) -
     kinds: list[str | None] = [None, *ADAPTER_KINDS, None]
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 30))] for _ in kinds]
-    slots = [-1 if k is None else engine.slots.slot_of(k) for k in kinds]  # type: ignore[union-attr]
+    slots = [-1 if k is None else engine.lora.slots.slot_of(k) for k in kinds]  # type: ignore[union-attr]
     lens = [len(p) for p in prompts]
     blocks_each = -(-(max(lens) + 4) // BLOCK_SIZE)
     cache = PagedKVCache(engine.kv_spec, blocks_each * len(kinds), engine.device)

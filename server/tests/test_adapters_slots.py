@@ -61,7 +61,7 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
     for kind, path in setup.adapters.items():
         engine.load_adapter(kind, "local", str(path))
     # LRU: the last three loads are in host memory, the first three were evicted.
-    assert engine.adapters.host.ids() == list(KINDS[-HOST_CAPACITY:])
+    assert engine.lora.registry.host.ids() == list(KINDS[-HOST_CAPACITY:])
 
     outputs: dict[int, list[int]] = {}
     running: dict[int, str] = {}  # request id -> adapter
@@ -88,7 +88,7 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
                 engine.activate_adapter(kind, 0)  # slot 0 serves request 0
             with pytest.raises(ValueError, match="still has running requests"):
                 engine.unload_adapter(plan[0])
-        while any(engine.slots.slot_of(running_kind) == slot for running_kind in running.values()):
+        while any(engine.lora.slots.slot_of(running_kind) == slot for running_kind in running.values()):
             step()
         engine.activate_adapter(kind, slot)
         result = engine.prefill(1000 + rid, [_request(rid, kind)])
@@ -96,7 +96,7 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
         running[rid] = kind
         batch_ids.append(result.batch_id)
         step()  # the new request and the one in the other slot decode together
-        assert len(engine.adapters.host) <= HOST_CAPACITY + 1  # + the one just (re)read
+        assert len(engine.lora.registry.host) <= HOST_CAPACITY + 1  # + the one just (re)read
     while running:
         step()
     for rid, kind in enumerate(plan):
@@ -107,10 +107,10 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     engine = _engine(setup)
     engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
     engine.activate_adapter("a", 1)
-    assert engine.slots.slot_of("a") == 1
+    assert engine.lora.slots.slot_of("a") == 1
     engine.unload_adapter("a")
-    assert engine.slots.adapter_in(1) is None and "a" not in engine.adapters and len(engine.adapters.host) == 0
-    assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.slots.parts.values())
+    assert engine.lora.slots.adapter_in(1) is None and "a" not in engine.lora.registry and len(engine.lora.registry.host) == 0
+    assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.lora.slots.parts.values())
     with pytest.raises(ValueError, match="'a' is not active in a slot"):
         engine.prefill(1, [_request(0, "a")])
     with pytest.raises(ValueError, match="'a' is not loaded"):
@@ -158,9 +158,9 @@ def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
     engine = _engine(setup, dtype="bfloat16")
     engine.load_adapter("a", "local", str(setup.adapters["rank16"]))
     engine.activate_adapter("a", 0)
-    host = engine.adapters.get("a")
+    host = engine.lora.registry.get("a")
     assert {t.dtype for pair in host.weights.values() for t in pair} == {torch.bfloat16}
-    part = engine.slots.parts[(0, "q_proj")]
+    part = engine.lora.slots.parts[(0, "q_proj")]
     assert part.lora_a.dtype == part.lora_b.dtype == torch.bfloat16 and part.scaling.dtype == torch.float32
     # Rank 16 fills the slot's first 16 rank rows; peft's own bf16-rounded A is what is there.
     reference = peft_reference(setup.base_dir, setup.adapters["rank16"])

@@ -40,7 +40,7 @@ def engine(base_dir: Path) -> Engine:
 
 @pytest.fixture(scope="module")
 def spec(engine: Engine) -> BaseModelSpec:
-    return engine.lora_spec
+    return engine.lora.spec
 
 
 def _peft_wrapped(base_dir: Path, **config: Any) -> set[tuple[int, str]]:
@@ -83,7 +83,7 @@ def test_weights_are_peft_s_weights(base_dir: Path, engine: Engine, tmp_path: Pa
     info = engine.load_adapter(f"fmt-{safe_serialization}", "local", str(path))
     assert (info.rank, info.scaling, info.target_modules) == (8, 2.0, ["q_proj", "down_proj"])
     assert Path(info.path) == path.resolve()
-    ours = engine.adapters.get(f"fmt-{safe_serialization}").weights
+    ours = engine.lora.registry.get(f"fmt-{safe_serialization}").weights
     reference = peft_reference(base_dir, path)
     for name, module in reference.named_modules():
         if isinstance(module, peft.tuners.lora.LoraLayer):
@@ -191,7 +191,7 @@ def test_mismatch_is_a_value_error_naming_the_difference(
     with pytest.raises(ValueError, match=REFUSALS[case]) as raised:
         engine.load_adapter(case, "local", str(path))
     assert case in str(raised.value)  # the message names the adapter too
-    assert case not in engine.adapters and case not in engine.adapters.host
+    assert case not in engine.lora.registry and case not in engine.lora.registry.host
 
 
 def test_missing_adapter_is_not_found(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

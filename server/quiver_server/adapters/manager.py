@@ -1,0 +1,117 @@
+"""The engine's adapter side: the tiers (disk and host memory in `registry`, device `slots`)
+and the rules that keep running requests correct while adapters come and go.
+
+A request keeps the slot it was prefilled with for its whole life, so a slot that running
+requests use is never overwritten and their adapter never unloaded; the router knows that
+(it activates only free slots and unloads only idle adapters), and these checks make a router
+bug a clear ValueError instead of silently wrong tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from quiver_server.adapters.registry import AdapterRegistry
+from quiver_server.adapters.slots import AdapterSlots
+from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.batch_types import AdapterInfo
+from quiver_server.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DISABLED = "LoRA adapters are disabled: warmup allocated no adapter slots (max_active_adapters=0)"
+
+
+class AdapterManager:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+        max_cpu_adapters: int,
+    ) -> None:
+        self.model = model
+        self.dtype = dtype
+        self.device = device
+        self.spec = BaseModelSpec.from_model(model, config)
+        self.registry = AdapterRegistry(self.spec, dtype, device, max_cpu_adapters)
+        self.slots: AdapterSlots | None = None  # None: adapters disabled (or no warmup yet)
+        self._warmed_up = False
+
+    @property
+    def max_rank(self) -> int:
+        return self.slots.max_rank if self.slots is not None else 0
+
+    def allocate_slots(self, num_slots: int, max_rank: int) -> None:
+        """(Re)allocates the slot table at warmup; every slot starts empty."""
+        # The old buffers go first, so a bigger table can reuse their memory.
+        AdapterSlots.detach(self.model, self.spec)
+        self.slots = None
+        self.registry.host.unpin_all()
+        self.registry.max_rank = 0
+        self._warmed_up = True
+        if num_slots < 1:
+            return
+        self.slots = AdapterSlots(self.model, self.spec, num_slots, max_rank, self.dtype, self.device)
+        self.registry.max_rank = max_rank
+        log.info("adapter slots: %d of rank up to %d (%.1f MiB)", num_slots, max_rank, self.slots.nbytes / 2**20)
+
+    def exercising_every_slot_buffer(self) -> contextlib.AbstractContextManager[None]:
+        """Warmup's dry run: LoRA kernels run for every projection, whatever the slots hold."""
+        return self.slots.every_part_in_use() if self.slots is not None else contextlib.nullcontext()
+
+    def load(self, adapter_id: str, source: str, path: str, revision: str) -> AdapterInfo:
+        if self.slots is None:
+            raise ValueError(DISABLED if self._warmed_up else "call warmup first: it sizes the adapter slots")
+        return self.registry.load(adapter_id, source, path, revision)
+
+    def activate(self, adapter_id: str, slot: int, running: Mapping[int, str]) -> None:
+        """`running`: slot -> adapter of the requests in flight."""
+        slots = self._require_slots()
+        slots.check_slot(slot)
+        if slots.adapter_in(slot) == adapter_id:
+            return
+        if slot in running:
+            raise ValueError(f"slot {slot} holds adapter {running[slot]!r}, which running requests use")
+        adapter = self.registry.get(adapter_id)
+        replaced = slots.activate(adapter, slot)
+        self.registry.host.pin(adapter_id)
+        if replaced is not None and slots.slot_of(replaced) is None:
+            self.registry.host.unpin(replaced)
+        log.info("adapter %s is in slot %d%s", adapter_id, slot, f" (replacing {replaced})" if replaced else "")
+
+    def unload(self, adapter_id: str, running: Mapping[int, str]) -> None:
+        """Forgets an adapter: its slots and its host copy. Unknown ids are ignored (idempotent)."""
+        if adapter_id in running.values():
+            raise ValueError(f"adapter {adapter_id!r} still has running requests")
+        if self.slots is not None:
+            while (slot := self.slots.slot_of(adapter_id)) is not None:
+                self.slots.clear(slot)
+        if adapter_id in self.registry:
+            log.info("unloaded adapter %s", adapter_id)
+        self.registry.forget(adapter_id)
+
+    def slot_for(self, request_id: int, adapter_id: str) -> int:
+        """The slot serving a new request ("" = the base model: -1)."""
+        if not adapter_id:
+            return -1
+        if self.slots is None:
+            raise ValueError(
+                f"request {request_id}: adapter {adapter_id!r} is not active: this shard has no adapter slots "
+                "(max_active_adapters=0)"
+            )
+        slot = self.slots.slot_of(adapter_id)
+        if slot is None:
+            raise ValueError(f"request {request_id}: adapter {adapter_id!r} is not active in a slot")
+        return slot
+
+    def _require_slots(self) -> AdapterSlots:
+        if self.slots is None:
+            raise ValueError(DISABLED)
+        return self.slots
