@@ -190,22 +190,63 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _block_r(rank: int) -> int:
-    return max(16, triton.next_power_of_2(rank))
+@dataclass(frozen=True)
+class Plan:
+    """One launch: grid, columns per split and the kernel's compile-time block sizes. Pure
+    function of the shapes, so `bench/lora_compile_report.py` compiles exactly what runs."""
+
+    grid: tuple[int, ...]
+    cols_per_split: int
+    blocks: dict[str, int]
+    num_warps: int
 
 
-def _num_splits(requested: int | None, row_programs: int, n: int, block_n: int, device: torch.device) -> int:
-    max_splits = triton.cdiv(n, block_n)
-    if requested is not None:
-        return max(1, min(requested, max_splits))
-    # Enough programs for ~2 waves of SMs, but never more than 8 recomputations of the shrink.
-    wanted = triton.cdiv(2 * _sm_count(device), max(row_programs, 1))
-    return max(1, min(wanted, 8, max_splits))
+def _splits_and_cols(requested: int | None, row_programs: int, n: int, block_n: int, sm_count: int) -> tuple[int, int]:
+    column_tiles = triton.cdiv(n, block_n)
+    if requested is None:
+        # Enough programs for ~2 waves of SMs, but never more than 8 recomputations of the shrink.
+        requested = min(triton.cdiv(2 * sm_count, max(row_programs, 1)), 8)
+    splits = max(1, min(requested, column_tiles))
+    cols = triton.cdiv(column_tiles, splits) * block_n
+    return triton.cdiv(n, cols), cols
 
 
-def _cols_per_split(n: int, splits: int, block_n: int) -> tuple[int, int]:
-    cols = triton.cdiv(triton.cdiv(n, block_n), splits) * block_n
-    return cols, triton.cdiv(n, cols)
+def plan_bgmv(num_rows: int, k: int, n: int, rank: int, sm_count: int, config: LaunchConfig) -> Plan:
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_n = config.block_n or 64
+    # Keep the shrink's partial products at <= 8K float32 per program (64 registers a thread).
+    block_k = config.block_k or max(16, min(256, 8192 // block_r, triton.next_power_of_2(k)))
+    splits, cols = _splits_and_cols(config.splits, num_rows, n, block_n, sm_count)
+    return Plan((num_rows, splits), cols, {"BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_R": block_r},
+                config.num_warps)
+
+
+def plan_sgmv(
+    num_rows: int, num_segments: int, max_seg_len: int, k: int, n: int, rank: int,
+    dtype: torch.dtype, sm_count: int, config: LaunchConfig,
+) -> Plan:
+    max_seg_len = max_seg_len if max_seg_len > 0 else num_rows
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_m = config.block_m or max(16, min(64, triton.next_power_of_2(max_seg_len)))
+    if dtype == torch.float32 and config.block_m is None:
+        # float32 dots run on FMA units with the tiles in registers: big tiles spill.
+        block_m = min(block_m, max(16, 1024 // block_r))
+    block_k = config.block_k or (32 if block_r >= 128 else 64)
+    block_n = config.block_n or (64 if block_r >= 128 else 128)
+    busy_programs = triton.cdiv(num_rows, block_m) + num_segments
+    splits, cols = _splits_and_cols(config.splits, busy_programs, n, block_n, sm_count)
+    grid = (num_segments, triton.cdiv(max_seg_len, block_m), splits)
+    blocks = {"BLOCK_M": block_m, "BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_R": block_r}
+    return Plan(grid, cols, blocks, config.num_warps)
+
+
+def _strides(x, lora_a, lora_b, y) -> tuple[int, ...]:
+    return (
+        x.stride(0), x.stride(1),
+        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
+        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        y.stride(0), y.stride(1),
+    )
 
 
 def bgmv(
@@ -213,23 +254,11 @@ def bgmv(
     scaling: torch.Tensor, token_slots: torch.Tensor, config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """y [T, N] (a column view is fine) += per-row LoRA delta of the row's slot (-1: none)."""
-    num_rows, k = x.shape
-    n, rank = lora_b.shape[1], lora_a.shape[1]
-    block_r = _block_r(rank)
-    block_n = config.block_n or 64
-    # Keep the shrink's partial products at <= 8K float32 per program (64 registers a thread).
-    block_k = config.block_k or max(16, min(256, 8192 // block_r, triton.next_power_of_2(k)))
-    splits = _num_splits(config.splits, num_rows, n, block_n, x.device)
-    cols, splits = _cols_per_split(n, splits, block_n)
-    _bgmv_kernel[(num_rows, splits)](
-        y, x, lora_a, lora_b, scaling, token_slots,
-        k, n, rank, cols,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), y.stride(1),
-        BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_R=block_r,
-        num_warps=config.num_warps,
+    (num_rows, k), n, rank = x.shape, lora_b.shape[1], lora_a.shape[1]
+    plan = plan_bgmv(num_rows, k, n, rank, _sm_count(x.device), config)
+    _bgmv_kernel[plan.grid](
+        y, x, lora_a, lora_b, scaling, token_slots, k, n, rank, plan.cols_per_split,
+        *_strides(x, lora_a, lora_b, y), **plan.blocks, num_warps=plan.num_warps,
     )
 
 
@@ -239,33 +268,18 @@ def sgmv(
     config: LaunchConfig = LaunchConfig(),
 ) -> None:
     """y [T, N] += per-segment LoRA delta; segment i = rows [seg_indptr[i], seg_indptr[i+1])
-    with slot seg_slots[i] (-1: none). max_seg_len bounds the row blocks of the grid."""
-    num_rows, k = x.shape
-    n, rank = lora_b.shape[1], lora_a.shape[1]
-    num_segments = int(seg_slots.shape[0])
-    max_seg_len = max_seg_len if max_seg_len > 0 else num_rows
-    block_r = _block_r(rank)
-    block_m = config.block_m or max(16, min(64, triton.next_power_of_2(max_seg_len)))
-    block_k = config.block_k or (32 if block_r >= 128 else 64)
-    block_n = config.block_n or (64 if block_r >= 128 else 128)
-    row_blocks = triton.cdiv(max_seg_len, block_m)
+    with slot seg_slots[i] (-1: none). max_seg_len bounds the row blocks of the grid (0 = T)."""
+    (num_rows, k), n, rank = x.shape, lora_b.shape[1], lora_a.shape[1]
+    plan = plan_sgmv(num_rows, int(seg_slots.shape[0]), max_seg_len, k, n, rank, x.dtype,
+                     _sm_count(x.device), config)
     # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw uint16 bits (3.9.0),
     # so off CUDA the operands go through float32: exact for 16-bit floats, same products.
     upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
-    busy_programs = triton.cdiv(num_rows, block_m) + num_segments
-    splits = _num_splits(config.splits, busy_programs, n, block_n, x.device)
-    cols, splits = _cols_per_split(n, splits, block_n)
-    _sgmv_kernel[(num_segments, row_blocks, splits)](
-        y, x, lora_a, lora_b, scaling, seg_indptr, seg_slots,
-        k, n, rank, cols,
-        x.stride(0), x.stride(1),
-        lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
-        y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_N=block_n, BLOCK_R=block_r,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32",
-        UPCAST=upcast,
-        num_warps=config.num_warps,
+    _sgmv_kernel[plan.grid](
+        y, x, lora_a, lora_b, scaling, seg_indptr, seg_slots, k, n, rank, plan.cols_per_split,
+        *_strides(x, lora_a, lora_b, y), **plan.blocks,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        num_warps=plan.num_warps,
     )
 
 
