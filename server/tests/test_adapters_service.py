@@ -146,3 +146,11 @@ def test_a_slow_load_does_not_hold_up_steps(shard: Shard, monkeypatch: pytest.Mo
     finally:
         release.set()
     assert pending.result(timeout=60).rank == 8
+
+
+def test_serve_takes_the_host_cache_size() -> None:
+    from quiver_server.cli import build_parser
+
+    serve = ["serve", "some/model", "--uds-path", "/tmp/x.sock"]
+    assert build_parser().parse_args(serve).max_cpu_adapters == 64
+    assert build_parser().parse_args([*serve, "--max-cpu-adapters", "3"]).max_cpu_adapters == 3

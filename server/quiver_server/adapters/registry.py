@@ -70,7 +70,10 @@ class AdapterRegistry:
         started = time.monotonic()
         adapter = self._read(adapter_id, directory)
         with self._lock:
-            self._known[adapter_id] = adapter.info()
+            # Another thread may have loaded the same id meanwhile: the first one wins.
+            known = self._known.setdefault(adapter_id, adapter.info())
+        if known != adapter.info():
+            raise ValueError(f"adapter {adapter_id!r} was loaded from {known.path} meanwhile; unload it first")
         self.host.put(adapter)
         log.info(
             "loaded adapter %s from %s: rank %d, scaling %g, %s (%.1f MiB, %.2fs)",
