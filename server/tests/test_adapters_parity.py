@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_adapters import ADAPTER_KINDS, Reference, assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_adapters import (
+    ADAPTER_KINDS,
+    Reference,
+    assert_greedy_matches,
+    build_adapter,
+    peft_reference,
+    reference_greedy,
+)
 from tiny_models import build_tiny_model
 
 from quiver_server.batch_types import RequestSpec, StepResult

@@ -75,7 +75,8 @@ def _generate(shard: Shard, batch_id: int, adapter_id: str) -> list[int]:
 
 def test_load_activate_generate_unload(shard: Shard) -> None:
     stub = shard.stub
-    loaded = stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv", source="local", path=str(shard.adapters["qv"])))
+    qv = str(shard.adapters["qv"])
+    loaded = stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv", source="local", path=qv))
     assert (loaded.rank, loaded.scaling, list(loaded.target_modules)) == (8, 2.0, ["q_proj", "v_proj"])
     assert Path(loaded.path) == shard.adapters["qv"].resolve()
     # A hub adapter on a rank other than 0 arrives with rank 0's download directory.
@@ -119,7 +120,8 @@ def test_bad_activation_is_invalid_argument(shard: Shard) -> None:
     details = _status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.ActivateAdapter,
                       shard_pb2.ActivateAdapterRequest(adapter_id="never-loaded", slot=0))
     assert "'never-loaded' is not loaded" in details
-    shard.stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv2", source="local", path=str(shard.adapters["qv"])))
+    qv = str(shard.adapters["qv"])
+    shard.stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="qv2", source="local", path=qv))
     details = _status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.ActivateAdapter,
                       shard_pb2.ActivateAdapterRequest(adapter_id="qv2", slot=2))
     assert "slot 2 is out of range" in details

@@ -35,8 +35,12 @@ class Setup:
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     base_dir = build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=4)
     root = tmp_path_factory.mktemp("adapters")
-    adapters = {kind: build_adapter(base_dir, root / kind, seed=40 + i, **ADAPTER_KINDS[kind]) for i, kind in enumerate(KINDS)}
-    expected = {kind: reference_greedy(peft_reference(base_dir, path), PROMPT, NEW_TOKENS) for kind, path in adapters.items()}
+    adapters = {
+        kind: build_adapter(base_dir, root / kind, seed=40 + i, **ADAPTER_KINDS[kind]) for i, kind in enumerate(KINDS)
+    }
+    expected = {
+        kind: reference_greedy(peft_reference(base_dir, path), PROMPT, NEW_TOKENS) for kind, path in adapters.items()
+    }
     return Setup(base_dir, adapters, expected)
 
 
@@ -109,7 +113,8 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     engine.activate_adapter("a", 1)
     assert engine.lora.slots.slot_of("a") == 1
     engine.unload_adapter("a")
-    assert engine.lora.slots.adapter_in(1) is None and "a" not in engine.lora.registry and len(engine.lora.registry.host) == 0
+    assert engine.lora.slots.adapter_in(1) is None
+    assert "a" not in engine.lora.registry and len(engine.lora.registry.host) == 0
     assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.lora.slots.parts.values())
     with pytest.raises(ValueError, match="'a' is not active in a slot"):
         engine.prefill(1, [_request(0, "a")])

@@ -176,7 +176,9 @@ REFUSALS = {
     "modules-to-save": r"modules_to_save .*lm_head.* is not supported",
     "bias": r'bias="all" is not supported',
     "missing-weights": r"no LoRA weights for targeted modules model\.layers\.1\.self_attn\.q_proj",
-    "weights-beyond-targets": r"LoRA weights for model\.layers\.0\.self_attn\.q_proj.*which target_modules does not name",
+    "weights-beyond-targets": (
+        r"LoRA weights for model\.layers\.0\.self_attn\.q_proj.*which target_modules does not name"
+    ),
     "unknown-target": r"'c_attn' match none of this llama model's LoRA-capable modules",
     "stray-tensor": r"'base_model\.model\.model\.norm\.weight', which is not a LoRA A/B weight",
     "not-an-adapter": r"no adapter_config\.json",

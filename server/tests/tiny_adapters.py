@@ -108,5 +108,7 @@ ADAPTER_KINDS: dict[str, dict[str, Any]] = {
     "rslora": {"r": 16, "lora_alpha": 16, "use_rslora": True, "target_modules": ALL_PROJECTIONS},
     # PEFT's own matching rules: a regex over module paths, and a layer filter.
     "regex-layer0": {"r": 8, "lora_alpha": 16, "target_modules": r".*\.layers\.0\.self_attn\.(q|k|o)_proj"},
-    "layers-to-transform": {"r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "down_proj"], "layers_to_transform": [1]},
+    "layers-to-transform": {
+        "r": 8, "lora_alpha": 16, "target_modules": ["v_proj", "down_proj"], "layers_to_transform": [1]
+    },
 }
