@@ -214,12 +214,13 @@ def test_torch_paths_match_reference(strategy: str, seed: int) -> None:
     assert_matches(actual, case)
 
 
+@pytest.mark.parametrize("strategy", list(TORCH_STRATEGIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_torch_path_prefill_mixed_segments(dtype: torch.dtype) -> None:
+def test_torch_paths_prefill_mixed_segments(strategy: str, dtype: torch.dtype) -> None:
     # Segments of length 1 next to long ones, base tokens between adapters, a slot used twice.
     case = make_case([1, 17, 1, 1, 9, 1], [3, 0, -1, 3, 3, 1], 128, 48, num_slots=4, max_rank=16,
                      ranks=[16, 1, 7, 16], dtype=dtype, col_offset=48, seed=3)
-    assert_matches(run(lora_torch.add_lora_torch, case), case)
+    assert_matches(run(TORCH_STRATEGIES[strategy], case), case)
 
 
 # ---------------------------------------------------------------------------------------------

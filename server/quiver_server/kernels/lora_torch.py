@@ -11,24 +11,53 @@ Three strategies, all exact to the reference up to float32 summation order:
 - `by_segment`: prefill only: one matmul pair per segment, straight on the token slice of x and
   y (segments are contiguous, so nothing is gathered or scattered).
 
-`add_lora_torch` picks among them; the measurements behind the choice are below.
+`add_lora_torch` uses `group_by_slot` for decode and for prefills of many short prompts (mean
+segment < SHORT_SEGMENT_TOKENS tokens), `by_segment` otherwise. `gather_rows` is kept as the
+measured alternative (and is tested), not used.
 
-MEASURED (2-core x86 VM, torch 2.15, float32, 2 threads; min of repeated runs):
-    filled in from /tmp measurements, see _choose_* below.
+Measured 2026-11-21 on the 2-core x86 dev VM (torch 2.15, float32, 1 torch thread; the machine
+was shared with other builds, so each number is the minimum of 15 runs, in microseconds; the
+2-thread runs ranked the strategies the same except where noted). 32 slots; requests cycle
+over `a` adapters; in x out, rank r. Reproduce: `python bench/lora_kernels.py --device cpu`.
+
+    decode  batch  a   in x out    r   group_by_slot  gather_rows  per-token reference
+              8    8   512x512    16        137           131          163
+             32    1   512x1408   16         73           754          751
+             32    8   512x1408   16        208           789          747
+             32   32   512x1408   16        599           789          795   (2 threads: gather 460 vs 610)
+            128   32   512x1408   16        785          3034         3231
+             32   32  4096x4096   16       1378          5356         1918
+             32   32   512x512   128       1079          3225         1189
+
+    prefill reqs x len  a   in x out    r   by_segment  group_by_slot
+             4 x 128    4   512x512    16        261         1317
+            32 x 64     8   512x1408   16       2946         5793
+           128 x 16     8   512x1408   16       4642         4567
+           256 x 8     32   512x512    16       8970         2762
+            32 x 64     8  4096x4096   16      22426       102595
+             4 x 512    4  4096x4096   64      47818       122671
+
+gather_rows copies R*(in+out) weights per row and loses wherever rows outnumber adapters or the
+layers are wide; small decode batches are bound by the count of torch ops (~20 us each here), so
+group_by_slot spends two matmuls per adapter and folds scaling, gather and scatter into one op
+each over all rows. For prefill, gathering/scattering T rows costs more than a matmul pair per
+segment until segments get short (crossover ~16 tokens).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 
+# Below this mean segment length, gathering rows by adapter beats a matmul pair per segment.
+SHORT_SEGMENT_TOKENS = 16
 
-def _add_rows(y: torch.Tensor, rows: torch.Tensor | slice, delta: torch.Tensor) -> None:
+
+def _add_rows(y: torch.Tensor, rows: torch.Tensor, delta: torch.Tensor) -> None:
     """y[rows] += delta (float32) with one rounding to y's dtype."""
-    if isinstance(rows, slice):
-        y[rows].add_(delta)  # in-place add with a float32 operand rounds once
-    elif y.dtype == torch.float32:
+    if y.dtype == torch.float32:
         y.index_add_(0, rows, delta)
     else:
         y[rows] = (y[rows].float() + delta).to(y.dtype)
@@ -52,16 +81,28 @@ def group_by_slot(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, token_slots: torch.Tensor,
 ) -> None:
+    # Per distinct adapter only two matmuls on a slice of the sorted rows; everything per row
+    # (gather, scaling, scatter) is one op over all rows. Small decode batches are bound by the
+    # number of torch ops, so every op saved per adapter shows.
     sorted_slots, order = torch.sort(token_slots, stable=True)
     slots, counts = torch.unique_consecutive(sorted_slots, return_counts=True)
+    slots, counts = slots.tolist(), counts.tolist()
+    first = counts[0] if slots[0] < 0 else 0  # base-model rows (-1) sort first
+    if first:
+        slots, counts = slots[1:], counts[1:]
+    if not slots:
+        return
+    rows = order[first:]
+    xs = x[rows].float()
+    # scaling * B @ (A @ x) == B @ (A @ (scaling * x)): scale the rows once, not per adapter.
+    xs.mul_(scaling[sorted_slots[first:]].unsqueeze(1) if len(slots) > 1 else scaling[slots[0]])
+    deltas = []
     start = 0
-    for slot, count in zip(slots.tolist(), counts.tolist()):
-        if slot >= 0:
-            rows = order[start:start + count]
-            h = x[rows].float() @ lora_a[slot].float().T
-            h.mul_(scaling[slot])
-            _add_rows(y, rows, h @ lora_b[slot].float().T)
+    for slot, count in zip(slots, counts):
+        h = F.linear(xs[start:start + count], lora_a[slot].float())
+        deltas.append(F.linear(h, lora_b[slot].float()))
         start += count
+    _add_rows(y, rows, torch.cat(deltas) if len(deltas) > 1 else deltas[0])
 
 
 def by_segment(
@@ -69,13 +110,14 @@ def by_segment(
     scaling: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
 ) -> None:
     bounds = seg_indptr.tolist()
+    scales = scaling.tolist()
     for i, slot in enumerate(seg_slots.tolist()):
         if slot < 0:
             continue
         rows = slice(bounds[i], bounds[i + 1])
-        h = x[rows].float() @ lora_a[slot].float().T
-        h.mul_(scaling[slot])
-        _add_rows(y, rows, h @ lora_b[slot].float().T)
+        h = F.linear(x[rows].float(), lora_a[slot].float())
+        # In-place add of a float32 operand (times alpha) computes in float32, rounds once.
+        y[rows].add_(F.linear(h, lora_b[slot].float()), alpha=scales[slot])
 
 
 def add_lora_torch(
@@ -83,7 +125,7 @@ def add_lora_torch(
     scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
 ) -> None:
     y_part = y[:, out_slice]
-    if meta.is_decode:
+    if meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:  # decode, or many short prompts
         group_by_slot(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
     else:
         by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)
