@@ -31,6 +31,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -49,6 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true", help="cuda: time a grid of Triton launch configs")
     p.add_argument("--min-time-ms", type=float, default=50.0, help="per timed repeat")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats; the median is reported")
+    p.add_argument("--only", default="", help="regex: run only the cases whose name matches")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
     return p.parse_args()
@@ -339,6 +341,22 @@ def run_case(case: Case, args, dtype: torch.dtype, bandwidth: float) -> dict:
     return row
 
 
+def summary(rows: list[dict]) -> None:
+    """A short table on stderr: microseconds per backend and the floor."""
+    names = sorted({name for row in rows for name in row["results"]})
+    log("case | floor_us | " + " | ".join(names))
+    for row in rows:
+        cells = []
+        for name in names:
+            result = row["results"].get(name)
+            if result is None:
+                cells.append("-")
+            else:
+                graph = f" (graph {result['graph_us']:.1f})" if "graph_us" in result else ""
+                cells.append(f"{result['us']:.1f}{graph}")
+        log(f"{row['name']} | {row['floor_us']:.1f} | " + " | ".join(cells))
+
+
 def main() -> None:
     args = ARGS
     if args.device == "auto":
@@ -353,7 +371,9 @@ def main() -> None:
     log(f"device {args.device}, dtype {args.dtype}, threads {torch.get_num_threads()}")
     bandwidth = peak_bandwidth_gbs(args.device)
     log(f"copy bandwidth {bandwidth:.0f} GB/s")
-    rows = [run_case(case, args, dtype, bandwidth) for case in cases(args.device, args.quick)]
+    selected = [c for c in cases(args.device, args.quick) if re.search(args.only, c.name)]
+    rows = [run_case(case, args, dtype, bandwidth) for case in selected]
+    summary(rows)
     machine = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
                "threads": torch.get_num_threads(), "device": args.device}
     if args.device == "cuda":

@@ -14,7 +14,10 @@ The price of fusion: when the output columns of one row block are split over sev
 (`splits`, grid axis 1 / 2), each of them recomputes the shrink. That is R*in multiply-adds and
 one read of the block's x and A[s] per split; A[s] and x are re-read from L2, not DRAM, because
 the splits of a row run side by side. Splits are only used when rows alone cannot fill the GPU
-(decode with few requests, short prefills); `_num_splits` keeps programs ~2x the SM count.
+(decode with few requests, short prefills); `_splits_and_cols` aims at ~2 programs per SM and
+at most 8 splits. Chosen over a two-launch shrink/expand with a [T, R] scratch because decode
+steps are launch-bound (one launch per target-module part instead of two) and the recomputed
+shrink is cheap next to reading B and y at the ranks LoRA uses.
 
 - BGMV (`bgmv`): grid (T, splits). One program per token row: its slot from token_slots
   (-1 -> return at once), shrink as a [BLOCK_R, BLOCK_K] multiply-reduce over `in` (a GEMV:
@@ -29,9 +32,14 @@ the splits of a row run side by side. Splits are only used when rows alone canno
 Ranks: the slot buffers are zero-padded to R = lora_a.shape[1]; BLOCK_R = next power of two
 >= max(R, 16) (tl.dot needs every dimension >= 16), extra lanes are masked loads of zero.
 float32 inputs use exact ("ieee") dots, so float32 serving matches the reference to rounding.
-On CUDA, 16-bit inputs use native tensor-core dots; under the CPU interpreter (tests) they are
-upcast first (`UPCAST`, see `sgmv`): the only line that differs, and float16 runs the native path
-in the interpreter too.
+On CUDA, 16-bit inputs use native tensor-core dots (wgmma on sm_90). Under the CPU interpreter
+(tests) bfloat16 dot operands are upcast first (`UPCAST`, see `sgmv`): the only line that differs,
+and float16 runs the native path in the interpreter too.
+
+Launch plans (`plan_bgmv`, `plan_sgmv`) are pure functions of the shapes; they depend on host
+ints only (T, segments, max_seg_len), so a launch never syncs and can be captured in a CUDA
+graph with static metadata buffers. `bench/lora_compile_report.py` compiles the plans for sm_90a
+without a GPU (registers, spills, wgmma); `bench/lora_kernels.py` times them on one.
 """
 
 from __future__ import annotations
