@@ -15,7 +15,7 @@ def load(model_dir: str, device: str, dtype: str):
     return model.to(device).eval()
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
 
@@ -32,11 +32,11 @@ def measure(model, device: str, prompts: list[list[int]], batch_size: int, max_n
         model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=2, min_new_tokens=2, **args)
         walls = []
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             started = time.perf_counter()
             out = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                                  min_new_tokens=max_new_tokens, **args)
-            _sync(device)
+            sync(device)
             walls.append(time.perf_counter() - started)
     generated = (out.shape[1] - input_ids.shape[1]) * batch_size
     return {

@@ -20,6 +20,7 @@ class StreamTiming:
     sent_at: float
     token_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    text: str = ""
 
     @property
     def ttft(self) -> float:
@@ -35,7 +36,21 @@ class Workload:
     prompts: list[list[int]]  # token ids; one per request, cycled
     max_tokens: int
     requests_per_client: int
-    adapters: tuple[str, ...] = ()  # issue 3: requests spread over these `model` names
+    adapters: tuple[str, ...] = ()  # requests spread over these `model` names (adapter ids)
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return self.adapters or (self.model,)
+
+    def request(self, index: int) -> tuple[str, list[int]]:
+        """(model, prompt) of request `index`: request i goes to models[i % len(models)], so with
+        n adapters and a multiple of n streams each stream keeps one adapter."""
+        return self.models[index % len(self.models)], self.prompts[index % len(self.prompts)]
+
+    def first_requests(self, concurrency: int, limit: int) -> list[tuple[str, list[int]]]:
+        """The requests a run sends, in index order, at most `limit` (0: all)."""
+        total = concurrency * self.requests_per_client
+        return [self.request(i) for i in range(min(total, limit) if limit else total)]
 
 
 async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int],
@@ -49,6 +64,7 @@ async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int]
         now = time.perf_counter()
         if chunk.choices and chunk.choices[0].text:
             timing.token_times.append(now)
+            timing.text += chunk.choices[0].text
         if chunk.usage is not None:
             timing.completion_tokens = chunk.usage.completion_tokens
     if timing.completion_tokens != max_tokens:
@@ -56,28 +72,31 @@ async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int]
     return timing
 
 
-async def _client_loop(client, workload: Workload, client_index: int, concurrency: int) -> list[StreamTiming]:
+async def _client_loop(client, workload: Workload, client_index: int,
+                       concurrency: int) -> list[tuple[int, StreamTiming]]:
     timings = []
     for round_index in range(workload.requests_per_client):
-        request_index = round_index * concurrency + client_index
-        prompt = workload.prompts[request_index % len(workload.prompts)]
-        adapters = workload.adapters or (workload.model,)
-        model = adapters[request_index % len(adapters)]
-        timings.append(await _stream_once(client, model, prompt, workload.max_tokens))
+        index = round_index * concurrency + client_index
+        model, prompt = workload.request(index)
+        timings.append((index, await _stream_once(client, model, prompt, workload.max_tokens)))
     return timings
 
 
-async def _run(base_url: str, workload: Workload, concurrency: int) -> dict:
+async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dict, dict[int, str]]:
     async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
                                   timeout=600) as client:
-        # One request first, outside the measurement: connection set-up, first-call paths.
-        await _stream_once(client, workload.model, workload.prompts[0], 4)
+        # One short request per model first, outside the measurement: connection set-up,
+        # first-call paths, and each adapter loaded and in a device slot (steady state is what
+        # is measured; the first request of an adapter also pays for reading it from disk).
+        await asyncio.gather(*(_stream_once(client, model, workload.prompts[0], 4)
+                               for model in workload.models))
         started = time.perf_counter()
         per_client = await asyncio.gather(
             *(_client_loop(client, workload, i, concurrency) for i in range(concurrency))
         )
         elapsed = time.perf_counter() - started
-    timings = [t for client_timings in per_client for t in client_timings]
+    indexed = [t for client_timings in per_client for t in client_timings]
+    timings = [t for _, t in indexed]
     tokens = sum(t.completion_tokens for t in timings)
     return {
         "concurrency": concurrency,
@@ -87,12 +106,13 @@ async def _run(base_url: str, workload: Workload, concurrency: int) -> dict:
         "throughput_tok_s": round(tokens / elapsed, 2),
         "ttft_s": percentiles([t.ttft for t in timings]),
         "inter_token_s": percentiles([gap for t in timings for gap in t.inter_token()]),
-    }
+    }, {index: t.text for index, t in indexed}
 
 
-def measure(base_url: str, workload: Workload, concurrency: int, repeats: int = 1) -> dict:
+def measure(base_url: str, workload: Workload, concurrency: int, repeats: int = 1) -> tuple[dict, dict[int, str]]:
     """The best of `repeats` runs by throughput, as for the baselines: the machine's noise
-    (other processes on a shared box) is kept out of the comparison on both sides."""
+    (other processes on a shared box) is kept out of the comparison on both sides. Also returns
+    that run's generated text per request index (for the agreement check against peft)."""
     runs = [asyncio.run(_run(base_url, workload, concurrency)) for _ in range(repeats)]
-    best = max(runs, key=lambda run: run["throughput_tok_s"])
-    return {**best, "throughput_tok_s_all_runs": [run["throughput_tok_s"] for run in runs]}
+    best, texts = max(runs, key=lambda run: run[0]["throughput_tok_s"])
+    return {**best, "throughput_tok_s_all_runs": [run[0]["throughput_tok_s"] for run in runs]}, texts

@@ -1,12 +1,17 @@
 """`make bench`: quiver end to end against transformers on the same random-weight Llama.
 
 Starts the real stack (launcher → shard + router) on a free port, drives it with 1, 8 and 32
-concurrent streaming clients (fixed-length token-id prompts, fixed output length with
-ignore_eos), then stops it and runs the baselines on the same weights in this process. Prints
-ONE JSON report on stdout and writes it to bench/results/; progress goes to stderr.
+concurrent streaming clients on the base model, then with 32 streams spread over 1, 8 and 32
+distinct LoRA adapters (ranks 8 and 16, random weights, local adapter root), all with
+fixed-length token-id prompts and a fixed output length (ignore_eos). Then it stops the stack
+and runs the baselines on the same weights in this process: `transformers`' batched `generate`
+for the base scenarios, and `transformers` + `peft` serving the adapter scenarios' requests one
+at a time with `set_adapter` (on the first --naive-requests requests of each; see
+peft_baseline.py). Prints ONE JSON report on stdout and writes it to bench/results/; progress
+goes to stderr.
 
-Scenarios are data (`Scenario`): issue 3 adds adapter scenarios (requests spread over 1/8/32
-adapters) and the peft one-at-a-time baseline as new entries, not new code paths.
+Scenarios are data (`Scenario`): base scenarios have no adapters, adapter scenarios name the
+adapter ids their requests cycle through.
 """
 
 from __future__ import annotations
@@ -28,20 +33,28 @@ sys.path.insert(0, str(REPO_ROOT / "integration-tests"))  # stack.py: the same l
 
 import torch  # noqa: E402
 
+import adapters  # noqa: E402
 import bench_model  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import matmul_floor  # noqa: E402
+import peft_baseline  # noqa: E402
 from stack import Stack, StackConfig  # noqa: E402
 
 SERVED_NAME = "bench"
+# Issue 3's targets for the adapter scenario with the most adapters.
+TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
+TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
 
 
 @dataclass(frozen=True)
 class Scenario:
     name: str
     concurrency: int
-    adapters: tuple[str, ...] = ()  # issue 3: model names the requests cycle through
+    adapters: tuple[str, ...] = ()  # adapter ids the requests cycle through; () = base model
+
+    def workload(self, prompts, max_tokens: int, requests_per_client: int) -> load.Workload:
+        return load.Workload(SERVED_NAME, prompts, max_tokens, requests_per_client, self.adapters)
 
 
 def log(message: str) -> None:
@@ -54,7 +67,14 @@ def parse_args() -> argparse.Namespace:
                    help="picks the model shape too: ~58M params on cpu, Llama-2-7B's on cuda")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: tiny model, short outputs, one request per client")
-    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated stream counts (base model)")
+    p.add_argument("--adapters", default="1,8,32",
+                   help="comma-separated counts of distinct adapters for the adapter scenarios ('' for none)")
+    p.add_argument("--adapter-concurrency", type=int, default=32, help="streams in every adapter scenario")
+    p.add_argument("--naive-requests", type=int, default=8,
+                   help="requests of each adapter scenario the transformers+peft baseline serves, "
+                        "one at a time (0: all of them)")
+    p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests-per-client", type=int, default=2)
@@ -90,28 +110,48 @@ def machine(device: str) -> dict:
     return info
 
 
-def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, logs: Path) -> dict:
+def adapter_flags(root: Path | None, max_active: int) -> list[str]:
+    if root is None:
+        return []
+    return ["--adapter-source", "local", "--adapter-root", str(root),
+            "--max-active-adapters", str(max_active), "--max-lora-rank", str(max(adapters.RANKS))]
+
+
+def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, logs: Path,
+               adapter_root: Path | None) -> tuple[dict, dict[str, dict[int, str]]]:
+    """Every scenario on one running stack: {scenario: measurement}, {scenario: {request index:
+    generated text}}. A failing adapter scenario is recorded as {"error": ...} and the others
+    still run, so a broken adapter path shows in the report next to working base figures."""
     config = StackConfig(
         model_id=str(model_dir), served_model_name=SERVED_NAME, dtype=shape.dtype, device=args.device,
         cpu_kv_cache_gib=1.0 if args.device == "cpu" else None,
         max_total_tokens=args.prompt_tokens + args.max_tokens + 16,
         max_input_tokens=args.prompt_tokens + 8,
         max_batch_size=max(s.concurrency for s in scenarios),
+        # One server for every scenario: base-only rows are measured with adapter slots allocated
+        # (a batch without adapter rows skips the LoRA kernels), so the ratio compares requests,
+        # not server configurations.
+        extra_args=adapter_flags(adapter_root, args.max_active_adapters),
     )
-    results = {}
+    results, texts = {}, {}
     stack = Stack(config, logs / "quiver.log")
     log(f"starting quiver ({shape.name}, {args.device}); log: {stack.log_path}")
     stack.start(timeout_s=900 if args.device == "cuda" else 120)
     try:
         for scenario in scenarios:
-            workload = load.Workload(SERVED_NAME, prompts, args.max_tokens, args.requests_per_client,
-                                     scenario.adapters)
+            workload = scenario.workload(prompts, args.max_tokens, args.requests_per_client)
             log(f"quiver {scenario.name}")
-            results[scenario.name] = load.measure(stack.base_url + "/v1", workload, scenario.concurrency,
-                                                  args.repeats)
+            try:
+                results[scenario.name], texts[scenario.name] = load.measure(
+                    stack.base_url + "/v1", workload, scenario.concurrency, args.repeats)
+            except Exception as err:  # noqa: BLE001 - reported, not hidden
+                if not scenario.adapters:
+                    raise
+                results[scenario.name] = {"error": f"{type(err).__name__}: {err}"}
+                log(f"quiver {scenario.name} FAILED: {results[scenario.name]['error']}")
     finally:
         stack.stop()
-    return results
+    return results, texts
 
 
 def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts) -> dict:
@@ -129,32 +169,119 @@ def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios,
     return results
 
 
+def agreement(quiver_texts: dict[int, str], peft_outputs: list[list[int]]) -> dict:
+    """How many of the timed requests quiver answered with exactly peft's greedy tokens: proof
+    that the measured path applied the adapters. Quiver's text is compared word by word with
+    peft's ids in the bench tokenizer's words (w<id>; special tokens are not shown in text).
+    Expect all on float32 CPU; in bfloat16 batched and one-at-a-time arithmetic differ, and a
+    random model's near-tied logits then let greedy paths part after a few tokens."""
+    identical, first_equal = 0, 0
+    for index, tokens in enumerate(peft_outputs):
+        want = [f"w{t}" for t in tokens if t >= len(bench_model.SPECIAL)]
+        got = quiver_texts.get(index, "").split()
+        identical += got == want
+        first_equal += bool(got and want and got[0] == want[0])
+    return {"requests": len(peft_outputs), "identical": identical, "first_token_equal": first_equal}
+
+
+def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, adapter_root: Path,
+             quiver_texts: dict[str, dict[int, str]]) -> dict:
+    adapter_scenarios = [s for s in scenarios if s.adapters]
+    if not adapter_scenarios:
+        return {}
+    ids = sorted({a for s in adapter_scenarios for a in s.adapters})
+    log(f"transformers+peft baseline: loading the base and {len(ids)} adapters")
+    server = peft_baseline.PeftServer(model_dir, adapter_root, ids, args.device, shape.dtype)
+    results = {}
+    for scenario in adapter_scenarios:
+        workload = scenario.workload(prompts, args.max_tokens, args.requests_per_client)
+        requests = workload.first_requests(scenario.concurrency, args.naive_requests)
+        total = scenario.concurrency * args.requests_per_client
+        log(f"transformers+peft one at a time, {scenario.name}: {len(requests)} of {total} requests")
+        results[scenario.name], outputs = server.measure(requests, args.max_tokens, args.repeats, total)
+        if scenario.name in quiver_texts:
+            results[scenario.name]["agreement_with_quiver"] = agreement(quiver_texts[scenario.name], outputs)
+    del server
+    bench_model.release_device_memory()
+    return results
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 3)
+
+
+def _adapter_ranks(scenario: Scenario) -> dict[str, int]:
+    ranks: dict[str, int] = {}
+    for index in range(len(scenario.adapters)):  # scenario.adapters = adapters.ids(n)
+        rank = str(adapters.rank_of(index))
+        ranks[rank] = ranks.get(rank, 0) + 1
+    return ranks
+
+
+def build_row(args, shape, scenario: Scenario, quiver: dict, baselines: dict[str, dict]) -> dict:
+    q = quiver[scenario.name]
+    if "error" in q:
+        return {"scenario": scenario.name, "concurrency": scenario.concurrency,
+                "adapters": len(scenario.adapters), "quiver": q,
+                "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
+                "ratios": {}}
+    floor = matmul_floor.step_floor_s(shape, scenario.concurrency, args.device)
+    row = {
+        "scenario": scenario.name,
+        "concurrency": scenario.concurrency,
+        "adapters": len(scenario.adapters),
+        "quiver": q,
+        "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
+        "decode_step": {
+            # The base model's weight matmuls only: LoRA's extra work is not in the floor.
+            "matmul_floor_s": round(floor, 6),
+            "quiver_inter_token_p50_s": q["inter_token_s"].get("p50"),
+        },
+    }
+    row["ratios"] = {f"quiver/{name}": _ratio(q["throughput_tok_s"], b["throughput_tok_s"])
+                     for name, b in row["baselines"].items()}
+    if scenario.adapters:
+        row["adapter_ranks"] = _adapter_ranks(scenario)
+        base = quiver.get(f"base-c{scenario.concurrency}")
+        if base and "error" not in base:  # quiver itself serving the base model at the same concurrency
+            row["ratios"][f"quiver/quiver_base-c{scenario.concurrency}"] = _ratio(
+                q["throughput_tok_s"], base["throughput_tok_s"])
+    step = row["decode_step"]["quiver_inter_token_p50_s"]
+    if step:
+        row["decode_step"]["floor/quiver"] = round(floor / step, 3)
+    return row
+
+
+def multi_lora_summary(rows: list[dict]) -> dict | None:
+    """Issue 3's two targets, read off the adapter scenario with the most adapters."""
+    adapter_rows = [r for r in rows if r["adapters"]]
+    if not adapter_rows:
+        return None
+    row = max(adapter_rows, key=lambda r: r["adapters"])
+    c = row["concurrency"]
+    vs_base = row["ratios"].get(f"quiver/quiver_base-c{c}")
+    vs_naive = row["ratios"].get("quiver/peft_one_at_a_time")
+    naive = row["baselines"].get("peft_one_at_a_time", {})
+    summary = {
+        "scenario": row["scenario"],
+        "vs_base_only": {"ratio": vs_base, "target": TARGET_VS_BASE,
+                         "met": None if vs_base is None else vs_base >= TARGET_VS_BASE,
+                         "base_scenario": f"base-c{c}"},
+        "vs_naive_peft": {"ratio": vs_naive, "target": TARGET_VS_NAIVE,
+                          "met": None if vs_naive is None else vs_naive >= TARGET_VS_NAIVE,
+                          "naive_requests_timed": naive.get("requests_timed"),
+                          "naive_requests_in_scenario": naive.get("requests_in_scenario")},
+        "naive_agreement_with_quiver": naive.get("agreement_with_quiver"),
+    }
+    if "error" in row["quiver"]:
+        summary["quiver_error"] = row["quiver"]["error"]
+    return summary
+
+
 def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict]) -> dict:
-    rows = []
-    for scenario in scenarios:
-        q = quiver[scenario.name]
-        floor = matmul_floor.step_floor_s(shape, scenario.concurrency, args.device)
-        row = {
-            "scenario": scenario.name,
-            "concurrency": scenario.concurrency,
-            "adapters": len(scenario.adapters),
-            "quiver": q,
-            "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
-            "decode_step": {
-                "matmul_floor_s": round(floor, 6),
-                "quiver_inter_token_p50_s": q["inter_token_s"].get("p50"),
-            },
-        }
-        row["ratios"] = {
-            f"quiver/{name}": round(q["throughput_tok_s"] / b["throughput_tok_s"], 3)
-            for name, b in row["baselines"].items()
-        }
-        step = row["decode_step"]["quiver_inter_token_p50_s"]
-        if step:
-            row["decode_step"]["floor/quiver"] = round(floor / step, 3)
-        rows.append(row)
-    return {
-        "benchmark": "quiver-bench/v1",
+    rows = [build_row(args, shape, scenario, quiver, baselines) for scenario in scenarios]
+    report = {
+        "benchmark": "quiver-bench/v2",
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "quick": args.quick,
         "machine": machine(args.device),
@@ -166,23 +293,58 @@ def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict
                      "requests_per_client": args.requests_per_client, "repeats": args.repeats,
                      "sampling": "greedy",
                      "ignore_eos": True, "client": "openai SDK, streaming /v1/completions"},
+        "baselines": {
+            "transformers_generate": "transformers' batched generate on the base model, one static "
+                                     "batch of `concurrency` prompts; best of `repeats`",
+        },
         "scenarios": rows,
     }
+    if any(s.adapters for s in scenarios):
+        report["adapters"] = {
+            "ranks": list(adapters.RANKS), "rank_rule": "adapter i has rank RANKS[i % 2]",
+            "target_modules": adapters.TARGET_MODULES, "weights": "random (lora_A and lora_B)",
+            "source": "local adapter root, PEFT save_pretrained files",
+            "server_flags": adapter_flags(Path("ROOT"), args.max_active_adapters),
+            "request_rule": "request i goes to adapter i % n (with 32 streams, stream j keeps one adapter)",
+            "warm_up": "one short request per adapter before timing: adapters are loaded and in "
+                       "device slots when the timed run starts",
+        }
+        report["baselines"]["peft_one_at_a_time"] = (
+            "transformers + peft, every adapter loaded into one PeftModel (load_adapter), requests "
+            "served one at a time: set_adapter, then generate; total tokens / total wall time. "
+            f"Timed on the first {args.naive_requests or 'all'} requests of each adapter scenario "
+            "(in the scenario's order, so adapters switch as in the scenario): one request at a "
+            "time, its rate does not depend on how many requests there are. Best of `repeats`.")
+        report["multi_lora"] = multi_lora_summary(rows)
+    return report
 
 
 def main() -> None:
     args = parse_args()
     shape = bench_model.SHAPES["tiny" if args.quick else args.device]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
+    adapter_counts = [int(n) for n in args.adapters.split(",") if n.strip() and int(n) > 0]
+    if adapter_counts and args.adapter_concurrency not in concurrencies:
+        concurrencies.append(args.adapter_concurrency)  # the base-only reference of the ratio
     scenarios = [Scenario(f"base-c{c}", c) for c in concurrencies]
     log(f"model {shape.name} ({shape.parameters() / 1e6:.0f}M params) under {args.model_root}")
     model_dir = bench_model.ensure_model(shape, args.model_root, args.device)
-    count = max(concurrencies) * args.requests_per_client
+    adapter_root = None
+    if adapter_counts:
+        adapter_root = args.model_root / f"{shape.name}-adapters"
+        log(f"{max(adapter_counts)} LoRA adapters under {adapter_root}")
+        ids = adapters.ensure_adapters(model_dir, adapter_root, max(adapter_counts), shape.dtype)
+        scenarios += [Scenario(f"lora{n}-c{args.adapter_concurrency}", args.adapter_concurrency,
+                               tuple(ids[:n])) for n in adapter_counts]
+    count = max(s.concurrency for s in scenarios) * args.requests_per_client
     prompts = bench_model.prompts(count, args.prompt_tokens, shape.vocab_size)
 
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
-        quiver = run_quiver(model_dir, shape, args, scenarios, prompts, Path(tmp))
+        quiver, texts = run_quiver(model_dir, shape, args, scenarios, prompts, Path(tmp), adapter_root)
     baselines = {"transformers_generate": run_transformers(model_dir, shape, args, scenarios, prompts)}
+    if adapter_root is not None:
+        baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
+                                                  texts)
     report = build_report(args, shape, scenarios, quiver, baselines)
 
     args.results_dir.mkdir(parents=True, exist_ok=True)

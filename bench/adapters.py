@@ -1,0 +1,114 @@
+"""The benchmark's LoRA adapters: random weights, written by `peft` itself, in one adapter root.
+
+    ids = ensure_adapters(model_dir, root, count=32, dtype="float32")  # ["a00-r8", "a01-r16", ...]
+
+Ranks alternate 8 and 16 (even index rank 8, odd rank 16), every adapter targets all seven
+projections (q, k, v, o, gate, up, down) with lora_alpha = r. PEFT initialises lora_B to zero —
+an untrained adapter that changes nothing and whose work a server could skip — so both A and B
+are drawn at random here.
+
+The PeftModel is built over a base model on the meta device: PEFT needs only the module tree
+to name and shape the LoRA weights, so a 7B shape costs no memory and no time to build. The
+random LoRA tensors are then assigned in and `save_pretrained` writes the files, as PEFT
+writes every adapter (adapter_config.json + adapter_model.safetensors).
+
+Adapters are written once per (model, count, ranks) and reused by later runs; the ids are
+directory names inside the root, served with `--adapter-source local --adapter-root ROOT`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+RANKS = (8, 16)
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SCALE = 0.1  # of lora_B: a visible change to the logits, nowhere near overflow in bfloat16
+
+
+def rank_of(index: int) -> int:
+    return RANKS[index % len(RANKS)]
+
+
+def adapter_id(index: int) -> str:
+    return f"a{index:02d}-r{rank_of(index)}"
+
+
+def ids(count: int) -> list[str]:
+    return [adapter_id(i) for i in range(count)]
+
+
+def _lora_config(rank: int, model_dir: Path):
+    import peft
+
+    return peft.LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=rank, lora_dropout=0.0,
+                           target_modules=TARGET_MODULES, base_model_name_or_path=str(model_dir))
+
+
+def _meta_peft_model(model_dir: Path, rank: int, dtype: torch.dtype):
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        base = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return peft.get_peft_model(base, _lora_config(rank, model_dir))
+
+
+def _randomise(model, generator: torch.Generator, dtype: torch.dtype) -> None:
+    """Replaces every LoRA weight (on meta) by a real random tensor: A [r, in] with unit-variance
+    rank components, B [out, r] at SCALE."""
+    for module_name, module in model.named_modules():
+        for part in ("lora_A", "lora_B"):
+            holder = getattr(module, part, None)
+            if not isinstance(holder, torch.nn.ModuleDict):
+                continue
+            for linear in holder.values():
+                out_features, in_features = linear.weight.shape
+                weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
+                if part == "lora_B":
+                    weight *= SCALE
+                linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
+
+
+def _marker(model_dir: Path, count: int, dtype: str) -> dict:
+    config = json.loads((model_dir / "config.json").read_text())
+    return {"model": str(model_dir), "model_config": config, "count": count, "ranks": list(RANKS),
+            "target_modules": TARGET_MODULES, "scale": SCALE, "dtype": dtype}
+
+
+def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: int = 0) -> list[str]:
+    """Writes `count` adapters for the model in `model_dir` under `root` (once) and returns their
+    ids, in order: request i of a scenario with n adapters goes to ids[i % n]."""
+    model_dir = model_dir.resolve()
+    marker_path = root / "bench-adapters.json"
+    marker = _marker(model_dir, count, dtype)
+    names = ids(count)
+    if marker_path.exists() and json.loads(marker_path.read_text()) == marker and all(
+        (root / name / "adapter_config.json").exists() for name in names
+    ):
+        return names
+    from quiver_server.logging_setup import adopt_transformers_logging
+
+    adopt_transformers_logging()  # transformers' warnings in our log format, not on stdout
+    torch_dtype = getattr(torch, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    models = {rank: _meta_peft_model(model_dir, rank, torch_dtype) for rank in RANKS}
+    for index, name in enumerate(names):
+        model = models[rank_of(index)]
+        _randomise(model, generator, torch_dtype)
+        model.save_pretrained(root / name)
+    marker_path.write_text(json.dumps(marker, indent=1))
+    return names
+
+
+def check_loaded(model, adapter_name: str) -> None:
+    """After PeftModel.load_adapter: every LoRA weight of `adapter_name` is a real tensor (a
+    file whose keys PEFT did not recognise would leave some on their initial values silently)."""
+    for name, param in model.named_parameters():
+        if f".{adapter_name}." in name and ("lora_A" in name or "lora_B" in name):
+            if param.is_meta or not torch.any(param != 0):
+                raise RuntimeError(f"adapter {adapter_name}: {name} was not loaded from its file")
