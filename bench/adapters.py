@@ -73,10 +73,19 @@ def _randomise(model, generator: torch.Generator, dtype: torch.dtype) -> None:
                 linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
 
 
-def _marker(model_dir: Path, count: int, dtype: str) -> dict:
+def _marker(model_dir: Path, dtype: str, seed: int) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
-    return {"model": str(model_dir), "model_config": config, "count": count, "ranks": list(RANKS),
-            "target_modules": TARGET_MODULES, "scale": SCALE, "dtype": dtype}
+    return {"model": str(model_dir), "model_config": config, "ranks": list(RANKS),
+            "target_modules": TARGET_MODULES, "scale": SCALE, "dtype": dtype, "seed": seed}
+
+
+def _written(marker_path: Path, marker: dict) -> int:
+    """How many adapters of this exact recipe the root already holds (0: none, or another recipe)."""
+    if not marker_path.exists():
+        return 0
+    written = json.loads(marker_path.read_text())
+    count = written.pop("count", 0)
+    return count if written == marker else 0
 
 
 def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: int = 0) -> list[str]:
@@ -84,11 +93,10 @@ def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: i
     ids, in order: request i of a scenario with n adapters goes to ids[i % n]."""
     model_dir = model_dir.resolve()
     marker_path = root / "bench-adapters.json"
-    marker = _marker(model_dir, count, dtype)
+    marker = _marker(model_dir, dtype, seed)
     names = ids(count)
-    if marker_path.exists() and json.loads(marker_path.read_text()) == marker and all(
-        (root / name / "adapter_config.json").exists() for name in names
-    ):
+    # A root written for more adapters serves fewer: adapter i is the same whatever the count.
+    if _written(marker_path, marker) >= count and all((root / n / "adapter_config.json").exists() for n in names):
         return names
     from quiver_server.logging_setup import adopt_transformers_logging
 
@@ -101,7 +109,7 @@ def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: i
         model = models[rank_of(index)]
         _randomise(model, generator, torch_dtype)
         model.save_pretrained(root / name)
-    marker_path.write_text(json.dumps(marker, indent=1))
+    marker_path.write_text(json.dumps({**marker, "count": count}, indent=1))
     return names
 
 
