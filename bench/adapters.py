@@ -113,9 +113,17 @@ def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: i
     return names
 
 
+def server_flags(root: Path | None, max_active: int) -> list[str]:
+    """quiver's flags to serve the adapters of `root` as local adapters (none without a root)."""
+    if root is None:
+        return []
+    return ["--adapter-source", "local", "--adapter-root", str(root),
+            "--max-active-adapters", str(max_active), "--max-lora-rank", str(max(RANKS))]
+
+
 def check_loaded(model, adapter_name: str) -> None:
-    """After PeftModel.load_adapter: every LoRA weight of `adapter_name` is a real tensor (a
-    file whose keys PEFT did not recognise would leave some on their initial values silently)."""
+    """After PeftModel.load_adapter: no LoRA weight of `adapter_name` is left as PEFT initialises
+    it (lora_B zero), as one would be, silently, for keys of the file PEFT did not recognise."""
     for name, param in model.named_parameters():
         if f".{adapter_name}." in name and ("lora_A" in name or "lora_B" in name):
             if param.is_meta or not torch.any(param != 0):

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 import adapters
+import bench_model
 import hf_baseline
 
 
@@ -82,3 +83,18 @@ class PeftServer:
             "request_wall_s_max": round(max(per_request), 4),
             "throughput_tok_s": round(tokens / wall, 2),
         }, outputs
+
+
+def agreement(quiver_texts: dict[int, str], peft_outputs: list[list[int]]) -> dict:
+    """How many of the timed requests quiver answered with exactly peft's greedy tokens: proof
+    that the measured path applied the adapters. Quiver's text is compared word by word with
+    peft's ids in the bench tokenizer's words (w<id>; special tokens are not shown in text).
+    Expect all on float32 CPU; in bfloat16 batched and one-at-a-time arithmetic differ, and a
+    random model's near-tied logits then let greedy paths part after a few tokens."""
+    identical, first_equal = 0, 0
+    for index, tokens in enumerate(peft_outputs):
+        want = [f"w{t}" for t in tokens if t >= len(bench_model.SPECIAL)]
+        got = quiver_texts.get(index, "").split()
+        identical += got == want
+        first_equal += bool(got and want and got[0] == want[0])
+    return {"requests": len(peft_outputs), "identical": identical, "first_token_equal": first_equal}

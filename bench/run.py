@@ -7,8 +7,8 @@ fixed-length token-id prompts and a fixed output length (ignore_eos). Then it st
 and runs the baselines on the same weights in this process: `transformers`' batched `generate`
 for the base scenarios, and `transformers` + `peft` serving the adapter scenarios' requests one
 at a time with `set_adapter` (on the first --naive-requests requests of each; see
-peft_baseline.py). Prints ONE JSON report on stdout and writes it to bench/results/; progress
-goes to stderr.
+peft_baseline.py). Prints ONE JSON report (report.py) on stdout and writes it to bench/results/;
+progress goes to stderr.
 
 Scenarios are data (`Scenario`): base scenarios have no adapters, adapter scenarios name the
 adapter ids their requests cycle through.
@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,14 +34,11 @@ import adapters  # noqa: E402
 import bench_model  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
-import matmul_floor  # noqa: E402
 import peft_baseline  # noqa: E402
+import report as reports  # noqa: E402
 from stack import Stack, StackConfig  # noqa: E402
 
 SERVED_NAME = "bench"
-# Issue 3's targets for the adapter scenario with the most adapters.
-TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
-TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
 
 
 @dataclass(frozen=True)
@@ -92,31 +86,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def machine(device: str) -> dict:
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "device": device,
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                            capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
-    return info
-
-
-def adapter_flags(root: Path | None, max_active: int) -> list[str]:
-    if root is None:
-        return []
-    return ["--adapter-source", "local", "--adapter-root", str(root),
-            "--max-active-adapters", str(max_active), "--max-lora-rank", str(max(adapters.RANKS))]
-
-
 def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, logs: Path,
                adapter_root: Path | None) -> tuple[dict, dict[str, dict[int, str]]]:
     """Every scenario on one running stack: {scenario: measurement}, {scenario: {request index:
@@ -131,7 +100,7 @@ def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, promp
         # One server for every scenario: base-only rows are measured with adapter slots allocated
         # (a batch without adapter rows skips the LoRA kernels), so the ratio compares requests,
         # not server configurations.
-        extra_args=adapter_flags(adapter_root, args.max_active_adapters),
+        extra_args=adapters.server_flags(adapter_root, args.max_active_adapters),
     )
     results, texts = {}, {}
     stack = Stack(config, logs / "quiver.log")
@@ -169,21 +138,6 @@ def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios,
     return results
 
 
-def agreement(quiver_texts: dict[int, str], peft_outputs: list[list[int]]) -> dict:
-    """How many of the timed requests quiver answered with exactly peft's greedy tokens: proof
-    that the measured path applied the adapters. Quiver's text is compared word by word with
-    peft's ids in the bench tokenizer's words (w<id>; special tokens are not shown in text).
-    Expect all on float32 CPU; in bfloat16 batched and one-at-a-time arithmetic differ, and a
-    random model's near-tied logits then let greedy paths part after a few tokens."""
-    identical, first_equal = 0, 0
-    for index, tokens in enumerate(peft_outputs):
-        want = [f"w{t}" for t in tokens if t >= len(bench_model.SPECIAL)]
-        got = quiver_texts.get(index, "").split()
-        identical += got == want
-        first_equal += bool(got and want and got[0] == want[0])
-    return {"requests": len(peft_outputs), "identical": identical, "first_token_equal": first_equal}
-
-
 def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, adapter_root: Path,
              quiver_texts: dict[str, dict[int, str]]) -> dict:
     adapter_scenarios = [s for s in scenarios if s.adapters]
@@ -200,123 +154,10 @@ def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts
         log(f"transformers+peft one at a time, {scenario.name}: {len(requests)} of {total} requests")
         results[scenario.name], outputs = server.measure(requests, args.max_tokens, args.repeats, total)
         if scenario.name in quiver_texts:
-            results[scenario.name]["agreement_with_quiver"] = agreement(quiver_texts[scenario.name], outputs)
+            results[scenario.name]["agreement_with_quiver"] = peft_baseline.agreement(quiver_texts[scenario.name], outputs)
     del server
     bench_model.release_device_memory()
     return results
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    return round(numerator / denominator, 3)
-
-
-def _adapter_ranks(scenario: Scenario) -> dict[str, int]:
-    ranks: dict[str, int] = {}
-    for index in range(len(scenario.adapters)):  # scenario.adapters = adapters.ids(n)
-        rank = str(adapters.rank_of(index))
-        ranks[rank] = ranks.get(rank, 0) + 1
-    return ranks
-
-
-def build_row(args, shape, scenario: Scenario, quiver: dict, baselines: dict[str, dict]) -> dict:
-    q = quiver[scenario.name]
-    if "error" in q:
-        return {"scenario": scenario.name, "concurrency": scenario.concurrency,
-                "adapters": len(scenario.adapters), "quiver": q,
-                "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
-                "ratios": {}}
-    floor = matmul_floor.step_floor_s(shape, scenario.concurrency, args.device)
-    row = {
-        "scenario": scenario.name,
-        "concurrency": scenario.concurrency,
-        "adapters": len(scenario.adapters),
-        "quiver": q,
-        "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
-        "decode_step": {
-            # The base model's weight matmuls only: LoRA's extra work is not in the floor.
-            "matmul_floor_s": round(floor, 6),
-            "quiver_inter_token_p50_s": q["inter_token_s"].get("p50"),
-        },
-    }
-    row["ratios"] = {f"quiver/{name}": _ratio(q["throughput_tok_s"], b["throughput_tok_s"])
-                     for name, b in row["baselines"].items()}
-    if scenario.adapters:
-        row["adapter_ranks"] = _adapter_ranks(scenario)
-        base = quiver.get(f"base-c{scenario.concurrency}")
-        if base and "error" not in base:  # quiver itself serving the base model at the same concurrency
-            row["ratios"][f"quiver/quiver_base-c{scenario.concurrency}"] = _ratio(
-                q["throughput_tok_s"], base["throughput_tok_s"])
-    step = row["decode_step"]["quiver_inter_token_p50_s"]
-    if step:
-        row["decode_step"]["floor/quiver"] = round(floor / step, 3)
-    return row
-
-
-def multi_lora_summary(rows: list[dict]) -> dict | None:
-    """Issue 3's two targets, read off the adapter scenario with the most adapters."""
-    adapter_rows = [r for r in rows if r["adapters"]]
-    if not adapter_rows:
-        return None
-    row = max(adapter_rows, key=lambda r: r["adapters"])
-    c = row["concurrency"]
-    vs_base = row["ratios"].get(f"quiver/quiver_base-c{c}")
-    vs_naive = row["ratios"].get("quiver/peft_one_at_a_time")
-    naive = row["baselines"].get("peft_one_at_a_time", {})
-    summary = {
-        "scenario": row["scenario"],
-        "vs_base_only": {"ratio": vs_base, "target": TARGET_VS_BASE,
-                         "met": None if vs_base is None else vs_base >= TARGET_VS_BASE,
-                         "base_scenario": f"base-c{c}"},
-        "vs_naive_peft": {"ratio": vs_naive, "target": TARGET_VS_NAIVE,
-                          "met": None if vs_naive is None else vs_naive >= TARGET_VS_NAIVE,
-                          "naive_requests_timed": naive.get("requests_timed"),
-                          "naive_requests_in_scenario": naive.get("requests_in_scenario")},
-        "naive_agreement_with_quiver": naive.get("agreement_with_quiver"),
-    }
-    if "error" in row["quiver"]:
-        summary["quiver_error"] = row["quiver"]["error"]
-    return summary
-
-
-def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict]) -> dict:
-    rows = [build_row(args, shape, scenario, quiver, baselines) for scenario in scenarios]
-    report = {
-        "benchmark": "quiver-bench/v2",
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "quick": args.quick,
-        "machine": machine(args.device),
-        "model": {"shape": shape.name, "parameters": shape.parameters(), "dtype": shape.dtype,
-                  "weights": "random", **{k: getattr(shape, k) for k in
-                                         ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}},
-        "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                     "requests_per_client": args.requests_per_client, "repeats": args.repeats,
-                     "sampling": "greedy",
-                     "ignore_eos": True, "client": "openai SDK, streaming /v1/completions"},
-        "baselines": {
-            "transformers_generate": "transformers' batched generate on the base model, one static "
-                                     "batch of `concurrency` prompts; best of `repeats`",
-        },
-        "scenarios": rows,
-    }
-    if any(s.adapters for s in scenarios):
-        report["adapters"] = {
-            "ranks": list(adapters.RANKS), "rank_rule": "adapter i has rank RANKS[i % 2]",
-            "target_modules": adapters.TARGET_MODULES, "weights": "random (lora_A and lora_B)",
-            "source": "local adapter root, PEFT save_pretrained files",
-            "server_flags": adapter_flags(Path("ROOT"), args.max_active_adapters),
-            "request_rule": "request i goes to adapter i % n (with 32 streams, stream j keeps one adapter)",
-            "warm_up": "one short request per adapter before timing: adapters are loaded and in "
-                       "device slots when the timed run starts",
-        }
-        report["baselines"]["peft_one_at_a_time"] = (
-            "transformers + peft, every adapter loaded into one PeftModel (load_adapter), requests "
-            "served one at a time: set_adapter, then generate; total tokens / total wall time. "
-            f"Timed on the first {args.naive_requests or 'all'} requests of each adapter scenario "
-            "(in the scenario's order, so adapters switch as in the scenario): one request at a "
-            "time, its rate does not depend on how many requests there are. Best of `repeats`.")
-        report["multi_lora"] = multi_lora_summary(rows)
-    return report
 
 
 def main() -> None:
@@ -345,7 +186,7 @@ def main() -> None:
     if adapter_root is not None:
         baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
                                                   texts)
-    report = build_report(args, shape, scenarios, quiver, baselines)
+    report = reports.build_report(args, shape, scenarios, quiver, baselines)
 
     args.results_dir.mkdir(parents=True, exist_ok=True)
     kind = f"{args.device}-quick" if args.quick else args.device

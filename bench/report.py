@@ -1,0 +1,152 @@
+"""The JSON report of `make bench`: one row per scenario (quiver's figures, the baselines of the
+same scenario, the ratios between them, the decode step against the matmul floor) and, with
+adapter scenarios, issue 3's two multi-LoRA targets read off the one with the most adapters."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import adapters
+import matmul_floor
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Issue 3's targets for the adapter scenario with the most adapters.
+TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
+TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
+
+
+def machine(device: str) -> dict:
+    info = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "device": device,
+    }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
+                                            capture_output=True, text=True).stdout.strip()
+    except OSError:
+        pass
+    return info
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return round(numerator / denominator, 3)
+
+
+def _adapter_ranks(scenario) -> dict[str, int]:
+    ranks: dict[str, int] = {}
+    for index in range(len(scenario.adapters)):  # scenario.adapters = adapters.ids(n)
+        rank = str(adapters.rank_of(index))
+        ranks[rank] = ranks.get(rank, 0) + 1
+    return ranks
+
+
+def build_row(args, shape, scenario, quiver: dict, baselines: dict[str, dict]) -> dict:
+    q = quiver[scenario.name]
+    if "error" in q:
+        return {"scenario": scenario.name, "concurrency": scenario.concurrency,
+                "adapters": len(scenario.adapters), "quiver": q,
+                "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
+                "ratios": {}}
+    floor = matmul_floor.step_floor_s(shape, scenario.concurrency, args.device)
+    row = {
+        "scenario": scenario.name,
+        "concurrency": scenario.concurrency,
+        "adapters": len(scenario.adapters),
+        "quiver": q,
+        "baselines": {name: b[scenario.name] for name, b in baselines.items() if scenario.name in b},
+        "decode_step": {
+            # The base model's weight matmuls only: LoRA's extra work is not in the floor.
+            "matmul_floor_s": round(floor, 6),
+            "quiver_inter_token_p50_s": q["inter_token_s"].get("p50"),
+        },
+    }
+    row["ratios"] = {f"quiver/{name}": _ratio(q["throughput_tok_s"], b["throughput_tok_s"])
+                     for name, b in row["baselines"].items()}
+    if scenario.adapters:
+        row["adapter_ranks"] = _adapter_ranks(scenario)
+        base = quiver.get(f"base-c{scenario.concurrency}")
+        if base and "error" not in base:  # quiver itself serving the base model at the same concurrency
+            row["ratios"][f"quiver/quiver_base-c{scenario.concurrency}"] = _ratio(
+                q["throughput_tok_s"], base["throughput_tok_s"])
+    step = row["decode_step"]["quiver_inter_token_p50_s"]
+    if step:
+        row["decode_step"]["floor/quiver"] = round(floor / step, 3)
+    return row
+
+
+def multi_lora_summary(rows: list[dict]) -> dict | None:
+    """Issue 3's two targets, read off the adapter scenario with the most adapters."""
+    adapter_rows = [r for r in rows if r["adapters"]]
+    if not adapter_rows:
+        return None
+    row = max(adapter_rows, key=lambda r: r["adapters"])
+    c = row["concurrency"]
+    vs_base = row["ratios"].get(f"quiver/quiver_base-c{c}")
+    vs_naive = row["ratios"].get("quiver/peft_one_at_a_time")
+    naive = row["baselines"].get("peft_one_at_a_time", {})
+    summary = {
+        "scenario": row["scenario"],
+        "vs_base_only": {"ratio": vs_base, "target": TARGET_VS_BASE,
+                         "met": None if vs_base is None else vs_base >= TARGET_VS_BASE,
+                         "base_scenario": f"base-c{c}"},
+        "vs_naive_peft": {"ratio": vs_naive, "target": TARGET_VS_NAIVE,
+                          "met": None if vs_naive is None else vs_naive >= TARGET_VS_NAIVE,
+                          "naive_requests_timed": naive.get("requests_timed"),
+                          "naive_requests_in_scenario": naive.get("requests_in_scenario")},
+        "naive_agreement_with_quiver": naive.get("agreement_with_quiver"),
+    }
+    if "error" in row["quiver"]:
+        summary["quiver_error"] = row["quiver"]["error"]
+    return summary
+
+
+def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict]) -> dict:
+    rows = [build_row(args, shape, scenario, quiver, baselines) for scenario in scenarios]
+    report = {
+        "benchmark": "quiver-bench/v2",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "quick": args.quick,
+        "machine": machine(args.device),
+        "model": {"shape": shape.name, "parameters": shape.parameters(), "dtype": shape.dtype,
+                  "weights": "random", **{k: getattr(shape, k) for k in
+                                         ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}},
+        "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                     "requests_per_client": args.requests_per_client, "repeats": args.repeats,
+                     "sampling": "greedy",
+                     "ignore_eos": True, "client": "openai SDK, streaming /v1/completions"},
+        "baselines": {
+            "transformers_generate": "transformers' batched generate on the base model, one static "
+                                     "batch of `concurrency` prompts; best of `repeats`",
+        },
+        "scenarios": rows,
+    }
+    if any(s.adapters for s in scenarios):
+        report["adapters"] = {
+            "ranks": list(adapters.RANKS), "rank_rule": "adapter i has rank RANKS[i % 2]",
+            "target_modules": adapters.TARGET_MODULES, "weights": "random (lora_A and lora_B)",
+            "source": "local adapter root, PEFT save_pretrained files",
+            "server_flags": adapters.server_flags(Path("ROOT"), args.max_active_adapters),
+            "request_rule": "request i goes to adapter i % n (with 32 streams, stream j keeps one adapter)",
+            "warm_up": "one short request per adapter before timing: adapters are loaded (and in "
+                       "device slots, when they fit) when the timed run starts",
+        }
+        report["baselines"]["peft_one_at_a_time"] = (
+            "transformers + peft, every adapter loaded into one PeftModel (load_adapter), requests "
+            "served one at a time: set_adapter, then generate; total tokens / total wall time. "
+            f"Timed on the first {args.naive_requests or 'all'} requests of each adapter scenario "
+            "(in the scenario's order, so adapters switch as in the scenario): one request at a "
+            "time, its rate does not depend on how many requests there are. Best of `repeats`.")
+        report["multi_lora"] = multi_lora_summary(rows)
+    return report
