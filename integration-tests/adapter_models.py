@@ -6,7 +6,8 @@ One tiny Llama base (hidden 64, 2 layers) and one adapter root per test session:
     <tmp>/root/kinds/<kind>/         one adapter per ADAPTER_KINDS entry (local id "kinds/<kind>")
     <tmp>/root/template/own-template      an adapter with only its own chat_template.jinja
     <tmp>/root/template/own-tokenizer     an adapter with its own tokenizer files and template
-    <tmp>/root/bad/...               adapters that do not fit the base (hidden size, rank)
+    <tmp>/root/bad/...               adapters that do not fit the base (hidden size, rank) or are
+                                     broken (no weights, no adapter_config.json)
     <tmp>/root/alias -> kinds/rank8  a symlink that stays inside the root (allowed)
     <tmp>/root/escape -> <tmp>/outside/evil   a symlink leaving the root (refused)
 
@@ -145,6 +146,10 @@ def _build(tmp: Path) -> AdapterSet:
                            target_modules=["q_proj", "v_proj"])
     _forget_base_path(shapes)
     build_adapter(base_dir, root / "bad" / "rank128", seed=302, r=128, lora_alpha=128, target_modules=["q_proj"])
+    # Broken directories: a config without weights, and a directory that is no adapter at all.
+    no_weights = build_adapter(base_dir, root / "bad" / "no-weights", seed=303, **ADAPTER_KINDS["rank8"])
+    (no_weights / "adapter_model.safetensors").unlink()
+    (root / "bad" / "empty").mkdir()
 
     outside = build_adapter(base_dir, tmp / "outside" / "evil", seed=400, **ADAPTER_KINDS["rank8"])
     (root / "alias").symlink_to(root / "kinds" / "rank8", target_is_directory=True)
