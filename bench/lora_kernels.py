@@ -282,7 +282,9 @@ def sweep_configs(case: Case) -> list:
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 if decode:
-                    configs.append(LaunchConfig(block_n=block_n, splits=splits, num_warps=warps))
+                    for block_k in (64, 128, 256):
+                        configs.append(LaunchConfig(block_k=block_k, block_n=block_n, splits=splits,
+                                                    num_warps=warps))
                 else:
                     for block_m in (16, 32, 64):
                         configs.append(LaunchConfig(block_m=block_m, block_n=block_n, splits=splits,

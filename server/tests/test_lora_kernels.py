@@ -1,57 +1,41 @@
-"""LoRA kernels against their reference: Triton (CPU interpreter), vectorised torch, dispatcher.
+"""LoRA kernels against their reference: Triton, vectorised torch, dispatcher.
 
 The reference (`lora_reference`) is the per-token loop of the docstring semantics; it is itself
 checked against an independent float64 computation of y + scaling * B @ (A @ x) per token. Every
 case draws fresh random inputs; y starts as random data (never zeros), and columns outside
 out_slice must come back bit-identical, so a kernel writing the wrong columns or rows fails.
 
-Triton runs under TRITON_INTERPRET=1 on CPU tensors. The flag is read when a kernel is
-decorated (and again while launching), so this module loads its own copy of `lora_triton` with
-the flag set, and sets it around each of its tests only: other test modules and the real
-`quiver_server.kernels.lora_triton` are untouched. Interpreter cases are small (each launch runs the kernel in numpy, per program).
+Triton runs compiled on a GPU when there is one, else on CPU tensors in Triton's interpreter
+(TRITON_INTERPRET=1, set by conftest.py before anything imports triton). Interpreter cases are
+small: each launch runs the kernel in numpy, program by program.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
-import sys
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from quiver_server import kernels
-from quiver_server.kernels import LoraBatchMeta, add_lora
-from quiver_server.kernels import lora_torch
-from quiver_server.kernels.lora_reference import add_lora_reference
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
+
+from quiver_server.kernels import LoraBatchMeta, add_lora, lora_torch  # noqa: E402
+from quiver_server.kernels import lora_triton  # noqa: E402
+from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
+
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _load_interpreted_triton():
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        path = os.path.join(os.path.dirname(kernels.__file__), "lora_triton.py")
-        spec = importlib.util.spec_from_file_location("quiver_lora_triton_interpreted", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # dataclasses look their module up by name
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
+def test_triton_runs_interpreted_without_a_gpu() -> None:
+    # If this fails, triton was imported before TRITON_INTERPRET was set (see conftest.py).
+    if TRITON_DEVICE == "cpu":
+        from triton.runtime.interpreter import InterpretedFunction
 
+        assert isinstance(lora_triton._sgmv_kernel, InterpretedFunction)
 
-lora_triton = _load_interpreted_triton()
-
-
-@pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The interpreter also consults the flag while launching (lazy imports inside triton).
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 # Max error relative to the largest |delta| of the case; 16-bit y rounds once per element and
 # SGMV rounds the rank intermediate to the weight dtype (as PEFT does), hence the wider bounds.
@@ -118,6 +102,19 @@ def run(fn, case: Case) -> torch.Tensor:
     y = case.y.clone()
     fn(y, case.x, case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
     return y
+
+
+def run_triton(case: Case, config: lora_triton.LaunchConfig = lora_triton.LaunchConfig()) -> torch.Tensor:
+    """add_lora_triton on TRITON_DEVICE (the metadata rebuilt there); the result back on CPU."""
+    device = torch.device(TRITON_DEVICE)
+    meta = LoraBatchMeta.build(case.slots_per_request, case.tokens_per_request, case.meta.max_rank, device)
+    if case.meta.max_seg_len == 0:  # keep a hand-built meta's missing hint
+        meta = LoraBatchMeta(meta.token_slots, meta.seg_indptr, meta.seg_slots, meta.max_rank,
+                             meta.is_decode, meta.has_lora)
+    y = case.y.to(device, copy=True)
+    lora_triton.add_lora_triton(y, case.x.to(device), case.lora_a.to(device), case.lora_b.to(device),
+                                case.scaling.to(device), meta, case.out_slice, config)
+    return y.cpu()
 
 
 def assert_matches(actual: torch.Tensor, case: Case, expected: torch.Tensor | None = None) -> None:
@@ -235,7 +232,7 @@ def test_triton_bgmv_decode(dtype: torch.dtype, max_rank: int, ranks: list[int])
     case = make_case([1] * len(slots), slots, 72, 40, num_slots=3, max_rank=max_rank,
                      ranks=ranks, dtype=dtype, col_offset=24, seed=max_rank)
     assert case.meta.is_decode
-    assert_matches(run(lora_triton.add_lora_triton, case), case)
+    assert_matches(run_triton(case), case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -245,7 +242,7 @@ def test_triton_sgmv_prefill(dtype: torch.dtype, max_rank: int, ranks: list[int]
     case = make_case([1, 70, 2, 1, 4], [1, 0, -1, 2, 0], 40, 72, num_slots=3, max_rank=max_rank,
                      ranks=ranks, dtype=dtype, col_offset=17, seed=max_rank + 1)
     assert not case.meta.is_decode
-    assert_matches(run(lora_triton.add_lora_triton, case), case)
+    assert_matches(run_triton(case), case)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -265,7 +262,7 @@ def test_triton_random_shapes_and_launch_configs(seed: int) -> None:
         block_m=rng.choice([None, 16, 32]), block_k=rng.choice([None, 16, 32]),
         block_n=rng.choice([None, 16, 32]), splits=rng.choice([None, 1, 3]),
     )
-    actual = run(lambda *args: lora_triton.add_lora_triton(*args, config=config), case)
+    actual = run_triton(case, config)
     assert_matches(actual, case, expected=run(add_lora_reference, case))
 
 
@@ -275,7 +272,7 @@ def test_triton_sgmv_without_max_seg_len_hint() -> None:
     meta = case.meta
     case.meta = LoraBatchMeta(meta.token_slots, meta.seg_indptr, meta.seg_slots,
                               meta.max_rank, meta.is_decode, meta.has_lora)
-    assert_matches(run(lora_triton.add_lora_triton, case), case)
+    assert_matches(run_triton(case), case)
 
 
 # ---------------------------------------------------------------------------------------------
