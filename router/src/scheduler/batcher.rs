@@ -1,29 +1,48 @@
 //! The continuous-batching loop: one task that owns the queue, the block allocator and the
 //! running batch, so none of it needs a lock.
 //!
-//! Each step: admit what fits from the queue into a new Prefill batch (one token each), then
-//! one Decode over [running batch, new batch], which the shard merges into the running batch.
+//! Each step: admit what fits from the queue into a new Prefill batch (one token each), after
+//! activating the adapters it needs in their device slots, then one Decode over [running
+//! batch, new batch], which the shard merges into the running batch.
 //! After every shard call each request's token goes to its channel; requests that finished
 //! (EOS, length) or whose client left give their blocks back at once and leave the shard's batch
 //! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
-//! state on the shard, and the loop carries on with the rest.
+//! state on the shard, and the loop carries on with the rest. Adapter activation and unloading
+//! are in `batcher/adapters.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 
 use super::blocks::{BlockAllocation, BlockAllocator};
-use super::queue::Queue;
+use super::queue::{Admit, Keyed, Queue};
+use super::slots::AdapterSlots;
 use super::{
     FinishReason, Gauges, GenerationError, GenerationRequest, SchedulerConfig, TokenEvent,
+    UnloadError,
 };
 use crate::pb;
 use crate::shard::{ShardBackend, ShardError};
 
+mod adapters;
+
+use adapters::{Activation, PendingUnload};
+
 type EventSender = mpsc::UnboundedSender<Result<TokenEvent, GenerationError>>;
+
+/// What the `Scheduler` handles send to the loop. One channel for both keeps them in order: a
+/// request submitted before an unload is queued before the unload is looked at.
+pub(super) enum Command {
+    Submit(Entry),
+    /// Unload the adapter once none of its requests is queued or running.
+    Unload {
+        adapter_id: String,
+        done: oneshot::Sender<Result<(), UnloadError>>,
+    },
+}
 
 /// An admitted request waiting in the queue.
 pub(super) struct Entry {
@@ -52,12 +71,34 @@ impl Entry {
             permit,
         }
     }
+
+    /// Fails a request that never reached the shard; its admission slot comes back first.
+    fn fail(self, message: &str) {
+        let Self { events, permit, .. } = self;
+        drop(permit);
+        let _ = events.send(Err(GenerationError::Shard(message.to_owned())));
+    }
+}
+
+impl Keyed for Entry {
+    fn key(&self) -> &str {
+        &self.request.adapter_id
+    }
+}
+
+/// What a request taken from the queue holds before its prefill.
+struct Admission {
+    blocks: BlockAllocation,
+    /// Its adapter's device slot (`None` for the base model).
+    slot: Option<usize>,
 }
 
 /// A request whose KV lives in the shard.
 struct Running {
     events: EventSender,
     blocks: BlockAllocation,
+    /// Its adapter's device slot, held until the request ends.
+    slot: Option<usize>,
     permit: OwnedSemaphorePermit,
     generated: u32,
     max_new_tokens: u32,
@@ -82,12 +123,24 @@ impl Running {
     }
 }
 
-/// Gives a request's blocks and admission slot back; returns its channel for a last message.
-/// Resources go first so that a client that sees its last event also sees them released.
-fn release(allocator: &mut BlockAllocator, running: Running) -> EventSender {
-    allocator.free(running.blocks);
-    drop(running.permit);
-    running.events
+/// What requests hold while they run: KV blocks and adapter slots.
+struct Resources {
+    allocator: BlockAllocator,
+    slots: AdapterSlots,
+}
+
+impl Resources {
+    /// Gives a request's blocks, adapter slot and admission slot back; returns its channel for a
+    /// last message. Resources go first so that a client that sees its last event also sees
+    /// them released.
+    fn release(&mut self, running: Running) -> EventSender {
+        self.allocator.free(running.blocks);
+        if let Some(slot) = running.slot {
+            self.slots.release(slot);
+        }
+        drop(running.permit);
+        running.events
+    }
 }
 
 fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
@@ -105,9 +158,11 @@ fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
 pub(super) struct Batcher {
     shard: Arc<dyn ShardBackend>,
     config: SchedulerConfig,
-    incoming: mpsc::UnboundedReceiver<Entry>,
+    incoming: mpsc::UnboundedReceiver<Command>,
     queue: Queue<Entry>,
-    allocator: BlockAllocator,
+    resources: Resources,
+    /// Adapters to unload once their requests are done.
+    unloads: Vec<PendingUnload>,
     /// Every request the shard holds KV for, by id.
     active: HashMap<u64, Running>,
     /// The shard's running batch (all of `active` between steps).
@@ -120,15 +175,19 @@ impl Batcher {
     pub(super) fn new(
         shard: Arc<dyn ShardBackend>,
         config: SchedulerConfig,
-        incoming: mpsc::UnboundedReceiver<Entry>,
+        incoming: mpsc::UnboundedReceiver<Command>,
         gauges: Arc<Gauges>,
     ) -> Self {
         Self {
             shard,
-            allocator: BlockAllocator::new(config.usable_blocks()),
+            resources: Resources {
+                allocator: BlockAllocator::new(config.usable_blocks()),
+                slots: AdapterSlots::new(config.max_active_adapters),
+            },
             config,
             incoming,
             queue: Queue::new(),
+            unloads: Vec::new(),
             active: HashMap::new(),
             running: None,
             next_batch_id: 0,
@@ -138,22 +197,50 @@ impl Batcher {
 
     pub(super) async fn run(mut self) {
         loop {
+            while let Ok(command) = self.incoming.try_recv() {
+                self.accept(command);
+            }
+            if !self.unloads.is_empty() {
+                self.finish_unloads().await;
+            }
             if self.running.is_none() && self.queue.is_empty() {
-                self.publish_gauges();
-                // Idle: sleep until a request arrives, or stop once every handle is gone.
-                match self.incoming.recv().await {
-                    Some(entry) => self.queue.push(entry),
-                    None => break,
+                // Idle: sleep until a command arrives, or stop once every handle is gone.
+                if !self.wait_for_command().await {
+                    break;
                 }
+                continue;
             }
-            while let Ok(entry) = self.incoming.try_recv() {
-                self.queue.push(entry);
-            }
+            let waiting = self.queue.len();
             let new_batch = self.prefill_waiting().await;
+            let stuck =
+                new_batch.is_none() && self.running.is_none() && self.queue.len() == waiting;
             self.decode(new_batch).await;
             self.publish_gauges();
+            if stuck {
+                // Nothing runs, so every slot and block is free and some request should have
+                // gone in. Should that ever fail, wait for news rather than spin on the CPU.
+                tracing::error!(
+                    queued = waiting,
+                    "no queued request could be admitted while nothing runs"
+                );
+                if !self.wait_for_command().await {
+                    break;
+                }
+            }
         }
         tracing::debug!("scheduler loop stopped: no handles left and nothing running");
+    }
+
+    /// Blocks until the next command and takes it; false once every handle is gone.
+    async fn wait_for_command(&mut self) -> bool {
+        self.publish_gauges();
+        match self.incoming.recv().await {
+            Some(command) => {
+                self.accept(command);
+                true
+            }
+            None => false,
+        }
     }
 
     fn publish_gauges(&self) {
@@ -162,7 +249,10 @@ impl Batcher {
         gauges.running.store(self.active.len(), Ordering::Relaxed);
         gauges
             .free_blocks
-            .store(self.allocator.free_count(), Ordering::Relaxed);
+            .store(self.resources.allocator.free_count(), Ordering::Relaxed);
+        gauges
+            .active_adapters
+            .store(self.resources.slots.active_count(), Ordering::Relaxed);
     }
 
     /// Prefills the waiting requests that fit; returns the new cached batch, if any is left
@@ -173,27 +263,52 @@ impl Batcher {
         }
         // A client that left while queued never reaches the shard.
         self.queue.retain(|entry| !entry.events.is_closed());
+        let queue = &self.queue;
+        let slots = &mut self.resources.slots;
+        slots.drop_reservations_unless(|adapter| queue.has_waiting(adapter));
         let max_batch_size = self.config.max_batch_size.max(1) as usize;
         let mut room = max_batch_size.saturating_sub(self.active.len());
         let token_budget = u64::from(self.config.max_batch_prefill_tokens);
         let mut prefill_tokens = 0u64;
         let mut admitted_count = 0usize;
-        let allocator = &mut self.allocator;
+        let mut activations = Vec::new();
+        let mut waiting_for_slot = Vec::new();
+        let Resources { allocator, slots } = &mut self.resources;
         let admitted = self.queue.next_batch(|entry| {
             if room == 0 {
-                return None;
+                return Admit::Stop;
             }
             let prompt = entry.request.input_ids.len() as u64;
             // The first request of a batch goes in whatever its length, or it could never run.
             if admitted_count > 0 && prefill_tokens + prompt > token_budget {
-                return None;
+                return Admit::Stop;
             }
-            let blocks = allocator.allocate(entry.blocks_needed)?;
+            let adapter = entry.request.adapter_id.as_str();
+            let slot = if adapter.is_empty() {
+                None
+            } else if let Some(slot) = slots.find(adapter) {
+                Some(slot)
+            } else {
+                waiting_for_slot.push(adapter.to_owned());
+                return Admit::Skip;
+            };
+            let Some(blocks) = allocator.allocate(entry.blocks_needed) else {
+                return Admit::Stop;
+            };
+            if let Some(slot) = slot {
+                if let Some(evicted) = slots.claim(slot, adapter) {
+                    activations.push(Activation::new(slot, adapter, evicted));
+                }
+            }
             room -= 1;
             admitted_count += 1;
             prefill_tokens += prompt;
-            Some(blocks)
+            Admit::Take(Admission { blocks, slot })
         });
+        if !waiting_for_slot.is_empty() {
+            slots.reserve(&waiting_for_slot);
+        }
+        let admitted = self.activate(activations, admitted).await;
         if admitted.is_empty() {
             return None;
         }
@@ -202,7 +317,7 @@ impl Batcher {
         self.next_batch_id += 1;
         let mut ids = Vec::with_capacity(admitted.len());
         let mut requests = Vec::with_capacity(admitted.len());
-        for (entry, blocks) in admitted {
+        for (entry, Admission { blocks, slot }) in admitted {
             let Entry {
                 id,
                 mut request,
@@ -231,6 +346,7 @@ impl Batcher {
                 Running {
                     events,
                     blocks,
+                    slot,
                     permit,
                     generated: 0,
                     max_new_tokens: request.max_new_tokens,
@@ -317,7 +433,7 @@ impl Batcher {
             }
             // Finished, or the client is gone (its receiver was dropped).
             if let Some(running) = self.active.remove(&id) {
-                let events = release(&mut self.allocator, running);
+                let events = self.resources.release(running);
                 if let Some(reason) = finish {
                     tracing::debug!(request_id = id, ?reason, "request finished");
                     // The client may have left already; nothing to do then.
@@ -337,7 +453,7 @@ impl Batcher {
             if self.active.get(id).is_some_and(|r| r.events.is_closed()) {
                 if let Some(running) = self.active.remove(id) {
                     tracing::debug!(request_id = id, "client gone; request cancelled");
-                    release(&mut self.allocator, running);
+                    self.resources.release(running);
                 }
             }
         }
@@ -369,7 +485,7 @@ impl Batcher {
         let message = error.to_string();
         for id in request_ids {
             if let Some(running) = self.active.remove(id) {
-                let events = release(&mut self.allocator, running);
+                let events = self.resources.release(running);
                 let _ = events.send(Err(GenerationError::Shard(message.clone())));
             }
         }
@@ -381,7 +497,7 @@ impl Batcher {
         tracing::error!(size = self.active.len(), %error, "shard call failed; failing the running batch");
         let message = error.to_string();
         for (_, running) in self.active.drain() {
-            let events = release(&mut self.allocator, running);
+            let events = self.resources.release(running);
             let _ = events.send(Err(GenerationError::Shard(message.clone())));
         }
         self.running = None;

@@ -3,22 +3,33 @@
 //! The contract with the HTTP layer: `Scheduler::submit` takes a validated
 //! `GenerationRequest` and returns a receiver of `TokenEvent`s. Dropping the receiver (client
 //! gone, stop string matched) cancels the request: it leaves the batch and its blocks are freed.
+//!
+//! Adapters: each adapter (the base model is "") has its own queue, served round robin
+//! (`queue.rs`); the scheduler owns the shard's `max_active_adapters` device slots and activates
+//! an adapter into one before prefilling its requests, evicting only idle adapters (`slots.rs`).
+//! The adapter must already be loaded on the shards (the adapter registry does that).
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::{mpsc, Semaphore};
+use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use crate::shard::ShardBackend;
+use crate::shard::{ShardBackend, ShardError};
 
 mod batcher;
 mod blocks;
 mod queue;
+mod slots;
 
+#[cfg(test)]
+mod adapter_tests;
+#[cfg(test)]
+mod test_support;
 #[cfg(test)]
 mod tests;
 
-use batcher::{Batcher, Entry};
+use batcher::{Batcher, Command, Entry};
 pub use blocks::{blocks_for_tokens, BlockAllocation, BlockAllocator};
 
 /// Sampling settings of one request, already validated.
@@ -46,7 +57,7 @@ pub struct GenerationRequest {
     pub ignore_eos: bool,
     /// EOS is not honoured before this many tokens.
     pub min_tokens: u32,
-    /// "" is the base model.
+    /// "" is the base model; otherwise an adapter loaded on the shards.
     pub adapter_id: String,
 }
 
@@ -84,6 +95,22 @@ pub enum AdmissionError {
     TooLarge { needed: u32, total: u32 },
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// An adapter was asked for but the server has no adapter slots (`--max-active-adapters 0`).
+    #[error(
+        "adapter {adapter_id:?} requested, but adapters are disabled (--max-active-adapters is 0)"
+    )]
+    AdaptersDisabled { adapter_id: String },
+}
+
+/// Why `Scheduler::unload_adapter` did not unload.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum UnloadError {
+    #[error("the base model is not an adapter and cannot be unloaded")]
+    BaseModel,
+    #[error("the shard could not unload the adapter: {0}")]
+    Shard(ShardError),
+    #[error("the scheduler has stopped")]
+    Stopped,
 }
 
 pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, GenerationError>>;
@@ -105,6 +132,8 @@ pub struct SchedulerConfig {
     pub max_concurrent_requests: u32,
     /// Longest prompt + completion; enforced by validation, kept here for reference.
     pub max_total_tokens: u32,
+    /// Adapter device slots on the shard (Warmup's `max_active_adapters`); 0 disables adapters.
+    pub max_active_adapters: u32,
 }
 
 impl SchedulerConfig {
@@ -129,6 +158,10 @@ pub struct SchedulerStats {
     pub running: usize,
     pub free_blocks: u32,
     pub total_blocks: u32,
+    /// Adapter slots holding an adapter.
+    pub active_adapters: usize,
+    /// Adapter slots in all (`max_active_adapters`).
+    pub adapter_slots: u32,
 }
 
 /// Load figures the batcher publishes after every step (read without asking the loop).
@@ -137,6 +170,7 @@ struct Gauges {
     queued: AtomicUsize,
     running: AtomicUsize,
     free_blocks: AtomicU32,
+    active_adapters: AtomicUsize,
 }
 
 /// Cheap, cloneable handle to the batching loop. The loop runs until every handle is dropped
@@ -147,7 +181,7 @@ pub struct Scheduler {
 }
 
 struct Inner {
-    submissions: mpsc::UnboundedSender<Entry>,
+    commands: mpsc::UnboundedSender<Command>,
     /// One permit per admitted request; an entry carries its permit, so however a request
     /// ends (finished, failed, cancelled, dropped) its slot comes back.
     permits: Arc<Semaphore>,
@@ -170,7 +204,7 @@ impl std::fmt::Debug for Scheduler {
 impl Scheduler {
     /// Spawns the batching loop on the current tokio runtime.
     pub fn start(shard: Arc<dyn ShardBackend>, config: SchedulerConfig) -> Self {
-        let (submissions, incoming) = mpsc::unbounded_channel();
+        let (commands, incoming) = mpsc::unbounded_channel();
         let usable_blocks = config.usable_blocks();
         let gauges = Arc::new(Gauges::default());
         gauges.free_blocks.store(usable_blocks, Ordering::Relaxed);
@@ -182,11 +216,12 @@ impl Scheduler {
             max_batch_size = config.max_batch_size,
             max_batch_prefill_tokens = config.max_batch_prefill_tokens,
             max_concurrent_requests = config.max_concurrent_requests,
+            max_active_adapters = config.max_active_adapters,
             "scheduler started"
         );
         Self {
             inner: Arc::new(Inner {
-                submissions,
+                commands,
                 permits: Arc::new(Semaphore::new(config.max_concurrent_requests as usize)),
                 config,
                 usable_blocks,
@@ -202,6 +237,11 @@ impl Scheduler {
         let inner = &self.inner;
         if inner.shutting_down.load(Ordering::Acquire) {
             return Err(AdmissionError::ShuttingDown);
+        }
+        if !request.adapter_id.is_empty() && inner.config.max_active_adapters == 0 {
+            return Err(AdmissionError::AdaptersDisabled {
+                adapter_id: request.adapter_id,
+            });
         }
         let tokens = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
         let needed = blocks_for_tokens(tokens, inner.config.block_size);
@@ -221,8 +261,8 @@ impl Scheduler {
         let entry = Entry::new(id, request, needed as u32, events, permit);
         // Fails only if the loop is gone; the entry (and its permit) is dropped with the error.
         inner
-            .submissions
-            .send(entry)
+            .commands
+            .send(Command::Submit(entry))
             .map_err(|_| AdmissionError::ShuttingDown)?;
         tracing::debug!(request_id = id, blocks = needed, "request queued");
         Ok(receiver)
@@ -235,6 +275,30 @@ impl Scheduler {
                 in_flight = self.in_flight(),
                 "scheduler stops admitting requests"
             );
+        }
+    }
+
+    /// Unloads an adapter from the shards once its queued and running requests have finished:
+    /// its device slot is freed, then `UnloadAdapter` is sent. The request is made when this is
+    /// called (requests submitted before it are served first); the returned future resolves when
+    /// the shard answered, and dropping it does not cancel the unload. Refusing new requests for
+    /// the adapter meanwhile is the adapter registry's job: the scheduler serves what it gets.
+    pub fn unload_adapter(
+        &self,
+        adapter_id: String,
+    ) -> impl Future<Output = Result<(), UnloadError>> + Send + 'static {
+        let (done, outcome) = oneshot::channel();
+        let sent = if adapter_id.is_empty() {
+            Err(UnloadError::BaseModel)
+        } else {
+            self.inner
+                .commands
+                .send(Command::Unload { adapter_id, done })
+                .map_err(|_| UnloadError::Stopped)
+        };
+        async move {
+            sent?;
+            outcome.await.unwrap_or(Err(UnloadError::Stopped))
         }
     }
 
@@ -256,6 +320,8 @@ impl Scheduler {
             running: gauges.running.load(Ordering::Relaxed),
             free_blocks: gauges.free_blocks.load(Ordering::Relaxed),
             total_blocks: self.inner.usable_blocks,
+            active_adapters: gauges.active_adapters.load(Ordering::Relaxed),
+            adapter_slots: self.inner.config.max_active_adapters,
         }
     }
 }

@@ -1,63 +1,139 @@
-//! The waiting queue: admitted requests that have no KV blocks yet.
+//! The waiting queue: admitted requests that are not prefilled yet, one FIFO per adapter (the
+//! base model is the adapter "").
 //!
 //! The queue decides only the *order* in which waiting requests are offered to the batcher;
-//! the batcher's `admit` callback decides whether each one fits (token budget, batch size,
-//! free blocks). Today the order is arrival (FIFO). Per-adapter scheduling replaces the single
-//! deque with one deque per adapter and a round-robin cursor over them inside `next_batch`;
-//! the batcher, which sees only `push`/`retain`/`next_batch`, does not change.
+//! the batcher's `admit` callback decides whether each one goes in now (token budget, batch
+//! size, free blocks, an adapter slot). Order: round robin over the adapters that have waiting
+//! requests, one request per turn, so a burst on one adapter is interleaved with every other
+//! adapter's requests instead of running ahead of them. An adapter that was just served goes
+//! to the back of the ring; an adapter that had to wait keeps its place and is offered first
+//! next time.
 //!
 //! Generic over the entry type so it is tested here with plain values.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+
+/// What a queued entry must tell the queue: the adapter it runs on.
+pub trait Keyed {
+    fn key(&self) -> &str;
+}
+
+/// The batcher's answer about the entry at the head of one adapter's queue.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Admit<A> {
+    /// Take it, with this (e.g. its KV blocks).
+    Take(A),
+    /// Its adapter cannot run now (no device slot): leave its queue alone, go on with the
+    /// other adapters.
+    Skip,
+    /// Nothing more fits in this batch (blocks, batch size, token budget). Stopping rather than
+    /// passing over the head keeps a large request from being overtaken forever.
+    Stop,
+}
 
 #[derive(Debug)]
 pub struct Queue<T> {
-    entries: VecDeque<T>,
+    queues: HashMap<String, VecDeque<T>>,
+    /// Adapters with waiting entries, in service order (front = offered first).
+    ring: VecDeque<String>,
+    len: usize,
 }
 
 impl<T> Default for Queue<T> {
     fn default() -> Self {
         Self {
-            entries: VecDeque::new(),
+            queues: HashMap::new(),
+            ring: VecDeque::new(),
+            len: 0,
         }
     }
 }
 
-impl<T> Queue<T> {
+impl<T: Keyed> Queue<T> {
     pub fn new() -> Self {
         Self::default()
     }
 
     pub fn push(&mut self, entry: T) {
-        self.entries.push_back(entry);
+        if let Some(queue) = self.queues.get_mut(entry.key()) {
+            queue.push_back(entry);
+        } else {
+            let key = entry.key().to_owned();
+            self.ring.push_back(key.clone());
+            self.queues.insert(key, VecDeque::from([entry]));
+        }
+        self.len += 1;
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.len == 0
+    }
+
+    /// Whether `key` has waiting entries.
+    pub fn has_waiting(&self, key: &str) -> bool {
+        self.queues.contains_key(key)
     }
 
     /// Drops the entries for which `keep` is false (e.g. requests whose client left).
-    pub fn retain(&mut self, keep: impl FnMut(&T) -> bool) {
-        self.entries.retain(keep);
+    pub fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
+        for queue in self.queues.values_mut() {
+            queue.retain(&mut keep);
+        }
+        self.queues.retain(|_, queue| !queue.is_empty());
+        let queues = &self.queues;
+        self.ring.retain(|key| queues.contains_key(key));
+        self.len = self.queues.values().map(VecDeque::len).sum();
     }
 
-    /// Removes and returns entries in service order while `admit` accepts them, each with what
-    /// `admit` returned for it (e.g. its KV blocks).
-    ///
-    /// Stops at the first entry `admit` refuses: the entry at the head is never overtaken by
-    /// smaller ones behind it, so a large request cannot starve.
-    pub fn next_batch<A>(&mut self, mut admit: impl FnMut(&T) -> Option<A>) -> Vec<(T, A)> {
+    /// Removes and returns every entry of `key`, in order.
+    pub fn take_all(&mut self, key: &str) -> Vec<T> {
+        let Some(queue) = self.queues.remove(key) else {
+            return Vec::new();
+        };
+        self.ring.retain(|k| k != key);
+        self.len -= queue.len();
+        queue.into()
+    }
+
+    /// Offers the heads of the adapters' queues in round-robin order and removes those `admit`
+    /// takes, each with what `admit` returned for it. An adapter `admit` skips is not offered
+    /// again in this call; `Stop` ends the call.
+    pub fn next_batch<A>(&mut self, mut admit: impl FnMut(&T) -> Admit<A>) -> Vec<(T, A)> {
         let mut batch = Vec::new();
-        while let Some(entry) = self.entries.front() {
-            let Some(admitted) = admit(entry) else {
-                break;
+        // Ring positions before `position` hold adapters skipped in this call.
+        let mut position = 0;
+        while position < self.ring.len() {
+            let key = &self.ring[position];
+            let Some(queue) = self.queues.get_mut(key) else {
+                // Unreachable: the ring lists only adapters with a queue.
+                self.ring.remove(position);
+                continue;
             };
-            if let Some(entry) = self.entries.pop_front() {
-                batch.push((entry, admitted));
+            let Some(head) = queue.front() else {
+                self.ring.remove(position);
+                continue;
+            };
+            match admit(head) {
+                Admit::Take(admitted) => {
+                    if let Some(entry) = queue.pop_front() {
+                        batch.push((entry, admitted));
+                        self.len -= 1;
+                    }
+                    let served = self.ring.remove(position);
+                    if let Some(served) = served {
+                        if self.queues.get(&served).is_some_and(|q| !q.is_empty()) {
+                            self.ring.push_back(served);
+                        } else {
+                            self.queues.remove(&served);
+                        }
+                    }
+                }
+                Admit::Skip => position += 1,
+                Admit::Stop => break,
             }
         }
         batch
@@ -68,62 +144,172 @@ impl<T> Queue<T> {
 mod tests {
     use super::*;
 
+    /// (adapter, value)
+    type Item = (&'static str, u32);
+
+    impl Keyed for Item {
+        fn key(&self) -> &str {
+            self.0
+        }
+    }
+
+    fn values(batch: &[(Item, ())]) -> Vec<Item> {
+        batch.iter().map(|(item, _)| *item).collect()
+    }
+
+    fn take_all(queue: &mut Queue<Item>) -> Vec<Item> {
+        values(&queue.next_batch(|_| Admit::Take(())))
+    }
+
     #[test]
-    fn offers_entries_in_arrival_order() {
+    fn one_adapter_is_served_in_arrival_order() {
         let mut queue = Queue::new();
         for i in 0..5 {
-            queue.push(i);
+            queue.push(("", i));
         }
-        let batch = queue.next_batch(|&i| Some(i * 10));
-        assert_eq!(batch, vec![(0, 0), (1, 10), (2, 20), (3, 30), (4, 40)]);
+        let batch = queue.next_batch(|&(_, i)| Admit::Take(i * 10));
+        let got: Vec<(u32, u32)> = batch.iter().map(|((_, i), a)| (*i, *a)).collect();
+        assert_eq!(got, vec![(0, 0), (1, 10), (2, 20), (3, 30), (4, 40)]);
         assert!(queue.is_empty());
     }
 
     #[test]
-    fn stops_at_first_refusal_without_skipping() {
+    fn adapters_take_turns_one_request_each() {
+        let mut queue = Queue::new();
+        for i in 0..4 {
+            queue.push(("a", i));
+        }
+        queue.push(("b", 0));
+        queue.push(("", 0));
+        queue.push(("b", 1));
+        assert_eq!(queue.len(), 7);
+        assert_eq!(
+            take_all(&mut queue),
+            vec![
+                ("a", 0),
+                ("b", 0),
+                ("", 0),
+                ("a", 1),
+                ("b", 1),
+                ("a", 2),
+                ("a", 3)
+            ]
+        );
+        assert!(queue.is_empty() && !queue.has_waiting("a"));
+    }
+
+    #[test]
+    fn a_burst_does_not_hold_back_a_later_adapter_across_batches() {
+        let mut queue = Queue::new();
+        for i in 0..50 {
+            queue.push(("a", i));
+        }
+        queue.push(("b", 0));
+        // Two requests per batch: b goes in the first one.
+        let mut budget = 2;
+        let first = queue.next_batch(|_| {
+            if budget == 0 {
+                return Admit::Stop;
+            }
+            budget -= 1;
+            Admit::Take(())
+        });
+        assert_eq!(values(&first), vec![("a", 0), ("b", 0)]);
+        assert_eq!(queue.len(), 49);
+    }
+
+    #[test]
+    fn the_served_adapter_goes_last_in_the_next_batch() {
+        let mut queue = Queue::new();
+        for i in 0..3 {
+            queue.push(("a", i));
+            queue.push(("b", i));
+        }
+        let one = |queue: &mut Queue<Item>| {
+            let mut taken = false;
+            values(&queue.next_batch(|_| {
+                if taken {
+                    return Admit::Stop;
+                }
+                taken = true;
+                Admit::Take(())
+            }))
+        };
+        assert_eq!(one(&mut queue), vec![("a", 0)]);
+        assert_eq!(one(&mut queue), vec![("b", 0)]);
+        assert_eq!(one(&mut queue), vec![("a", 1)]);
+        queue.push(("c", 0));
+        assert_eq!(
+            take_all(&mut queue),
+            vec![("b", 1), ("a", 2), ("c", 0), ("b", 2)]
+        );
+    }
+
+    #[test]
+    fn a_skipped_adapter_waits_while_others_go_and_keeps_its_turn() {
+        let mut queue = Queue::new();
+        queue.push(("x", 0));
+        queue.push(("x", 1));
+        queue.push(("y", 0));
+        queue.push(("y", 1));
+        let batch = queue.next_batch(|&(key, _)| {
+            if key == "x" {
+                Admit::Skip
+            } else {
+                Admit::Take(())
+            }
+        });
+        assert_eq!(values(&batch), vec![("y", 0), ("y", 1)]);
+        queue.push(("y", 2));
+        // x waited, so it comes before y now.
+        assert_eq!(take_all(&mut queue), vec![("x", 0), ("y", 2), ("x", 1)]);
+    }
+
+    #[test]
+    fn stop_leaves_the_head_in_place_without_skipping_it() {
         let mut queue = Queue::new();
         for size in [3, 4, 9, 1, 1] {
-            queue.push(size);
+            queue.push(("", size));
         }
         // A budget of 10: 3 + 4 fit, 9 does not; the 1s behind it must wait their turn.
         let mut budget = 10;
-        let batch = queue.next_batch(|&size| {
-            (size <= budget).then(|| {
-                budget -= size;
-            })
+        let batch = queue.next_batch(|&(_, size)| {
+            if size > budget {
+                return Admit::Stop;
+            }
+            budget -= size;
+            Admit::Take(())
         });
-        assert_eq!(
-            batch.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-            vec![3, 4]
-        );
+        assert_eq!(values(&batch), vec![("", 3), ("", 4)]);
         assert_eq!(queue.len(), 3);
-        let rest = queue.next_batch(|_| Some(()));
-        assert_eq!(
-            rest.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
-            vec![9, 1, 1]
-        );
+        assert_eq!(take_all(&mut queue), vec![("", 9), ("", 1), ("", 1)]);
     }
 
     #[test]
     fn refusing_everything_leaves_the_queue_intact() {
         let mut queue = Queue::new();
-        queue.push("a");
-        queue.push("b");
-        assert!(queue.next_batch(|_| None::<()>).is_empty());
+        queue.push(("a", 0));
+        queue.push(("b", 0));
+        assert!(queue.next_batch(|_| Admit::<()>::Skip).is_empty());
+        assert!(queue.next_batch(|_| Admit::<()>::Stop).is_empty());
         assert_eq!(queue.len(), 2);
+        assert_eq!(take_all(&mut queue), vec![("a", 0), ("b", 0)]);
     }
 
     #[test]
-    fn retain_drops_cancelled_entries_and_keeps_order() {
+    fn retain_and_take_all_keep_counts_and_order() {
         let mut queue = Queue::new();
         for i in 0..6 {
-            queue.push(i);
+            queue.push(("a", i));
+            queue.push(("b", i));
         }
-        queue.retain(|i| i % 2 == 0);
-        let batch = queue.next_batch(|_| Some(()));
-        assert_eq!(
-            batch.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
-            vec![0, 2, 4]
-        );
+        queue.push(("c", 0));
+        queue.retain(|&(key, i)| key != "c" && i % 2 == 0);
+        assert_eq!(queue.len(), 6);
+        assert!(!queue.has_waiting("c"));
+        assert_eq!(queue.take_all("b"), vec![("b", 0), ("b", 2), ("b", 4)]);
+        assert_eq!(queue.len(), 3);
+        assert!(queue.take_all("b").is_empty());
+        assert_eq!(take_all(&mut queue), vec![("a", 0), ("a", 2), ("a", 4)]);
     }
 }

@@ -7,13 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::timeout;
-
+use super::test_support::*;
 use super::*;
 use crate::shard::{FakeRpc, FakeShard};
-
-const VOCAB: u32 = 256;
-const DEADLINE: Duration = Duration::from_secs(20);
 
 /// The fake's documented token rule: t' = (31 t + 7) mod vocab, starting from the last prompt
 /// token.
@@ -25,102 +21,6 @@ fn reference_tokens(prompt: &[u32], n: usize) -> Vec<u32> {
             previous
         })
         .collect()
-}
-
-fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
-    SchedulerConfig {
-        block_size,
-        num_blocks,
-        max_batch_prefill_tokens: 4096,
-        max_batch_total_tokens: 0,
-        max_batch_size: 64,
-        max_concurrent_requests: 128,
-        max_total_tokens: 4096,
-    }
-}
-
-fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest {
-    GenerationRequest {
-        input_ids: prompt.to_vec(),
-        max_new_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-        },
-        eos_token_ids: Vec::new(),
-        ignore_eos: false,
-        min_tokens: 0,
-        adapter_id: String::new(),
-    }
-}
-
-fn start(shard: &Arc<FakeShard>, config: SchedulerConfig) -> Scheduler {
-    Scheduler::start(shard.clone(), config)
-}
-
-/// A request's whole output: its tokens and how it ended.
-#[derive(Debug, PartialEq)]
-struct Outcome {
-    tokens: Vec<u32>,
-    finish: Result<FinishReason, GenerationError>,
-}
-
-/// Reads events until the last one; checks that only the last carries a finish reason.
-async fn collect(mut events: EventReceiver) -> Outcome {
-    let read = async {
-        let mut tokens = Vec::new();
-        while let Some(event) = events.recv().await {
-            match event {
-                Ok(event) => {
-                    tokens.push(event.token_id);
-                    if let Some(reason) = event.finish {
-                        assert!(events.recv().await.is_none(), "event after the finish");
-                        return Outcome {
-                            tokens,
-                            finish: Ok(reason),
-                        };
-                    }
-                }
-                Err(error) => {
-                    return Outcome {
-                        tokens,
-                        finish: Err(error),
-                    }
-                }
-            }
-        }
-        panic!("stream ended without a finish reason after {tokens:?}");
-    };
-    timeout(DEADLINE, read)
-        .await
-        .expect("request did not finish")
-}
-
-/// Waits (bounded) until `condition` holds.
-async fn eventually(what: &str, condition: impl Fn() -> bool) {
-    let wait = async {
-        while !condition() {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    };
-    timeout(DEADLINE, wait)
-        .await
-        .unwrap_or_else(|_| panic!("timed out waiting for: {what}"));
-}
-
-/// Everything given back: shard state, blocks, admission slots.
-async fn assert_all_released(shard: &FakeShard, scheduler: &Scheduler) {
-    eventually("shard holds no request", || shard.live_requests() == 0).await;
-    eventually("shard holds no batch", || shard.live_batches() == 0).await;
-    eventually("all blocks free and nothing in flight", || {
-        let stats = scheduler.stats();
-        stats.free_blocks == stats.total_blocks && stats.in_flight == 0 && stats.running == 0
-    })
-    .await;
 }
 
 #[tokio::test]

@@ -296,6 +296,7 @@ async fn the_scheduler_runs_over_grpc() {
         max_batch_size: 8,
         max_concurrent_requests: 8,
         max_total_tokens: 64,
+        max_active_adapters: 0,
     };
     let scheduler = Scheduler::start(Arc::new(client), config);
     let mut events = scheduler

@@ -1,0 +1,126 @@
+//! The batcher's adapter work between steps: activating the slots a new batch claimed, and
+//! unloading adapters whose requests are all done.
+//!
+//! Both run only between shard steps (before a Prefill), so no running request ever sees its
+//! slot change: a slot is claimed for a new adapter only when no request uses it (`slots.rs`).
+
+use tokio::sync::oneshot;
+
+use super::{Admission, Batcher, Command, Entry};
+use crate::pb;
+use crate::scheduler::UnloadError;
+
+/// A slot the batch being built claimed for an adapter the slot does not hold yet.
+pub(super) struct Activation {
+    slot: usize,
+    adapter: String,
+    /// What the slot held before (`None`: it was empty).
+    evicted: Option<String>,
+}
+
+impl Activation {
+    pub(super) fn new(slot: usize, adapter: &str, evicted: Option<String>) -> Self {
+        Self {
+            slot,
+            adapter: adapter.to_owned(),
+            evicted,
+        }
+    }
+}
+
+/// An unload waiting for the adapter's requests to finish; every caller hears the outcome.
+pub(super) struct PendingUnload {
+    adapter_id: String,
+    done: Vec<oneshot::Sender<Result<(), UnloadError>>>,
+}
+
+impl Batcher {
+    pub(super) fn accept(&mut self, command: Command) {
+        match command {
+            Command::Submit(entry) => self.queue.push(entry),
+            Command::Unload { adapter_id, done } => {
+                tracing::info!(adapter = %adapter_id, "adapter unload requested");
+                match self.unloads.iter_mut().find(|u| u.adapter_id == adapter_id) {
+                    Some(pending) => pending.done.push(done),
+                    None => self.unloads.push(PendingUnload {
+                        adapter_id,
+                        done: vec![done],
+                    }),
+                }
+            }
+        }
+    }
+
+    /// Activates the claimed slots. An adapter whose activation fails loses its slot, and its
+    /// requests (in this batch and still queued) fail; the rest of the batch goes on.
+    pub(super) async fn activate(
+        &mut self,
+        activations: Vec<Activation>,
+        mut admitted: Vec<(Entry, Admission)>,
+    ) -> Vec<(Entry, Admission)> {
+        for Activation {
+            slot,
+            adapter,
+            evicted,
+        } in activations
+        {
+            let request = pb::ActivateAdapterRequest {
+                adapter_id: adapter.clone(),
+                slot: slot as u32,
+            };
+            let error = match self.shard.activate_adapter(request).await {
+                Ok(_) => {
+                    tracing::info!(adapter = %adapter, slot, ?evicted, "adapter activated");
+                    continue;
+                }
+                Err(error) => error,
+            };
+            tracing::error!(adapter = %adapter, slot, %error, "adapter activation failed; failing its requests");
+            self.resources.slots.activation_failed(slot);
+            let message = error.to_string();
+            let (failed, kept): (Vec<_>, Vec<_>) = admitted
+                .into_iter()
+                .partition(|(entry, _)| entry.request.adapter_id == adapter);
+            admitted = kept;
+            for (entry, admission) in failed {
+                self.resources.allocator.free(admission.blocks);
+                entry.fail(&message);
+            }
+            for entry in self.queue.take_all(&adapter) {
+                entry.fail(&message);
+            }
+        }
+        admitted
+    }
+
+    /// Unloads the adapters none of whose requests is queued or running any more: frees the
+    /// slot, then UnloadAdapter on the shard, then tells the callers.
+    pub(super) async fn finish_unloads(&mut self) {
+        let mut index = 0;
+        while index < self.unloads.len() {
+            let adapter = &self.unloads[index].adapter_id;
+            if self.queue.has_waiting(adapter) || !self.resources.slots.evict(adapter) {
+                index += 1;
+                continue;
+            }
+            let PendingUnload { adapter_id, done } = self.unloads.swap_remove(index);
+            let request = pb::UnloadAdapterRequest {
+                adapter_id: adapter_id.clone(),
+            };
+            let result = match self.shard.unload_adapter(request).await {
+                Ok(_) => {
+                    tracing::info!(adapter = %adapter_id, "adapter unloaded");
+                    Ok(())
+                }
+                Err(error) => {
+                    tracing::error!(adapter = %adapter_id, %error, "UnloadAdapter failed");
+                    Err(UnloadError::Shard(error))
+                }
+            };
+            for caller in done {
+                // The caller may have stopped waiting; the unload happened all the same.
+                let _ = caller.send(result.clone());
+            }
+        }
+    }
+}
