@@ -15,30 +15,30 @@ Three strategies, all exact to the reference up to float32 summation order:
 segment < SHORT_SEGMENT_TOKENS tokens), `by_segment` otherwise. `gather_rows` is kept as the
 measured alternative (and is tested), not used.
 
-Measured 2026-11-21 on the 2-core x86 dev VM (torch 2.15, float32, 1 torch thread; the machine
-was shared with other builds, so each number is the minimum of 15 runs, in microseconds; the
-2-thread runs ranked the strategies the same except where noted). 32 slots; requests cycle
-over `a` adapters; in x out, rank r. Reproduce: `python bench/lora_kernels.py --device cpu`.
+Measured 2026-11-21 on the 2-core x86 dev VM (torch 2.15, float32, 1 torch thread: with 2
+threads the shared VM's other load made medians swing 5-10x; their minima ranked the strategies
+the same except where noted). Minimum of 15 runs, microseconds. 32 slots; requests cycle over
+`a` adapters; in x out, rank r. Reproduce: `python bench/lora_kernels.py --device cpu`.
 
     decode  batch  a   in x out    r   group_by_slot  gather_rows  per-token reference
-              8    8   512x512    16        137           131          163
-             32    1   512x1408   16         73           754          751
-             32    8   512x1408   16        208           789          747
-             32   32   512x1408   16        599           789          795   (2 threads: gather 460 vs 610)
-            128   32   512x1408   16        785          3034         3231
-             32   32  4096x4096   16       1378          5356         1918
-             32   32   512x512   128       1079          3225         1189
+              8    8   512x512    16        136           138          166
+             32    1   512x1408   16         74           781          751
+             32    8   512x1408   16        213           787          764
+             32   32   512x1408   16        619           813          795   (2 threads: 594 vs gather 461)
+            128   32   512x1408   16        814          3246         3184
+             32   32  4096x4096   16       1375          3721         1458
+             32   32   512x512   128       1008          3343         1195
 
     prefill reqs x len  a   in x out    r   by_segment  group_by_slot
-             4 x 128    4   512x512    16        261         1317
-            32 x 64     8   512x1408   16       2946         5793
-           128 x 16     8   512x1408   16       4642         4567
-           256 x 8     32   512x512    16       8970         2762
-            32 x 64     8  4096x4096   16      22426       102595
-             4 x 512    4  4096x4096   64      47818       122671
+             4 x 128    4   512x512    16        261          772
+            32 x 64     8   512x1408   16       2331         4431
+           128 x 16     8   512x1408   16       4448         4320
+           256 x 8     32   512x512    16       5412         2955
+            32 x 64     8  4096x4096   16      12990        58174
+             4 x 512    4  4096x4096   64      25432        58414
 
 gather_rows copies R*(in+out) weights per row and loses wherever rows outnumber adapters or the
-layers are wide; small decode batches are bound by the count of torch ops (~20 us each here), so
+layers are wide; small decode batches are bound by the count of torch ops (~10 us each here), so
 group_by_slot spends two matmuls per adapter and folds scaling, gather and scatter into one op
 each over all rows. For prefill, gathering/scattering T rows costs more than a matmul pair per
 segment until segments get short (crossover ~16 tokens).
