@@ -18,6 +18,8 @@ pub struct Metrics {
     pub generated_tokens_total: AtomicU64,
     pub prefill_steps_total: AtomicU64,
     pub decode_steps_total: AtomicU64,
+    pub adapters_active: AtomicU64,
+    pub adapter_slots: AtomicU64,
 }
 
 struct Series {
@@ -35,7 +37,7 @@ impl Metrics {
         counter.fetch_add(value, Ordering::Relaxed);
     }
 
-    fn series(&self) -> [(Series, &AtomicU64); 10] {
+    fn series(&self) -> [(Series, &AtomicU64); 12] {
         let s = |name, kind, help| Series { name, kind, help };
         [
             (
@@ -118,6 +120,22 @@ impl Metrics {
                 ),
                 &self.decode_steps_total,
             ),
+            (
+                s(
+                    "quiver_adapters_active",
+                    "gauge",
+                    "Adapter device slots holding an adapter.",
+                ),
+                &self.adapters_active,
+            ),
+            (
+                s(
+                    "quiver_adapter_slots",
+                    "gauge",
+                    "Adapter device slots in all (--max-active-adapters).",
+                ),
+                &self.adapter_slots,
+            ),
         ]
     }
 
@@ -146,7 +164,7 @@ mod tests {
         let text = m.render();
         assert!(text.contains("# TYPE quiver_kv_blocks_free gauge\nquiver_kv_blocks_free 7\n"));
         assert!(text.contains("quiver_generated_tokens_total 5\n"));
-        assert_eq!(text.matches("# HELP ").count(), 10);
-        assert_eq!(text.matches("# TYPE ").count(), 10);
+        assert_eq!(text.matches("# HELP ").count(), 12);
+        assert_eq!(text.matches("# TYPE ").count(), 12);
     }
 }

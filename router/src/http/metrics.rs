@@ -15,6 +15,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.kv_blocks_free, u64::from(stats.free_blocks));
     Metrics::set(&metrics.requests_running, stats.running as u64);
     Metrics::set(&metrics.requests_waiting, stats.queued as u64);
+    Metrics::set(&metrics.adapters_active, stats.active_adapters as u64);
+    Metrics::set(&metrics.adapter_slots, u64::from(stats.adapter_slots));
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         metrics.render(),
