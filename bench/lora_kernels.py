@@ -105,6 +105,8 @@ def cases(device: str, quick: bool) -> list[Case]:
             out.append(decode(32, 32, k, n, 64))
             out.append(prefill(16, 128, 8, k, n, 16))
             out.append(prefill(4, 512, 4, k, n, 64))
+        out.append(decode(32, 32, 4096, 4096, 128))  # the largest rank served
+        out.append(prefill(4, 512, 4, 4096, 4096, 128))
         return out
     out = []  # CPU: the bench model's shapes (512 / 1408) and a 4096 one
     for k, n in [(512, 512), (512, 1408), (4096, 4096)]:

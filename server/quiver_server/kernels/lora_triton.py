@@ -219,6 +219,7 @@ def _splits_and_cols(requested: int | None, row_programs: int, n: int, block_n: 
     return triton.cdiv(n, cols), cols
 
 
+@functools.lru_cache(maxsize=4096)  # called per target module and layer: same shapes every step
 def plan_bgmv(num_rows: int, k: int, n: int, rank: int, sm_count: int, config: LaunchConfig) -> Plan:
     block_r = max(16, triton.next_power_of_2(rank))
     block_n = config.block_n or 64
@@ -229,6 +230,7 @@ def plan_bgmv(num_rows: int, k: int, n: int, rank: int, sm_count: int, config: L
                 config.num_warps)
 
 
+@functools.lru_cache(maxsize=4096)
 def plan_sgmv(
     num_rows: int, num_segments: int, max_seg_len: int, k: int, n: int, rank: int,
     dtype: torch.dtype, sm_count: int, config: LaunchConfig,
