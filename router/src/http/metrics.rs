@@ -17,6 +17,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.requests_waiting, stats.queued as u64);
     Metrics::set(&metrics.adapters_active, stats.active_adapters as u64);
     Metrics::set(&metrics.adapter_slots, u64::from(stats.adapter_slots));
+    Metrics::set(&metrics.prefill_steps_total, stats.prefill_steps);
+    Metrics::set(&metrics.decode_steps_total, stats.decode_steps);
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         metrics.render(),

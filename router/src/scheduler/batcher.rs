@@ -359,6 +359,7 @@ impl Batcher {
         tracing::debug!(batch_id, size = ids.len(), prefill_tokens, "prefill");
 
         let request = pb::PrefillRequest { batch_id, requests };
+        self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
         match self.shard.prefill(request).await {
             Ok(response) => {
                 self.on_generations(&response.generations);
@@ -389,6 +390,7 @@ impl Batcher {
         if batches.is_empty() {
             return;
         }
+        self.gauges.decode_steps.fetch_add(1, Ordering::Relaxed);
         match self.shard.decode(pb::DecodeRequest { batches }).await {
             Ok(response) => {
                 tracing::trace!(

@@ -162,6 +162,9 @@ pub struct SchedulerStats {
     pub active_adapters: usize,
     /// Adapter slots in all (`max_active_adapters`).
     pub adapter_slots: u32,
+    /// Prefill and Decode calls made to the shards since start.
+    pub prefill_steps: u64,
+    pub decode_steps: u64,
 }
 
 /// Load figures the batcher publishes after every step (read without asking the loop).
@@ -171,6 +174,8 @@ struct Gauges {
     running: AtomicUsize,
     free_blocks: AtomicU32,
     active_adapters: AtomicUsize,
+    prefill_steps: AtomicU64,
+    decode_steps: AtomicU64,
 }
 
 /// Cheap, cloneable handle to the batching loop. The loop runs until every handle is dropped
@@ -322,6 +327,8 @@ impl Scheduler {
             total_blocks: self.inner.usable_blocks,
             active_adapters: gauges.active_adapters.load(Ordering::Relaxed),
             adapter_slots: self.inner.config.max_active_adapters,
+            prefill_steps: gauges.prefill_steps.load(Ordering::Relaxed),
+            decode_steps: gauges.decode_steps.load(Ordering::Relaxed),
         }
     }
 }

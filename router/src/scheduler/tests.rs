@@ -37,6 +37,10 @@ async fn one_request_gets_the_fake_sequence_and_stops_at_length() {
         }
     );
     assert_all_released(&shard, &scheduler).await;
+    // The step counters behind /metrics agree with the calls the shard saw.
+    let (stats, seen) = (scheduler.stats(), shard.stats());
+    assert_eq!((stats.prefill_steps, stats.decode_steps), (1, 6));
+    assert_eq!(seen.decode_calls, 6);
 }
 
 #[tokio::test]
