@@ -198,7 +198,8 @@ def peft_model(base_dir: str, adapter_dir: str | None) -> torch.nn.Module:
 
 
 @lru_cache(maxsize=256)
-def _greedy(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...], max_new_tokens: int) -> reference.Greedy:
+def _greedy(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...], max_new_tokens: int,
+            stop_at_eos: bool) -> reference.Greedy:
     model = peft_model(base_dir, adapter_dir)
     config = reference.load_model(base_dir).generation_config
     with torch.no_grad():
@@ -207,7 +208,8 @@ def _greedy(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...],
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_new_tokens,
-            eos_token_id=config.eos_token_id,  # the server stops on the base's EOS too
+            # The server stops on the base's EOS too (unless the request sets ignore_eos).
+            eos_token_id=config.eos_token_id if stop_at_eos else None,
             pad_token_id=config.pad_token_id,
             output_logits=True,
             return_dict_in_generate=True,
@@ -217,10 +219,10 @@ def _greedy(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...],
 
 
 def peft_greedy(adapters: AdapterSet, adapter_id: str | None, prompt_ids: list[int],
-                max_new_tokens: int = MAX_TOKENS) -> reference.Greedy:
+                max_new_tokens: int = MAX_TOKENS, stop_at_eos: bool = True) -> reference.Greedy:
     """peft's greedy continuation for a local adapter id (None: the base model)."""
     adapter_dir = None if adapter_id is None else str(adapters.adapter_dir(adapter_id).resolve())
-    return _greedy(str(adapters.base_dir), adapter_dir, tuple(prompt_ids), max_new_tokens)
+    return _greedy(str(adapters.base_dir), adapter_dir, tuple(prompt_ids), max_new_tokens, stop_at_eos)
 
 
 def completion_ids(adapters: AdapterSet, prompt: str) -> list[int]:
