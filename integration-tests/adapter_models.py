@@ -240,12 +240,13 @@ def chat_ids(adapters: AdapterSet, messages: list[dict], chat_template: str | No
 
 
 class PeakRunning:
-    """Most requests the router reported running at once (`quiver_requests_running`), polled
-    from a thread for the duration of a `with` block: shows that concurrent requests really
-    shared batches."""
+    """The highest value a gauge of /metrics took (by default `quiver_requests_running`: shows
+    that concurrent requests really shared batches), polled from a thread for the duration of a
+    `with` block."""
 
-    def __init__(self, stack: Stack):
+    def __init__(self, stack: Stack, series: str = "quiver_requests_running"):
         self.stack = stack
+        self.series = series
         self.value = 0.0
         self.samples = 0
         self._done = threading.Event()
@@ -253,8 +254,7 @@ class PeakRunning:
 
     def _poll(self) -> None:
         while not self._done.is_set():
-            running = self.stack.metrics().get("quiver_requests_running", 0.0)
-            self.value = max(self.value, running)
+            self.value = max(self.value, self.stack.metrics().get(self.series, 0.0))
             self.samples += 1
 
     def __enter__(self) -> "PeakRunning":

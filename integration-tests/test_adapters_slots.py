@@ -16,6 +16,7 @@ from adapter_models import (
     COMPLETION_PROMPTS,
     MAX_TOKENS,
     SERVED_NAME,
+    PeakRunning,
     adapter_set,
     chat_ids,
     completion_ids,
@@ -98,8 +99,14 @@ def test_rotation_all_at_once_equals_peft(adapters, stack):
     """Several rounds of the rotation sent at once: requests of adapters that cannot get a slot
     wait while the others decode; all finish, all equal peft."""
     requests = _rotation(ROUNDS)
-    for (model, prompt), response in zip(requests, _run(stack, requests, concurrent=True)):
+    with PeakRunning(stack, "quiver_adapters_active") as active, PeakRunning(stack) as running:
+        responses = _run(stack, requests, concurrent=True)
+    for (model, prompt), response in zip(requests, responses):
         _check(adapters, model, prompt, response, f"concurrent {model or 'base'} {prompt!r}")
+    # The server really worked with two slots, and really ran requests side by side.
+    assert stack.metrics()["quiver_adapter_slots"] == SLOTS
+    assert 1 <= active.value <= SLOTS, f"{active.value} adapters active at once with {SLOTS} slots"
+    assert running.value >= 2, f"at most {running.value} requests ran at once"
 
 
 def test_bursts_on_every_adapter_at_once(adapters, stack):
