@@ -71,7 +71,8 @@ def read_tensors(adapter_dir: Path) -> tuple[str, dict[str, torch.Tensor]]:
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise ValueError(f"{BIN_FILE} does not hold a dict of tensors")
         return BIN_FILE, tensors
-    raise ValueError(f"{adapter_dir} has neither {SAFETENSORS_FILE} nor {BIN_FILE}")
+    # No path in the message: clients see it, and server paths are not their business.
+    raise ValueError(f"the adapter directory has neither {SAFETENSORS_FILE} nor {BIN_FILE}")
 
 
 def lora_pairs(file_name: str, tensors: dict[str, torch.Tensor], spec: BaseModelSpec) -> LoraPairs:

@@ -120,7 +120,7 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
 def read_lora_config(adapter_dir: Path) -> LoraConfig:
     path = Path(adapter_dir) / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"{adapter_dir} has no {CONFIG_FILE}: it is not a PEFT adapter directory")
+        raise ValueError(f"the adapter directory has no {CONFIG_FILE}: it is not a PEFT adapter directory")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as error:

@@ -39,9 +39,10 @@ def _base_problems(config: LoraConfig, spec: BaseModelSpec) -> list[str]:
     hint = _base_config_hint(config)
     if hint is None:
         return []
-    name, trained_on = hint
+    _, trained_on = hint
     return [
-        f"the adapter's base {name} has {key}={trained_on[key]!r}, this model has {spec.config.get(key)!r}"
+        # Not named: it is a local path on this server (clients see the message).
+        f"the model it was made for has {key}={trained_on[key]!r}, this model has {spec.config.get(key)!r}"
         for key in SHAPE_KEYS
         if key in trained_on and key in spec.config and trained_on[key] != spec.config[key]
     ]
