@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 import reference
 from model_builders import CHAT_TEMPLATE, build_model_dir
-from stack import Stack, StackConfig
+from stack import Stack, StackConfig, StackError
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -254,7 +254,11 @@ class PeakRunning:
 
     def _poll(self) -> None:
         while not self._done.is_set():
-            self.value = max(self.value, self.stack.metrics().get(self.series, 0.0))
+            try:
+                value = self.stack.metrics().get(self.series, 0.0)
+            except (OSError, StackError):  # a slow scrape on a busy box: try again
+                continue
+            self.value = max(self.value, value)
             self.samples += 1
 
     def __enter__(self) -> "PeakRunning":
