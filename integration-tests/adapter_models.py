@@ -141,9 +141,9 @@ def _build(tmp: Path) -> AdapterSet:
     tokenizer.save_pretrained(own_tok)
 
     narrow = build_narrow_base(base_dir, tmp / "narrow-base")
-    build_adapter(narrow, root / "bad" / "hidden-32", seed=300, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"])
-    shapes = build_adapter(narrow, root / "bad" / "hidden-32-no-hint", seed=301, r=8, lora_alpha=16,
-                           target_modules=["q_proj", "v_proj"])
+    qv = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    build_adapter(narrow, root / "bad" / "hidden-32", seed=300, **qv)
+    shapes = build_adapter(narrow, root / "bad" / "hidden-32-no-hint", seed=301, **qv)
     _forget_base_path(shapes)
     build_adapter(base_dir, root / "bad" / "rank128", seed=302, r=128, lora_alpha=128, target_modules=["q_proj"])
     # Broken directories: a config without weights, and a directory that is no adapter at all.

@@ -132,4 +132,5 @@ def test_base_alone_equals_transformers(adapters, stack):
         for name in ("", str(adapters.base_dir)):
             response = client.completions.create(model=name, prompt="Hello", max_tokens=MAX_TOKENS,
                                                  temperature=0, extra_body=RETURN_TOKEN_IDS)
-            reference.assert_greedy_parity(token_ids(response), peft_greedy(adapters, None, ids), f"base as {name!r}")
+            want = peft_greedy(adapters, None, ids)
+            reference.assert_greedy_parity(token_ids(response), want, f"base as {name!r}")
