@@ -26,18 +26,19 @@ if [ "$1" = "demo-model" ]; then
 fi
 rank=x; prev=
 for a in "$@"; do [ "$prev" = "--rank" ] && rank="$a"; prev="$a"; done
-echo $$ > "$FAKE_OUT/shard-$rank.pid"
-printf '%s\n' "$@" > "$FAKE_OUT/shard-$rank.args.tmp"
-mv "$FAKE_OUT/shard-$rank.args.tmp" "$FAKE_OUT/shard-$rank.args"
-echo '{"level":"INFO","message":"fake shard loading","target":"fake"}' >&2
-if [ -n "$FAKE_SHARD_EXIT" ]; then exit "$FAKE_SHARD_EXIT"; fi
 on_term() {
   if [ -e "$FAKE_OUT/router.stopped" ]; then order=after-router; else order=before-router; fi
   echo "$order" > "$FAKE_OUT/shard-$rank.stopped"
   kill "$sleeper" 2>/dev/null
   exit 0
 }
+# Before the pid file appears: the tests signal as soon as they see it.
 trap on_term TERM
+echo $$ > "$FAKE_OUT/shard-$rank.pid"
+printf '%s\n' "$@" > "$FAKE_OUT/shard-$rank.args.tmp"
+mv "$FAKE_OUT/shard-$rank.args.tmp" "$FAKE_OUT/shard-$rank.args"
+echo '{"level":"INFO","message":"fake shard loading","target":"fake"}' >&2
+if [ -n "$FAKE_SHARD_EXIT" ]; then exit "$FAKE_SHARD_EXIT"; fi
 sleep 600 & sleeper=$!
 wait "$sleeper"
 "#;
@@ -46,12 +47,17 @@ wait "$sleeper"
 /// if set, ignores SIGTERM (a drain that never ends) if $FAKE_ROUTER_IGNORE_TERM is set, else
 /// runs until SIGTERM.
 const FAKE_ROUTER: &str = r#"#!/bin/sh
+# Signal handling is set up before the pid file appears: the tests signal as soon as they see it.
+if [ -n "$FAKE_ROUTER_IGNORE_TERM" ]; then
+  trap '' TERM
+else
+  trap 'touch "$FAKE_OUT/router.stopped"; kill "$sleeper" 2>/dev/null; exit 0' TERM
+fi
 echo $$ > "$FAKE_OUT/router.pid"
 printf '%s\n' "$@" > "$FAKE_OUT/router.args.tmp"
 mv "$FAKE_OUT/router.args.tmp" "$FAKE_OUT/router.args"
 if [ -n "$FAKE_ROUTER_EXIT" ]; then sleep 0.2; exit "$FAKE_ROUTER_EXIT"; fi
-if [ -n "$FAKE_ROUTER_IGNORE_TERM" ]; then trap '' TERM; exec sleep 30; fi
-trap 'touch "$FAKE_OUT/router.stopped"; kill "$sleeper" 2>/dev/null; exit 0' TERM
+if [ -n "$FAKE_ROUTER_IGNORE_TERM" ]; then exec sleep 30; fi
 sleep 600 & sleeper=$!
 wait "$sleeper"
 "#;
