@@ -23,6 +23,11 @@ def token_ids(response: Any, index: int = 0) -> list[int]:
     return list(ids)
 
 
+def stream_token_ids(choice: Any) -> list[int]:
+    """The ids a streamed chunk's choice carries (none on a chunk without text)."""
+    return list(_extra(choice, "token_ids") or [])
+
+
 def prompt_token_ids(response: Any, index: int = 0) -> list[int]:
     """The prompt's ids: per choice (vLLM's completions) or top-level (its chat)."""
     ids = _extra(response.choices[index], "prompt_token_ids")
