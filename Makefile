@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python rust proto-py serve test test-rust test-server test-integration bench lint clean
+.PHONY: install python cpu-kernels rust proto-py serve test test-rust test-server test-integration bench lint clean
 
 install: python rust
 
@@ -28,7 +28,12 @@ $(PB_OUT)/shard_pb2.py: proto/quiver/v1/shard.proto $(VENV)/.installed
 	$(PY) -m grpc_tools.protoc -I quiver_server/pb=proto/quiver/v1 \
 		--python_out=server --grpc_python_out=server --pyi_out=server proto/quiver/v1/shard.proto
 
-python: $(VENV)/.installed proto-py
+python: $(VENV)/.installed proto-py cpu-kernels
+
+# The shard's C++ CPU kernels, compiled for this machine into .cache/cpu-kernels (torch's
+# cpp_extension rebuilds only when a source changes).
+cpu-kernels: $(VENV)/.installed
+	$(VENV)/bin/quiver-server build-kernels
 
 rust: | $(UV)
 	$(CARGO) build --release --workspace

@@ -62,13 +62,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo-model", parents=[common],
                                help="write the demo model (tiny random Llama, real tokenizer, ChatML)")
     demo.add_argument("dir", metavar="DIR", help="directory to create")
+
+    commands.add_parser("build-kernels", parents=[common],
+                        help="compile the C++ CPU kernels now (a CPU shard otherwise does on first use)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(json_logs=args.json_logs)
-    handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model}
+    handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model,
+                "build-kernels": _build_kernels}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
@@ -164,6 +168,16 @@ def _demo_model(args: argparse.Namespace) -> int:
         logger.error("%s", error)
         return EXIT_FAILURE
     print(path)
+    return 0
+
+
+def _build_kernels(args: argparse.Namespace) -> int:
+    from quiver_server.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        logger.error("the CPU kernels did not build (see the warning above)")
+        return EXIT_FAILURE
+    print(cpu_ops.build_dir())
     return 0
 
 

@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.kernels import LoraBatchMeta, add_lora, lora_torch  # noqa: E402
+from quiver_server.kernels import LoraBatchMeta, add_lora, cpu_ops, lora_torch  # noqa: E402
 from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
 
@@ -188,8 +188,30 @@ TORCH_STRATEGIES = {
     "group_by_slot": lambda y, x, a, b, s, m, sl: lora_torch.group_by_slot(y[:, sl], x, a, b, s, m.token_slots),
     "by_segment": lambda y, x, a, b, s, m, sl: lora_torch.by_segment(y[:, sl], x, a, b, s, m.seg_indptr, m.seg_slots),
     "add_lora_torch": lora_torch.add_lora_torch,
-    "dispatcher": add_lora,  # on CPU tensors "auto" is the torch path
+    # The C++ kernel on every batch (prefill rows too: its semantics are per row), and as served.
+    "cpu_bgmv": lambda y, x, a, b, s, m, sl: cpu_ops.lora_bgmv(y[:, sl], x, a, b, s, m.token_slots),
+    "add_lora_cpu": lora_torch.add_lora_cpu,
+    "dispatcher": add_lora,  # on CPU tensors "auto" is the C++ kernel path (see test below)
 }
+
+
+def test_cpu_kernels_build_here() -> None:
+    # make install compiles them; a machine with a C++ compiler must have them (no silent
+    # fallback to the torch path in the tests that claim to cover the kernels).
+    assert cpu_ops.available()
+    from quiver_server.kernels import _backend
+
+    assert _backend(None, torch.device("cpu")) == "cpu"
+
+
+def test_cpu_bgmv_rejects_bad_input() -> None:
+    case = make_case([1, 1], [1, 0], 48, 24, num_slots=2, max_rank=16)
+    y = case.y[:, case.out_slice]
+    with pytest.raises(RuntimeError, match="not a slot"):
+        cpu_ops.lora_bgmv(y, case.x, case.lora_a, case.lora_b, case.scaling,
+                          torch.tensor([0, 2], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="shapes do not fit"):
+        cpu_ops.lora_bgmv(y, case.x[:, :40], case.lora_a, case.lora_b, case.scaling, case.meta.token_slots)
 
 
 @pytest.mark.parametrize("strategy", list(TORCH_STRATEGIES))
@@ -281,7 +303,7 @@ def test_triton_sgmv_without_max_seg_len_hint() -> None:
 
 def test_all_base_batch_is_a_no_op_for_every_backend() -> None:
     case = make_case([3, 1], [-1, -1], 32, 16, num_slots=2, max_rank=8)
-    for backend in ("torch", "reference", "triton"):
+    for backend in ("cpu", "torch", "reference", "triton"):
         y = case.y.clone()
         add_lora(y, case.x, case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice, backend=backend)
         assert torch.equal(y, case.y)

@@ -2,11 +2,13 @@
 
 - "triton" (`lora_triton`): fused shrink+expand kernels, BGMV for decode rows and SGMV for
   prefill segments; the default on CUDA.
-- "torch" (`lora_torch`): vectorised torch, no loop per token; the default off CUDA.
+- "cpu" (`cpu_ops.lora_bgmv` for decode rows, `lora_torch` for long prefill segments): the
+  default on CPU where the C++ kernels build.
+- "torch" (`lora_torch`): vectorised torch, no loop per token; the default elsewhere.
 - "reference" (`lora_reference`): the per-token loop that defines the semantics.
 
 The backend is picked per call from the tensors' device; `backend=` or the environment variable
-QUIVER_LORA_BACKEND (auto|triton|torch|reference) force one, e.g. to debug a suspected kernel bug
+QUIVER_LORA_BACKEND (auto|triton|cpu|torch|reference) force one, e.g. to debug a suspected kernel bug
 in a running server with the reference.
 """
 
@@ -16,13 +18,14 @@ import os
 
 import torch
 
+from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
-from quiver_server.kernels.lora_torch import add_lora_torch
+from quiver_server.kernels.lora_torch import add_lora_cpu, add_lora_torch
 
 __all__ = ["LoraBatchMeta", "add_lora", "BACKENDS"]
 
-BACKENDS = ("auto", "triton", "torch", "reference")
+BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
 
 
 def _check(
@@ -68,7 +71,9 @@ def _backend(requested: str | None, device: torch.device) -> str:
     if name not in BACKENDS:
         raise ValueError(f"unknown LoRA backend {name!r}, expected one of {BACKENDS}")
     if name == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
     return name
 
 
@@ -89,6 +94,8 @@ def add_lora(
         from quiver_server.kernels.lora_triton import add_lora_triton  # imports triton lazily
 
         add_lora_triton(y, x, lora_a, lora_b, scaling, meta, out_slice)
+    elif chosen == "cpu":
+        add_lora_cpu(y, x, lora_a, lora_b, scaling, meta, out_slice)
     elif chosen == "torch":
         add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice)
     else:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 
 # Below this mean segment length, gathering rows by adapter beats a matmul pair per segment.
@@ -127,5 +128,19 @@ def add_lora_torch(
     y_part = y[:, out_slice]
     if meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:  # decode, or many short prompts
         group_by_slot(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
+    else:
+        by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)
+
+
+def add_lora_cpu(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
+) -> None:
+    """`add_lora_torch` with the C++ BGMV kernel (`cpu_ops.lora_bgmv`) where rows are few per
+    segment: one pass over the rows instead of a matmul pair per distinct adapter. Long prefill
+    segments keep `by_segment`, whose matmuls use the weights better than a mat-vec per row."""
+    y_part = y[:, out_slice]
+    if meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:
+        cpu_ops.lora_bgmv(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
     else:
         by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)

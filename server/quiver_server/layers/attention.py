@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from quiver_server.forward_batch import ForwardBatch
+from quiver_server.kernels import cpu_ops
 
 
 def write_kv(
@@ -61,6 +62,24 @@ CPU_GATHER_BYTES = 4 << 20
 
 
 def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, heads, d] attends to its sequence's cached K/V (the
+    new token's own K/V already written). On CPU the C++ kernel reads the cache in place;
+    elsewhere, or without it, `decode_attention_torch`."""
+    assert batch.block_tables is not None and batch.seq_lens is not None
+    if q.device.type == "cpu" and cpu_ops.available():
+        return cpu_ops.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                              scale, sliding_window)
+    return decode_attention_torch(q, k_cache, v_cache, batch, scale, sliding_window)
+
+
+def decode_attention_torch(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,

@@ -1,0 +1,99 @@
+"""CPU kernels in C++ (`kernels/cpu/*.cpp`), compiled for this machine on first use.
+
+Two ops, registered as `torch.ops.quiver_cpu.*`:
+- `paged_decode_attention`: decode attention read in place from the paged KV cache (the torch
+  path gathers every sequence's blocks into a padded copy first);
+- `lora_bgmv`: the LoRA delta of decode rows, one pass for any mix of adapters (the torch path
+  runs a matmul pair per distinct adapter).
+
+The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
+$QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
+it there with `quiver-server build-kernels`) or ~/.cache/quiver/cpu-kernels. Where it cannot be built (no C++ compiler) the shard
+logs why once and serves with the torch paths; QUIVER_CPU_KERNELS=0 forces those, e.g. to rule
+the kernels out while debugging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "lora_bgmv.cpp")]
+# Portable flags (no -march=native): the build directory may be shared by machines of one
+# checkout; `omp simd` asks for the vectorised inner loops the kernels are written for.
+CFLAGS = ["-O3", "-fopenmp"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def build_dir() -> Path:
+    configured = os.environ.get("QUIVER_KERNEL_DIR")
+    if configured:
+        return Path(configured)
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "pyproject.toml").is_file() and (checkout / "server" / "quiver_server").is_dir():
+        return checkout / ".cache" / "cpu-kernels"
+    return Path.home() / ".cache" / "quiver" / "cpu-kernels"
+
+
+def _compile() -> None:
+    from torch.utils import cpp_extension
+
+    try:  # the `ninja` wheel: its binary is not on PATH when the venv is not activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name="quiver_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        build_directory=str(directory), is_python_module=False, verbose=False,
+    )
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (building them on the first call); False when disabled by
+    QUIVER_CPU_KERNELS=0 or when the build failed (logged once)."""
+    if os.environ.get("QUIVER_CPU_KERNELS", "1") == "0":
+        return False
+    loaded = _state.get("loaded")
+    if loaded is not None:
+        return bool(loaded)
+    with _lock:
+        if "loaded" not in _state:
+            try:
+                _compile()
+                _state["loaded"] = True
+            except Exception as error:  # noqa: BLE001 - any build failure means: use torch
+                log.warning("CPU kernels unavailable, serving with the torch paths: %s", error)
+                _state["loaded"] = False
+    return bool(_state["loaded"])
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+) -> torch.Tensor:
+    """q [B, heads, d] over caches [blocks, block_size, kv_heads, d] -> [B, heads, d]; keys
+    0 .. seq_lens[s] - 1 of block_tables[s] (the last `sliding_window` of them, if given)."""
+    return torch.ops.quiver_cpu.paged_decode_attention(
+        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+    )
+
+
+def lora_bgmv(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+    scaling: torch.Tensor, token_slots: torch.Tensor,
+) -> None:
+    """In place: y[t] += scaling[s] * lora_b[s] @ (lora_a[s] @ x[t]) for rows with slot s >= 0."""
+    torch.ops.quiver_cpu.lora_bgmv(y, x.contiguous(), lora_a, lora_b, scaling, token_slots)
+

@@ -1,0 +1,87 @@
+"""The C++ paged decode attention (`kernels/cpu/paged_attention.cpp`) against the torch path
+(`decode_attention_torch`: gather the blocks, SDPA with a mask), which itself is held to
+transformers by the model parity tests. Fragmented block tables, lengths on and off block
+boundaries, grouped-query heads, sliding windows and 16-bit caches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quiver_server.forward_batch import build_decode
+from quiver_server.kernels import cpu_ops
+from quiver_server.layers.attention import decode_attention, decode_attention_torch
+
+BLOCK = 16
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def _case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths) // BLOCK + 1
+    num_blocks = len(lengths) * width + 7
+    # Each sequence gets scattered blocks; rows are padded with unrelated (valid) block ids.
+    table = torch.randperm(num_blocks, generator=gen)[: len(lengths) * width].view(len(lengths), width)
+    k = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen).to(dtype)
+    # build_decode takes the cached lengths before the new token (already written here).
+    batch = build_decode([n - 1 for n in lengths], table, BLOCK, torch.device("cpu"))
+    return q, k, v, batch
+
+
+def test_kernels_are_built_and_chosen_on_cpu() -> None:
+    assert cpu_ops.available()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,window",
+    [(8, 8, 64, None), (8, 2, 64, None), (4, 1, 128, None), (6, 3, 48, None), (8, 2, 64, 20), (4, 4, 32, 16)],
+)
+def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> None:
+    lengths = [1, 15, 16, 17, 32, 33, 100, 257, 2, 64]
+    q, k, v, batch = _case(lengths, heads, kv_heads, head_dim, dtype, seed=heads * 7 + head_dim)
+    scale = head_dim**-0.5
+    want = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window)
+    got = decode_attention(q, k, v, batch, scale, window)
+    assert got.dtype == dtype and got.shape == q.shape
+    error = (got.float() - want).abs().max().item()
+    assert error <= TOLERANCE[dtype] * max(want.abs().max().item(), 1.0), error
+
+
+def test_a_window_longer_than_the_sequence_sees_everything() -> None:
+    q, k, v, batch = _case([5, 40], 4, 2, 32, torch.float32, seed=1)
+    full = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, None)
+    wide = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, 4096)
+    assert torch.equal(full, wide)
+
+
+def test_only_the_tables_blocks_are_read() -> None:
+    # NaN in every block no sequence owns, and in the unwritten tail of each last block: a
+    # kernel that reads past a sequence's length or outside its table returns NaN.
+    lengths = [3, 18, 40]
+    q, k, v, batch = _case(lengths, 4, 4, 32, torch.float32, seed=2)
+    owned = set()
+    for s, n in enumerate(lengths):
+        for pos in range(n):
+            owned.add((int(batch.block_tables[s, pos // BLOCK]), pos % BLOCK))
+    for block in range(k.shape[0]):
+        for offset in range(BLOCK):
+            if (block, offset) not in owned:
+                k[block, offset] = float("nan")
+                v[block, offset] = float("nan")
+    got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, None)
+    assert not torch.isnan(got).any()
+
+
+def test_bad_input_raises_instead_of_reading_out_of_bounds() -> None:
+    q, k, v, batch = _case([4, 9], 4, 2, 32, torch.float32, seed=3)
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens * 100, 0.2, None)
+    with pytest.raises(RuntimeError, match="not a block of the cache"):
+        cpu_ops.paged_decode_attention(q, k, v, batch.block_tables + k.shape[0], batch.seq_lens, 0.2, None)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        cpu_ops.paged_decode_attention(q[:, :3], k, v, batch.block_tables, batch.seq_lens, 0.2, None)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        cpu_ops.paged_decode_attention(q.double(), k, v, batch.block_tables, batch.seq_lens, 0.2, None)
