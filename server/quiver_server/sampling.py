@@ -86,7 +86,8 @@ def sample(
     if params.sampling_rows:
         sampled = _draw(warp_scores(scores, params), params, generators)
         tokens = torch.where(params.temperature > 0, sampled, tokens)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    # log_softmax at the chosen tokens only: no [B, V] output written.
+    logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
     return tokens, logprobs
 
 

@@ -1,10 +1,11 @@
 """CPU kernels in C++ (`kernels/cpu/*.cpp`), compiled for this machine on first use.
 
-Two ops, registered as `torch.ops.quiver_cpu.*`:
+Ops registered as `torch.ops.quiver_cpu.*`:
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (the torch
   path gathers every sequence's blocks into a padded copy first);
 - `lora_bgmv`: the LoRA delta of decode rows, one pass for any mix of adapters (the torch path
-  runs a matmul pair per distinct adapter).
+  runs a matmul pair per distinct adapter);
+- `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp).
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
 $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
@@ -24,7 +25,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "cpu" / name for name in ("paged_attention.cpp", "lora_bgmv.cpp")]
+SOURCES = [Path(__file__).parent / "cpu" / name
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp")]
 # Portable flags (no -march=native): the build directory may be shared by machines of one
 # checkout; `omp simd` asks for the vectorised inner loops the kernels are written for.
 CFLAGS = ["-O3", "-fopenmp"]
@@ -88,6 +90,21 @@ def paged_decode_attention(
     return torch.ops.quiver_cpu.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.ops.quiver_cpu.rms_norm(x, weight, eps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> silu(gate) * up [T, I]."""
+    return torch.ops.quiver_cpu.silu_and_mul(gate_up)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates x [T, heads, D] in place by cos, sin [T, D]; returns x."""
+    torch.ops.quiver_cpu.rotary_(x, cos, sin)
+    return x
 
 
 def lora_bgmv(

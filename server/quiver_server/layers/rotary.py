@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from quiver_server.kernels import cpu_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -100,7 +102,10 @@ class RotaryEmbedding:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the (half-split, GPT-NeoX style) rotary embedding."""
+    """x [T, heads, head_dim] rotated by the (half-split, GPT-NeoX style) rotary embedding.
+    On CPU with the C++ kernels, in place (x is returned); otherwise a new tensor."""
+    if x.device.type == "cpu" and cpu_ops.available():
+        return cpu_ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

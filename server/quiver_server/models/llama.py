@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
+from quiver_server.kernels import cpu_ops
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
 from quiver_server.layers.linear import Linear
@@ -168,7 +169,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, batch).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x, batch)
+        if gate_up.device.type == "cpu" and cpu_ops.available():
+            return self.down_proj(cpu_ops.silu_and_mul(gate_up), batch)
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up, batch)
 
 

@@ -1,0 +1,125 @@
+// Fused row-wise ops of the Llama block for CPU shards: RMS norm, SiLU-and-multiply, rotary.
+//
+// In torch each is 3-6 ops, every one a full pass over [tokens, width] with its own temporary
+// (and its own OpenMP region); on a long prefill they cost as much memory traffic as a matmul.
+// Here each is one pass, parallel over tokens, with the arithmetic of the torch code it replaces
+// (`layers/norm.py`, `models/llama.py` MLP, `layers/rotary.py`), which stays the reference:
+// float32 statistics for the norm, the same multiply/add order for the rotation.
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kGrain = 16;  // rows per task: a row is a few hundred elements
+
+// weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), as transformers' LlamaRMSNorm.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1, "x must be a CPU [T, D] with dense rows");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be a contiguous [D] of x's dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t rows = x.size(0), dim = x.size(1), stride = x.stride(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xd = x.data_ptr<scalar_t>();
+    const scalar_t* wd = weight.data_ptr<scalar_t>();
+    scalar_t* od = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* row = xd + t * stride;
+        float squares = 0.f;
+        _Pragma("omp simd reduction(+ : squares)")
+        for (int64_t d = 0; d < dim; ++d) {
+          const float v = static_cast<float>(row[d]);
+          squares += v * v;
+        }
+        const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
+        scalar_t* o = od + t * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(row[d]) * inverse);
+          o[d] = static_cast<scalar_t>(static_cast<float>(wd[d]) * static_cast<float>(normed));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up = [gate | up] ([T, 2I]) -> [T, I].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+                  gate_up.size(1) % 2 == 0,
+              "gate_up must be a CPU [T, 2I] with dense rows");
+  const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = at::empty({rows, width}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    const scalar_t* in = gate_up.data_ptr<scalar_t>();
+    scalar_t* od = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* gate = in + t * stride;
+        const scalar_t* up = gate + width;
+        scalar_t* o = od + t * width;
+        for (int64_t i = 0; i < width; ++i) {
+          const float g = static_cast<float>(gate[i]);
+          const scalar_t activated = static_cast<scalar_t>(g / (1.f + std::exp(-g)));
+          o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// In place on x [T, H, D] (any row and head strides, dense last dim), half-split rotation:
+//   x[:half] = x1 * cos + (-x2) * sin,  x[half:] = x2 * cos + x1 * sin   (cos, sin [T, D]).
+void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0,
+              "x must be a CPU [T, heads, D] with a dense, even last dim");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == x.size(0) &&
+                  cos.size(1) == x.size(2) && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "cos and sin must be contiguous [T, D] of x's dtype");
+  const int64_t rows = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t row_stride = x.stride(0), head_stride = x.stride(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
+    scalar_t* xd = x.data_ptr<scalar_t>();
+    const scalar_t* cd = cos.data_ptr<scalar_t>();
+    const scalar_t* sd = sin.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const scalar_t* c = cd + t * dim;
+        const scalar_t* s = sd + t * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          scalar_t* v = xd + t * row_stride + h * head_stride;
+          for (int64_t i = 0; i < half; ++i) {
+            // Each product rounded to the dtype, then the sum: torch's x * cos + rotated * sin.
+            const scalar_t x1 = v[i], x2 = v[i + half];
+            const scalar_t a = static_cast<scalar_t>(static_cast<float>(x1) * static_cast<float>(c[i]));
+            const scalar_t b = static_cast<scalar_t>(-static_cast<float>(x2) * static_cast<float>(s[i]));
+            const scalar_t e = static_cast<scalar_t>(static_cast<float>(x2) * static_cast<float>(c[i + half]));
+            const scalar_t f = static_cast<scalar_t>(static_cast<float>(x1) * static_cast<float>(s[i + half]));
+            v[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
+            v[i + half] = static_cast<scalar_t>(static_cast<float>(e) + static_cast<float>(f));
+          }
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quiver_cpu, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul);
+  m.def("rotary_(Tensor(a!) x, Tensor cos, Tensor sin) -> ()");
+  m.impl("rotary_", c10::DispatchKey::CPU, &rotary_);
+}
