@@ -11,11 +11,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace {
 
-constexpr int64_t kGrain = 16;  // rows per task: a row is a few hundred elements
+// Rows per task: about 32K elements, as torch's own elementwise grain. A decode step's few rows
+// then run on the calling thread: waking the other threads would cost more than the work, and
+// every parallel region is one more barrier where a thread descheduled by a neighbouring process
+// (the router, a client on a small box) holds up the rest.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, width)); }
 
 // weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), as transformers' LlamaRMSNorm.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -29,7 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* xd = x.data_ptr<scalar_t>();
     const scalar_t* wd = weight.data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* row = xd + t * stride;
         float squares = 0.f;
@@ -60,7 +65,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* gate = in + t * stride;
         const scalar_t* up = gate + width;
@@ -91,7 +96,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
     scalar_t* xd = x.data_ptr<scalar_t>();
     const scalar_t* cd = cos.data_ptr<scalar_t>();
     const scalar_t* sd = sin.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain(heads * dim), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* c = cd + t * dim;
         const scalar_t* s = sd + t * dim;
