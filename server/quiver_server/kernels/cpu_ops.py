@@ -58,6 +58,7 @@ def _compile() -> None:
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="quiver_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        extra_include_paths=[str(SOURCES[0].parent)],
         build_directory=str(directory), is_python_module=False, verbose=False,
     )
 

@@ -18,6 +18,8 @@
 #include <limits>
 #include <vector>
 
+#include "fast_exp.h"
+
 namespace {
 
 // kHeadDim > 0 fixes head_dim at compile time (the common sizes), so the per-key loops unroll
@@ -70,9 +72,12 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           max_score = std::max(max_score, dot);
         });
         float total = 0.f;
-        for (auto& score : scores) {
-          score = std::exp(score - max_score);
-          total += score;
+        float* sp = scores.data();
+        const int64_t count = static_cast<int64_t>(scores.size());
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < count; ++i) {
+          sp[i] = quiver::fast_exp(sp[i] - max_score);
+          total += sp[i];
         }
         float* af = acc.data();
         std::fill(af, af + head_dim, 0.f);
