@@ -9,7 +9,8 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
 $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
-it there with `quiver-server build-kernels`) or ~/.cache/quiver/cpu-kernels. Where it cannot be built (no C++ compiler) the shard
+it there with `quiver-server build-kernels`) or ~/.cache/quiver/cpu-kernels; a CPU shard that
+finds no build makes one during warmup. Where it cannot be built (no C++ compiler) the shard
 logs why once and serves with the torch paths; QUIVER_CPU_KERNELS=0 forces those, e.g. to rule
 the kernels out while debugging.
 """
@@ -28,7 +29,8 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp")]
 # Portable flags (no -march=native): the build directory may be shared by machines of one
-# checkout; `omp simd` asks for the vectorised inner loops the kernels are written for.
+# checkout. -fopenmp because at::parallel_for is inlined from ATen's headers (without it the
+# kernels run on one thread) and for the `omp simd` loops; it binds to the libgomp torch loaded.
 CFLAGS = ["-O3", "-fopenmp"]
 
 _lock = threading.Lock()
