@@ -313,6 +313,12 @@ def test_dispatcher_backends_agree(monkeypatch: pytest.MonkeyPatch) -> None:
     case = make_case([2, 1, 5], [1, -1, 0], 48, 24, num_slots=2, max_rank=16, seed=11)
     monkeypatch.setenv("QUIVER_LORA_BACKEND", "reference")
     assert torch.equal(run(add_lora, case), run(add_lora_reference, case))
+    monkeypatch.setenv("QUIVER_LORA_BACKEND", "auto")
+    monkeypatch.setenv("QUIVER_CPU_KERNELS", "0")  # auto falls back to torch; forcing cpu is refused
+    assert torch.equal(run(add_lora, case), run(lora_torch.add_lora_torch, case))
+    monkeypatch.setenv("QUIVER_LORA_BACKEND", "cpu")
+    with pytest.raises(ValueError, match="C\\+\\+ CPU kernels are not available"):
+        run(add_lora, case)
     monkeypatch.setenv("QUIVER_LORA_BACKEND", "bogus")
     with pytest.raises(ValueError, match="unknown LoRA backend"):
         run(add_lora, case)

@@ -74,6 +74,9 @@ def _backend(requested: str | None, device: torch.device) -> str:
         if device.type == "cuda":
             return "triton"
         return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
+    if name == "cpu" and not cpu_ops.available():
+        raise ValueError("LoRA backend 'cpu' asked for, but the C++ CPU kernels are not available "
+                         "(QUIVER_CPU_KERNELS=0, or they failed to build: see the shard's log)")
     return name
 
 
