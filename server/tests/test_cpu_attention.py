@@ -32,6 +32,9 @@ def _case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: t
 
 def test_kernels_are_built_and_chosen_on_cpu() -> None:
     assert cpu_ops.available()
+    q, k, v, batch = _case([7, 40], 4, 2, 32, torch.float32, seed=4)
+    kernel = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, None)
+    assert torch.equal(decode_attention(q, k, v, batch, 0.2, None), kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

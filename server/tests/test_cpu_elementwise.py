@@ -18,10 +18,6 @@ def _ulps(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
 
 
-def test_built() -> None:
-    assert cpu_ops.available()
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,dim", [(1, 64), (33, 512), (300, 96)])
 def test_rms_norm_matches_transformers(dtype, rows, dim) -> None:
