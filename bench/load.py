@@ -1,4 +1,5 @@
-"""Load generator: concurrent streaming clients on the official OpenAI SDK, timing every token.
+"""Load generator: concurrent streaming clients (lean raw-HTTP SSE, see sse_client.py), timing
+every token.
 
 Each of `concurrency` clients sends its requests one after another (a closed loop, like a chat
 frontend with that many users), so the server always has about `concurrency` streams running.
@@ -10,8 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import openai
-
+from sse_client import SseConnection
 from stats import percentiles
 
 
@@ -53,48 +53,49 @@ class Workload:
         return [self.request(i) for i in range(min(total, limit) if limit else total)]
 
 
-async def _stream_once(client: openai.AsyncOpenAI, model: str, prompt: list[int],
+async def _stream_once(conn: SseConnection, model: str, prompt: list[int],
                        max_tokens: int) -> StreamTiming:
     timing = StreamTiming(sent_at=time.perf_counter())
-    stream = await client.completions.create(
-        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )
-    async for chunk in stream:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    async for chunk in conn.post_stream("/completions", body):
         now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].text:
+        choices = chunk.get("choices")
+        if choices and choices[0].get("text"):
             timing.token_times.append(now)
-            timing.text += chunk.choices[0].text
-        if chunk.usage is not None:
-            timing.completion_tokens = chunk.usage.completion_tokens
+            timing.text += choices[0]["text"]
+        if chunk.get("usage"):
+            timing.completion_tokens = chunk["usage"]["completion_tokens"]
     if timing.completion_tokens != max_tokens:
         raise RuntimeError(f"stream ended after {timing.completion_tokens} of {max_tokens} tokens")
     return timing
 
 
-async def _client_loop(client, workload: Workload, client_index: int,
+async def _client_loop(conn: SseConnection, workload: Workload, client_index: int,
                        concurrency: int) -> list[tuple[int, StreamTiming]]:
     timings = []
     for round_index in range(workload.requests_per_client):
         index = round_index * concurrency + client_index
         model, prompt = workload.request(index)
-        timings.append((index, await _stream_once(client, model, prompt, workload.max_tokens)))
+        timings.append((index, await _stream_once(conn, model, prompt, workload.max_tokens)))
     return timings
 
 
 async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dict, dict[int, str]]:
-    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0,
-                                  timeout=600) as client:
+    conns = [SseConnection(base_url) for _ in range(max(concurrency, len(workload.models)))]
+    try:
         # One short request per model first, outside the measurement: connection set-up,
         # first-call paths, and each adapter loaded and in a device slot (steady state is what
         # is measured; the first request of an adapter also pays for reading it from disk).
-        await asyncio.gather(*(_stream_once(client, model, workload.prompts[0], 4)
-                               for model in workload.models))
-        started = time.perf_counter()
+        await asyncio.gather(*(_stream_once(conn, model, workload.prompts[0], 4)
+                               for conn, model in zip(conns, workload.models)))
+        cpu_started, started = time.process_time(), time.perf_counter()
         per_client = await asyncio.gather(
-            *(_client_loop(client, workload, i, concurrency) for i in range(concurrency))
+            *(_client_loop(conns[i], workload, i, concurrency) for i in range(concurrency))
         )
-        elapsed = time.perf_counter() - started
+        elapsed, client_cpu = time.perf_counter() - started, time.process_time() - cpu_started
+    finally:
+        await asyncio.gather(*(conn.close() for conn in conns))
     indexed = [t for client_timings in per_client for t in client_timings]
     timings = [t for _, t in indexed]
     tokens = sum(t.completion_tokens for t in timings)
@@ -106,6 +107,9 @@ async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dic
         "throughput_tok_s": round(tokens / elapsed, 2),
         "ttft_s": percentiles([t.ttft for t in timings]),
         "inter_token_s": percentiles([gap for t in timings for gap in t.inter_token()]),
+        # The load generator shares the machine with the server: its own CPU time is reported
+        # so its cost can be seen next to the throughput.
+        "load_generator_cpu_s": round(client_cpu, 3),
     }, {index: t.text for index, t in indexed}
 
 

@@ -125,7 +125,7 @@ def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict
         "workload": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                      "requests_per_client": args.requests_per_client, "repeats": args.repeats,
                      "sampling": "greedy",
-                     "ignore_eos": True, "client": "openai SDK, streaming /v1/completions"},
+                     "ignore_eos": True, "client": "raw HTTP/1.1 SSE (bench/sse_client.py), streaming /v1/completions"},
         "baselines": {
             "transformers_generate": "transformers' batched generate on the base model, one static "
                                      "batch of `concurrency` prompts; best of `repeats`",

@@ -86,6 +86,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    # First: it only takes effect for threads started after it.
+    from quiver_server.host_malloc import keep_freed_memory
+
+    keep_freed_memory()
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         logger.error("invalid --rank %d for --world-size %d", args.rank, args.world_size)
         return EXIT_FAILURE
