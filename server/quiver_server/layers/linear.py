@@ -8,6 +8,9 @@ Multi-LoRA: when adapter slots are allocated, each part gets the stacked slot bu
 projection (`LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward` adds every
 token's adapter delta into that part's columns with one batched kernel call per part. Steps
 without adapter requests carry no LoRA metadata and pay nothing.
+
+On CPU, `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
+prepacked one (`kernels.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import add_lora
+from quiver_server.kernels import add_lora, cpu_gemm
 
 
 @dataclass
@@ -51,17 +54,32 @@ class Linear(nn.Module):
             start += width
         self.part_columns = offsets
         self.lora_parts: list[LoraPart] = []  # set by AdapterSlots; empty = adapters disabled
+        self.packed_weight: torch.Tensor | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.packed_weight is not None:
+            y = cpu_gemm.linear(x, self.packed_weight, self.bias)
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
             for part in self.lora_parts:
                 if part.in_use:
                     add_lora(y, x, part.lora_a, part.lora_b, part.scaling, batch.lora, part.columns)
         return y
 
+    def pack_weight(self) -> bool:
+        """Replaces the plain weight by a prepacked one where `cpu_gemm` applies; True if it did.
+        Only after loading: `load_part` needs the plain weight."""
+        if self.weight is None or not cpu_gemm.available(self.weight):
+            return False
+        self.packed_weight = cpu_gemm.pack(self.weight)
+        self.weight = None  # the packed copy is the only one kept
+        return True
+
     def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
         """Copies a checkpoint tensor (`kind` "weight" or "bias" of projection `part`) into place."""
+        if self.weight is None:
+            raise RuntimeError("weights are packed for serving; load before pack_weight")
         if part not in self.part_columns:
             raise ValueError(f"projection {part!r} is not one of {list(self.parts)}")
         target = self.weight if kind == "weight" else self.bias

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import cpu_ops
+from quiver_server.kernels import cpu_gemm, cpu_ops
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
 from quiver_server.layers.linear import Linear
@@ -216,6 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built on the target device by `load`
+        self.lm_head_packed: torch.Tensor | None = None  # CPU: the LM head prepacked, see `load`
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]
@@ -229,7 +230,10 @@ class LlamaForCausalLM(nn.Module):
             # in a prefill that skips the o_proj and MLP of every other prompt token.
             rows = batch.logits_indices if index == last and batch.is_prefill else None
             x = layer(x, cos, sin, batch, kv_cache.k[index], kv_cache.v[index], rows)
-        return self.lm_head(self.model.norm(x))  # decode: every row is wanted
+        x = self.model.norm(x)  # decode: every row is wanted
+        if self.lm_head_packed is not None:
+            return cpu_gemm.linear(x, self.lm_head_packed, None)
+        return self.lm_head(x)
 
     @classmethod
     def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
@@ -242,7 +246,19 @@ class LlamaForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotary = RotaryEmbedding(cfg.rope, cfg.head_dim, device)
         model.load_weights(iter_tensors(model_dir, device))
+        model.pack_weights()
         return model.eval()
+
+    def pack_weights(self) -> None:
+        """CPU: every projection and the LM head on prepacked weights (`kernels.cpu_gemm`).
+        A tied LM head packs a copy: the embedding lookup still needs the plain table."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        if cpu_gemm.available(self.lm_head.weight):
+            self.lm_head_packed = cpu_gemm.pack(self.lm_head.weight)
+            if not self.config.tie_word_embeddings:
+                self.lm_head.weight = None
 
     def projection(self, layer: int, name: str) -> Linear:
         """The (possibly fused) Linear of layer `layer` that computes projection `name`

@@ -1,0 +1,73 @@
+"""Prepacked CPU matmuls (`kernels/cpu_gemm.py`): the same products as `F.linear`, and a CPU
+float32 model really runs on them (so the parity tests against transformers cover them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quiver_server.kernels import cpu_gemm
+from quiver_server.layers.linear import Linear
+from quiver_server.models import load_model
+from quiver_server.weights import load_config
+from tiny_models import build_tiny_model
+
+
+def test_packing_is_available_on_this_torch() -> None:
+    # Without this, every test below would quietly compare F.linear with itself.
+    assert cpu_gemm.available(torch.empty(4, 4))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 33, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_equals_f_linear(rows, with_bias) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    x = torch.randn(rows, 80, generator=gen)
+    got = cpu_gemm.linear(x, cpu_gemm.pack(weight), bias)
+    want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, 96) and got.dtype == torch.float32
+    # float32 accumulation in another order than float64: a few ulps of the dot products' size.
+    assert (got.double() - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+
+
+def test_packed_linear_takes_row_subsets_and_views() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(64, 48, generator=gen)
+    x = torch.randn(20, 48, generator=gen)
+    rows = torch.tensor([3, 7, 19])
+    packed = cpu_gemm.pack(weight)
+    for view in (x[rows], x[::2], x[:, :48]):
+        torch.testing.assert_close(cpu_gemm.linear(view, packed, None), F.linear(view, weight))
+
+
+def _load(tmp_path, dtype=torch.float32, tie=False):
+    path = build_tiny_model(tmp_path / "m", "qwen2", tie_word_embeddings=tie)  # qwen2: q/k/v bias
+    return load_model(path, load_config(path), dtype, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_cpu_float32_model_serves_on_packed_weights(tmp_path, tie) -> None:
+    model = _load(tmp_path, tie=tie)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.packed_weight is not None and m.weight is None for m in linears)
+    assert model.lm_head_packed is not None
+    # A tied head keeps the embedding table the lookup needs; an untied one keeps no plain copy.
+    if tie:
+        assert model.model.embed_tokens.weight is not None
+    else:
+        assert model.lm_head.weight is None
+    with pytest.raises(RuntimeError, match="packed"):
+        linears[0].load_part(next(iter(linears[0].parts)), "weight", torch.zeros(1))
+
+
+def test_other_dtypes_and_the_switch_keep_plain_weights(tmp_path, monkeypatch) -> None:
+    model = _load(tmp_path, dtype=torch.bfloat16)
+    assert all(m.packed_weight is None and m.weight is not None
+               for m in model.modules() if isinstance(m, Linear))
+    monkeypatch.setenv("QUIVER_CPU_PACKED_WEIGHTS", "0")
+    model = _load(tmp_path / "again")
+    assert model.lm_head_packed is None
+    assert all(m.packed_weight is None for m in model.modules() if isinstance(m, Linear))
