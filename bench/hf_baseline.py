@@ -46,3 +46,10 @@ def measure(model, device: str, prompts: list[list[int]], batch_size: int, max_n
         "wall_s_all_runs": [round(w, 3) for w in walls],
         "throughput_tok_s": round(generated / min(walls), 2),
     }
+
+
+def best_of(runs: list[dict]) -> dict:
+    """Runs of `measure` (one repeat each, e.g. alternated with quiver's) combined as `measure`
+    combines its own repeats: the fastest, with every wall time listed."""
+    best = min(runs, key=lambda run: run["wall_s"])
+    return {**best, "wall_s_all_runs": [w for run in runs for w in run["wall_s_all_runs"]]}

@@ -114,9 +114,13 @@ async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dic
 
 
 def measure(base_url: str, workload: Workload, concurrency: int, repeats: int = 1) -> tuple[dict, dict[int, str]]:
-    """The best of `repeats` runs by throughput, as for the baselines: the machine's noise
-    (other processes on a shared box) is kept out of the comparison on both sides. Also returns
-    that run's generated text per request index (for the agreement check against peft)."""
-    runs = [asyncio.run(_run(base_url, workload, concurrency)) for _ in range(repeats)]
+    """`repeats` runs, combined by `best_of`."""
+    return best_of([asyncio.run(_run(base_url, workload, concurrency)) for _ in range(repeats)])
+
+
+def best_of(runs: list[tuple[dict, dict[int, str]]]) -> tuple[dict, dict[int, str]]:
+    """The best run by throughput, as for the baselines: the machine's noise (other processes on
+    a shared box) is kept out of the comparison on both sides. Also returns that run's generated
+    text per request index (for the agreement check against peft)."""
     best, texts = max(runs, key=lambda run: run[0]["throughput_tok_s"])
     return {**best, "throughput_tok_s_all_runs": [run[0]["throughput_tok_s"] for run in runs]}, texts

@@ -3,10 +3,11 @@
 Starts the real stack (launcher → shard + router) on a free port, drives it with 1, 8 and 32
 concurrent streaming clients on the base model, then with 32 streams spread over 1, 8 and 32
 distinct LoRA adapters (ranks 8 and 16, random weights, local adapter root), all with
-fixed-length token-id prompts and a fixed output length (ignore_eos). Then it stops the stack
-and runs the baselines on the same weights in this process: `transformers`' batched `generate`
-for the base scenarios, and `transformers` + `peft` serving the adapter scenarios' requests one
-at a time with `set_adapter` (on the first --naive-requests requests of each; see
+fixed-length token-id prompts and a fixed output length (ignore_eos). Between quiver's runs it
+times `transformers`' batched `generate` for the base scenarios on the same weights in this
+process (repeats alternate, so both sides share the machine's slow and fast periods). Then it
+stops the stack and runs `transformers` + `peft` serving the adapter scenarios' requests one at
+a time with `set_adapter` (on the first --naive-requests requests of each; see
 peft_baseline.py). Prints ONE JSON report (report.py) on stdout and writes it to bench/results/;
 progress goes to stderr.
 
@@ -86,11 +87,17 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, logs: Path,
-               adapter_root: Path | None) -> tuple[dict, dict[str, dict[int, str]]]:
-    """Every scenario on one running stack: {scenario: measurement}, {scenario: {request index:
-    generated text}}. A failing adapter scenario is recorded as {"error": ...} and the others
-    still run, so a broken adapter path shows in the report next to working base figures."""
+def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts,
+                                logs: Path, adapter_root: Path | None) -> tuple[dict, dict, dict]:
+    """Every scenario on one running stack, and transformers' `generate` for the base scenarios,
+    their repeats alternating (quiver run 1, generate run 1, quiver run 2, ...): a shared machine
+    drifts by tens of percent over minutes, and alternating puts both sides in the same periods.
+    Returns ({scenario: quiver measurement}, {scenario: generate measurement}, {scenario:
+    {request index: generated text}}). A failing adapter scenario is recorded as {"error": ...}
+    and the others still run, so a broken adapter path shows in the report next to working base
+    figures."""
+    log("transformers baseline: loading the same weights (used between quiver's runs)")
+    model = hf_baseline.load(str(model_dir), args.device, shape.dtype)
     config = StackConfig(
         model_id=str(model_dir), served_model_name=SERVED_NAME, dtype=shape.dtype, device=args.device,
         cpu_kv_cache_gib=1.0 if args.device == "cpu" else None,
@@ -102,40 +109,41 @@ def run_quiver(model_dir: Path, shape: bench_model.Shape, args, scenarios, promp
         # not server configurations.
         extra_args=adapters.server_flags(adapter_root, args.max_active_adapters),
     )
-    results, texts = {}, {}
+    quiver_runs: dict[str, list] = {s.name: [] for s in scenarios}
+    generate_runs: dict[str, list] = {s.name: [] for s in scenarios if not s.adapters}
+    errors: dict[str, dict] = {}
     stack = Stack(config, logs / "quiver.log")
     log(f"starting quiver ({shape.name}, {args.device}); log: {stack.log_path}")
     stack.start(timeout_s=900 if args.device == "cuda" else 120)
     try:
-        for scenario in scenarios:
-            workload = scenario.workload(prompts, args.max_tokens, args.requests_per_client)
-            log(f"quiver {scenario.name}")
-            try:
-                results[scenario.name], texts[scenario.name] = load.measure(
-                    stack.base_url + "/v1", workload, scenario.concurrency, args.repeats)
-            except Exception as err:  # noqa: BLE001 - reported, not hidden
-                if not scenario.adapters:
-                    raise
-                results[scenario.name] = {"error": f"{type(err).__name__}: {err}"}
-                log(f"quiver {scenario.name} FAILED: {results[scenario.name]['error']}")
+        for repeat in range(args.repeats):
+            for scenario in scenarios:
+                if scenario.name in errors:
+                    continue
+                workload = scenario.workload(prompts, args.max_tokens, args.requests_per_client)
+                log(f"run {repeat + 1}/{args.repeats}: quiver {scenario.name}")
+                try:
+                    quiver_runs[scenario.name].append(
+                        load.measure(stack.base_url + "/v1", workload, scenario.concurrency, 1))
+                except Exception as err:  # noqa: BLE001 - reported, not hidden
+                    if not scenario.adapters:
+                        raise
+                    errors[scenario.name] = {"error": f"{type(err).__name__}: {err}"}
+                    log(f"quiver {scenario.name} FAILED: {errors[scenario.name]['error']}")
+                if scenario.name in generate_runs:
+                    log(f"run {repeat + 1}/{args.repeats}: transformers generate, batch {scenario.concurrency}")
+                    generate_runs[scenario.name].append(hf_baseline.measure(
+                        model, args.device, prompts, scenario.concurrency, args.max_tokens, repeats=1))
     finally:
         stack.stop()
-    return results, texts
-
-
-def run_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts) -> dict:
-    log("transformers baseline: loading the same weights")
-    model = hf_baseline.load(str(model_dir), args.device, shape.dtype)
-    results = {}
-    for scenario in scenarios:
-        if scenario.adapters:
-            continue  # base-model baseline only; peft's lives with the adapter scenarios
-        log(f"transformers generate, batch {scenario.concurrency}")
-        results[scenario.name] = hf_baseline.measure(model, args.device, prompts, scenario.concurrency,
-                                                     args.max_tokens, args.repeats)
     del model
     bench_model.release_device_memory()
-    return results
+    quiver, texts = dict(errors), {}
+    for name, runs in quiver_runs.items():
+        if name not in errors:
+            quiver[name], texts[name] = load.best_of(runs)
+    generate = {name: hf_baseline.best_of(runs) for name, runs in generate_runs.items()}
+    return quiver, generate, texts
 
 
 def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, adapter_root: Path,
@@ -181,8 +189,9 @@ def main() -> None:
     prompts = bench_model.prompts(count, args.prompt_tokens, shape.vocab_size)
 
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
-        quiver, texts = run_quiver(model_dir, shape, args, scenarios, prompts, Path(tmp), adapter_root)
-    baselines = {"transformers_generate": run_transformers(model_dir, shape, args, scenarios, prompts)}
+        quiver, generate, texts = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
+                                                              Path(tmp), adapter_root)
+    baselines = {"transformers_generate": generate}
     if adapter_root is not None:
         baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
                                                   texts)
