@@ -14,6 +14,12 @@ from quiver_server.kernels import cpu_ops
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
+@pytest.fixture(autouse=True)
+def kernels_loaded() -> None:
+    # The ops exist once the extension is loaded (built if needed); a failed build fails here.
+    assert cpu_ops.available()
+
+
 def _ulps(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}[dtype]
 

@@ -59,9 +59,11 @@ def make_case(
     tokens_per_request: list[int], slots_per_request: list[int], in_features: int,
     out_features: int, num_slots: int, max_rank: int, ranks: list[int] | None = None,
     dtype: torch.dtype = torch.float32, col_offset: int = 5, extra_cols: int = 3, seed: int = 0,
+    rank_major_b: bool = False,
 ) -> Case:
     """Slot buffers hold adapters of `ranks` (one per slot) zero-padded to max_rank, as the
-    adapter manager writes them; y has columns before and after the LoRA's out_slice."""
+    adapter manager writes them; y has columns before and after the LoRA's out_slice.
+    rank_major_b: lora_b is a transposed view of [S, R, out] storage, as CPU slots hold it."""
     gen = torch.Generator().manual_seed(seed)
     ranks = ranks or [max_rank] * num_slots
     lora_a = torch.zeros(num_slots, max_rank, in_features)
@@ -75,7 +77,7 @@ def make_case(
         y=torch.randn(num_tokens, total_cols, generator=gen).to(dtype),
         x=torch.randn(num_tokens, in_features, generator=gen).to(dtype),
         lora_a=lora_a.to(dtype),
-        lora_b=lora_b.to(dtype),
+        lora_b=lora_b.to(dtype).transpose(1, 2).contiguous().transpose(1, 2) if rank_major_b else lora_b.to(dtype),
         scaling=torch.rand(num_slots, generator=gen) * 2 + 0.25,
         meta=LoraBatchMeta.build(slots_per_request, tokens_per_request, max_rank, "cpu"),
         out_slice=slice(col_offset, col_offset + out_features),
@@ -212,11 +214,23 @@ def test_cpu_bgmv_rejects_bad_input() -> None:
                           torch.tensor([0, 2], dtype=torch.int32))
     with pytest.raises(RuntimeError, match="shapes do not fit"):
         cpu_ops.lora_bgmv(y, case.x[:, :40], case.lora_a, case.lora_b, case.scaling, case.meta.token_slots)
+    with pytest.raises(RuntimeError, match="lora_b must be"):  # neither layout: every other rank
+        wide = torch.zeros(2, 24, 32)
+        cpu_ops.lora_bgmv(y, case.x, case.lora_a, wide[:, :, ::2], case.scaling, case.meta.token_slots)
 
 
+def test_cpu_slots_hold_lora_b_rank_major(tmp_path) -> None:
+    # The layout the C++ kernel's fast expand path reads (see adapters/slots.py).
+    from quiver_server.adapters.slots import _b_buffer
+
+    b = _b_buffer(3, 40, 8, torch.float32, torch.device("cpu"))
+    assert b.shape == (3, 40, 8) and b.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
 @pytest.mark.parametrize("strategy", list(TORCH_STRATEGIES))
 @pytest.mark.parametrize("seed", range(6))
-def test_torch_paths_match_reference(strategy: str, seed: int) -> None:
+def test_torch_paths_match_reference(strategy: str, seed: int, rank_major_b: bool) -> None:
     rng = random.Random(seed)
     decode = seed % 2 == 0
     num_slots = rng.choice([1, 4, 32])
@@ -225,20 +239,24 @@ def test_torch_paths_match_reference(strategy: str, seed: int) -> None:
     tokens, slots = random_batch(rng, num_requests, 1 if decode else 40, num_slots)
     ranks = [rng.randint(1, max_rank) for _ in range(num_slots)]
     case = make_case(tokens, slots, rng.choice([64, 96, 256]), rng.choice([64, 72, 320]),
-                     num_slots, max_rank, ranks, dtype=rng.choice(list(TOLERANCE)), seed=seed)
+                     num_slots, max_rank, ranks, dtype=rng.choice(list(TOLERANCE)), seed=seed,
+                     rank_major_b=rank_major_b)
     if not case.meta.has_lora:
-        case = make_case(tokens, [0] * len(tokens), 64, 64, num_slots, max_rank, ranks, seed=seed)
+        case = make_case(tokens, [0] * len(tokens), 64, 64, num_slots, max_rank, ranks, seed=seed,
+                         rank_major_b=rank_major_b)
+    assert case.lora_b.transpose(1, 2).is_contiguous() == rank_major_b
     actual = run(TORCH_STRATEGIES[strategy], case)
     assert_matches(actual, case, expected=run(add_lora_reference, case))
     assert_matches(actual, case)
 
 
+@pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
 @pytest.mark.parametrize("strategy", list(TORCH_STRATEGIES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_torch_paths_prefill_mixed_segments(strategy: str, dtype: torch.dtype) -> None:
+def test_torch_paths_prefill_mixed_segments(strategy: str, dtype: torch.dtype, rank_major_b: bool) -> None:
     # Segments of length 1 next to long ones, base tokens between adapters, a slot used twice.
     case = make_case([1, 17, 1, 1, 9, 1], [3, 0, -1, 3, 3, 1], 128, 48, num_slots=4, max_rank=16,
-                     ranks=[16, 1, 7, 16], dtype=dtype, col_offset=48, seed=3)
+                     ranks=[16, 1, 7, 16], dtype=dtype, col_offset=48, seed=3, rank_major_b=rank_major_b)
     assert_matches(run(TORCH_STRATEGIES[strategy], case), case)
 
 

@@ -47,7 +47,7 @@ class AdapterSlots:
                 part = LoraPart(
                     columns=slice(start, end),
                     lora_a=torch.zeros(num_slots, max_rank, projection.in_features, dtype=dtype, device=device),
-                    lora_b=torch.zeros(num_slots, projection.out_features, max_rank, dtype=dtype, device=device),
+                    lora_b=_b_buffer(num_slots, projection.out_features, max_rank, dtype, device),
                     scaling=self.scaling,
                 )
                 self.parts[(layer, name)] = part
@@ -133,3 +133,14 @@ class AdapterSlots:
         targeted = frozenset().union(*self._targets)
         for where, part in self.parts.items():
             part.in_use = where in targeted
+
+
+def _b_buffer(num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """The stacked lora_B buffer, [S, out, R] as every kernel takes it. On CPU it is a transposed
+    view of [S, R, out] storage: the C++ BGMV then expands with one vector sweep per rank and
+    skips a slot's padded ranks (see kernels/cpu/lora_bgmv.cpp); the torch paths take the view
+    as it is. CUDA keeps [S, out, R] contiguous for the Triton kernels."""
+    if device.type == "cpu":
+        return torch.zeros(num_slots, max_rank, out_features, dtype=dtype, device=device).transpose(1, 2)
+    return torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device)

@@ -17,6 +17,7 @@ the kernels out while debugging.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import threading
@@ -28,10 +29,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp")]
-# Portable flags (no -march=native): the build directory may be shared by machines of one
-# checkout. -fopenmp because at::parallel_for is inlined from ATen's headers (without it the
-# kernels run on one thread) and for the `omp simd` loops; it binds to the libgomp torch loaded.
-CFLAGS = ["-O3", "-fopenmp"]
+# -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
+# AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`),
+# so a checkout shared by different machines never loads code for another CPU. -fopenmp because
+# at::parallel_for is inlined from ATen's headers (without it the kernels run on one thread) and
+# for the `omp simd` loops; it binds to the libgomp torch loaded. -ffp-contract=off: no fused
+# multiply-adds the source does not ask for, so the row ops round exactly as torch's do (rotary
+# is bit-identical to transformers' in float32).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -47,6 +52,16 @@ def build_dir() -> Path:
     return Path.home() / ".cache" / "quiver" / "cpu-kernels"
 
 
+def cpu_fingerprint() -> str:
+    """A short name for this CPU's model and instruction-set flags (Linux's /proc/cpuinfo)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown-cpu"
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "cpu-" + hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+
+
 def _compile() -> None:
     from torch.utils import cpp_extension
 
@@ -56,7 +71,7 @@ def _compile() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    directory = build_dir()
+    directory = build_dir() / cpu_fingerprint()
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
         name="quiver_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,

@@ -140,7 +140,9 @@ def add_lora_cpu(
     segment: one pass over the rows instead of a matmul pair per distinct adapter. Long prefill
     segments keep `by_segment`, whose matmuls use the weights better than a mat-vec per row."""
     y_part = y[:, out_slice]
-    if meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:
+    # Decode rows always: with the slots' rank-major lora_B the kernel beats a matmul pair even
+    # when every row shares one adapter (32 rows, one adapter: 45 against 49 ms a step).
+    if meta.is_decode or meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:
         cpu_ops.lora_bgmv(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
     else:
         by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)
