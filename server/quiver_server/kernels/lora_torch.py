@@ -117,8 +117,12 @@ def by_segment(
             continue
         rows = slice(bounds[i], bounds[i + 1])
         h = F.linear(x[rows].float(), lora_a[slot].float())
-        # In-place add of a float32 operand (times alpha) computes in float32, rounds once.
-        y[rows].add_(F.linear(h, lora_b[slot].float()), alpha=scales[slot])
+        if y.dtype == torch.float32:
+            # Expand and add in one GEMM into y's rows (no [n, out] delta written and re-read).
+            y[rows].addmm_(h, lora_b[slot].t(), alpha=scales[slot])
+        else:
+            # In-place add of a float32 operand (times alpha) computes in float32, rounds once.
+            y[rows].add_(F.linear(h, lora_b[slot].float()), alpha=scales[slot])
 
 
 def add_lora_torch(
