@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.kernels import LoraBatchMeta, add_lora, cpu_ops, lora_torch  # noqa: E402
+from quiver_server.kernels import LoraBatchMeta, add_lora, add_lora_parts, cpu_ops, lora_torch  # noqa: E402
 from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
 
@@ -351,3 +351,62 @@ def test_dispatcher_rejects_mismatched_shapes() -> None:
         add_lora(y, case.x.half(), case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
     with pytest.raises(ValueError, match="in_features"):
         add_lora(y, case.x[:, :40], case.lora_a, case.lora_b, case.scaling, case.meta, case.out_slice)
+
+
+# ---------------------------------------------------------------------------------------------
+# Several parts of one fused projection (q|k|v, gate|up) in one call.
+
+
+def _fused_parts(dtype: torch.dtype, rank_major_b: bool, num_rows: int, seed: int):
+    """Three parts of widths 48, 24, 24 over one x, slot buffers of different max ranks holding
+    adapters of smaller ranks; rows mix slots and base rows."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, in_features = 5, 64
+    scaling = torch.rand(num_slots, generator=gen) * 2 + 0.25
+    parts, start = [], 3
+    for width, max_rank in ((48, 16), (24, 8), (24, 16)):
+        a = torch.zeros(num_slots, max_rank, in_features)
+        b = torch.zeros(num_slots, width, max_rank)
+        for slot in range(num_slots):
+            rank = 1 + (slot * 5 + max_rank) % max_rank
+            a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
+            b[slot, :, :rank] = torch.randn(width, rank, generator=gen) / rank**0.5
+        b = b.to(dtype)
+        if rank_major_b:
+            b = b.transpose(1, 2).contiguous().transpose(1, 2)
+        parts.append((a.to(dtype), b, scaling, slice(start, start + width)))
+        start += width
+    y = torch.randn(num_rows, start + 5, generator=gen).to(dtype)
+    x = torch.randn(num_rows, in_features, generator=gen).to(dtype)
+    slots = [int(s) for s in torch.randint(-1, num_slots, (num_rows,), generator=gen)]
+    slots[0] = 2  # at least one adapter row
+    meta = LoraBatchMeta.build(slots, [1] * num_rows, 16, "cpu")
+    return y, x, parts, meta
+
+
+@pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, backend) -> None:
+    y, x, parts, meta = _fused_parts(dtype, rank_major_b, num_rows=29, seed=7)
+    expected = y.clone()
+    for lora_a, lora_b, scaling, out_slice in parts:
+        add_lora_reference(expected, x, lora_a, lora_b, scaling, meta, out_slice)
+    actual = y.clone()
+    add_lora_parts(actual, x, parts, meta, backend=backend)
+    # Columns outside every part and base rows are untouched, bit for bit.
+    assert torch.equal(actual[:, :3], y[:, :3]) and torch.equal(actual[:, -5:], y[:, -5:])
+    base_rows = meta.token_slots < 0
+    assert torch.equal(actual[base_rows], y[base_rows])
+    scale = max((expected.double() - y.double()).abs().max().item(), 1.0)
+    error = (actual.double() - expected.double()).abs().max().item()
+    assert error <= TOLERANCE[dtype] * scale, f"max error {error:.3g}"
+
+
+def test_fused_parts_kernel_rejects_bad_input() -> None:
+    y, x, parts, meta = _fused_parts(torch.float32, True, num_rows=4, seed=1)
+    a, b, s, _ = zip(*parts)
+    with pytest.raises(RuntimeError, match="shapes do not fit"):  # a part past y's last column
+        cpu_ops.lora_bgmv_parts(y, x, list(a), list(b), [0, 48, y.shape[1] - 10], s[0], meta.token_slots)
+    with pytest.raises(RuntimeError, match="one lora_a, lora_b and column per part"):
+        cpu_ops.lora_bgmv_parts(y, x, list(a), list(b)[:2], [3, 51, 75], s[0], meta.token_slots)

@@ -15,6 +15,7 @@ in a running server with the reference.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -23,7 +24,7 @@ from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.lora_torch import add_lora_cpu, add_lora_torch
 
-__all__ = ["LoraBatchMeta", "add_lora", "BACKENDS"]
+__all__ = ["LoraBatchMeta", "add_lora", "add_lora_parts", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
 
@@ -103,3 +104,25 @@ def add_lora(
         add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice)
     else:
         add_lora_reference(y, x, lora_a, lora_b, scaling, meta, out_slice)
+
+
+def add_lora_parts(
+    y: torch.Tensor, x: torch.Tensor,
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]],
+    meta: LoraBatchMeta, *, backend: str | None = None,
+) -> None:
+    """`add_lora` for each (lora_a, lora_b, scaling, out_slice) of one fused projection, which
+    all read the same x. On the CPU backend a decode batch runs every part in one kernel call
+    (x read once, one parallel region); elsewhere it is one `add_lora` per part."""
+    if not parts or not meta.has_lora or x.shape[0] == 0:
+        return
+    chosen = _backend(backend, x.device)
+    scaling = parts[0][2]
+    if chosen == "cpu" and meta.is_decode and all(part[2] is scaling for part in parts):
+        for lora_a, lora_b, part_scaling, out_slice in parts:
+            _check(y, x, lora_a, lora_b, part_scaling, meta, out_slice)
+        cpu_ops.lora_bgmv_parts(y, x, [part[0] for part in parts], [part[1] for part in parts],
+                                [part[3].start for part in parts], scaling, meta.token_slots)
+        return
+    for lora_a, lora_b, part_scaling, out_slice in parts:
+        add_lora(y, x, lora_a, lora_b, part_scaling, meta, out_slice, backend=chosen)

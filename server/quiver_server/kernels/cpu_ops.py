@@ -3,8 +3,9 @@
 Ops registered as `torch.ops.quiver_cpu.*`:
 - `paged_decode_attention`: decode attention read in place from the paged KV cache (the torch
   path gathers every sequence's blocks into a padded copy first);
-- `lora_bgmv`: the LoRA delta of decode rows, one pass for any mix of adapters (the torch path
-  runs a matmul pair per distinct adapter);
+- `lora_bgmv`, `lora_bgmv_parts`: the LoRA delta of decode rows, one pass for any mix of
+  adapters (the torch path runs a matmul pair per distinct adapter), for one projection or for
+  all parts of a fused one (q|k|v, gate|up) at once;
 - `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp).
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
@@ -108,6 +109,15 @@ def paged_decode_attention(
     return torch.ops.quiver_cpu.paged_decode_attention(
         q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
     )
+
+
+def lora_bgmv_parts(
+    y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+    columns: list[int], scaling: torch.Tensor, token_slots: torch.Tensor,
+) -> None:
+    """`lora_bgmv` for the parts of one fused projection (shared x and scaling) in one pass:
+    y[t, columns[p]:columns[p] + out_p] += scaling[s] * lora_b[p][s] @ (lora_a[p][s] @ x[t])."""
+    torch.ops.quiver_cpu.lora_bgmv_parts(y, x.contiguous(), lora_a, lora_b, columns, scaling, token_slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ added to the matching output columns.
 
 Multi-LoRA: when adapter slots are allocated, each part gets the stacked slot buffers of its
 projection (`LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward` adds every
-token's adapter delta into that part's columns with one batched kernel call per part. Steps
+token's adapter delta into that part's columns with batched kernel calls (on CPU, one call for
+all parts of a decode step). Steps
 without adapter requests carry no LoRA metadata and pay nothing.
 
 On CPU, `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import add_lora, cpu_gemm
+from quiver_server.kernels import add_lora_parts, cpu_gemm
 
 
 @dataclass
@@ -62,9 +63,8 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
-            for part in self.lora_parts:
-                if part.in_use:
-                    add_lora(y, x, part.lora_a, part.lora_b, part.scaling, batch.lora, part.columns)
+            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns) for p in self.lora_parts if p.in_use]
+            add_lora_parts(y, x, parts, batch.lora)
         return y
 
     def pack_weight(self) -> bool:

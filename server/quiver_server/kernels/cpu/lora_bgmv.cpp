@@ -1,114 +1,154 @@
 // LoRA delta for decode rows on CPU (BGMV semantics), one parallel region per projection.
 //
-// For every row t whose slot s = token_slots[t] >= 0:
-//   y[t, :] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))
-// with x [T, in], lora_a [S, R, in], lora_b [S, out, R], y [T, out] (rows may be strided: a
-// column slice of a fused projection's output). lora_b may also be a transposed view of
-// [S, R, out] storage, the layout CPU adapter slots use: the expand is then a vector sweep per
-// rank instead of a horizontal sum per output, and padded ranks are skipped. The torch path needs a matmul pair per distinct
-// adapter (dozens of small ops per projection with many adapters); here each row reads its
-// adapter's A and B once and everything runs in one pass. Accumulation is float32; y gets one
-// rounding. `kernels/lora_reference.py` defines the semantics and the tests hold this to it.
+// For every row t whose slot s = token_slots[t] >= 0, and every part p:
+//   y[t, col_p : col_p + out_p] += scaling[s] * (lora_b_p[s] @ (lora_a_p[s] @ x[t]))
+// with x [T, in], lora_a_p [S, R, in], lora_b_p [S, out_p, R], y [T, >= col_p + out_p] (rows may
+// be strided). The parts are the projections fused into one Linear (q|k|v, gate|up): they share
+// x, so one call reads each row of x once and opens one parallel region for all of them.
+// `lora_bgmv` is the one-part form (y a column slice, col 0).
+//
+// lora_b_p may also be a transposed view of [S, R, out] storage, the layout CPU adapter slots
+// use: the expand is then a vector sweep per rank instead of a horizontal sum per output, and
+// padded ranks are skipped. The torch path needs a matmul pair per distinct adapter (dozens of
+// small ops per projection with many adapters); here each row reads its adapter's A and B once
+// and everything runs in one pass. Accumulation is float32; y gets one rounding.
+// `kernels/lora_reference.py` defines the semantics and the tests hold this to it.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace {
 
+bool rank_major(const at::Tensor& lora_b) {
+  // A transposed view of contiguous [S, R, out] storage.
+  return lora_b.stride(1) == 1 && lora_b.stride(2) == lora_b.size(1) &&
+         lora_b.stride(0) == lora_b.size(1) * lora_b.size(2);
+}
+
 template <typename scalar_t>
-void bgmv(at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-          const at::Tensor& scaling, const at::Tensor& token_slots) {
-  const int64_t rows = x.size(0), in = x.size(1), rank = lora_a.size(1), out = lora_b.size(1);
+void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora_a,
+                const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& columns,
+                const at::Tensor& scaling, const at::Tensor& token_slots) {
+  const int64_t rows = x.size(0), in = x.size(1), parts = static_cast<int64_t>(lora_a.size());
   const int64_t y_stride = y.stride(0);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
-  const scalar_t* a_data = lora_a.data_ptr<scalar_t>();
-  const scalar_t* b_data = lora_b.data_ptr<scalar_t>();
   const float* scale_data = scaling.data_ptr<float>();
   const int32_t* slots = token_slots.data_ptr<int32_t>();
   scalar_t* y_data = y.data_ptr<scalar_t>();
+  int64_t max_rank = 0, max_out = 0;
+  for (int64_t p = 0; p < parts; ++p) {
+    max_rank = std::max(max_rank, lora_a[p].size(1));
+    max_out = std::max(max_out, lora_b[p].size(1));
+  }
 
-  // lora_b as a transposed view of [S, R, out] storage (how CPU adapter slots hold it).
-  const bool rank_major = lora_b.stride(1) == 1 && lora_b.stride(2) == out && lora_b.stride(0) == rank * out;
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xf(in), h(rank), acc(rank_major ? out : 0);
+    std::vector<float> xf(in), h(max_rank), acc(max_out);
     for (int64_t t = begin; t < end; ++t) {
       const int32_t slot = slots[t];
       if (slot < 0) continue;
       const scalar_t* x_row = x_data + t * in;
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(x_row[i]);
-      const scalar_t* a = a_data + slot * rank * in;
       const float scale = scale_data[slot];
-      for (int64_t r = 0; r < rank; ++r) {
-        const scalar_t* a_row = a + r * in;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < in; ++i) dot += static_cast<float>(a_row[i]) * xf[i];
-        h[r] = dot * scale;
-      }
-      scalar_t* y_row = y_data + t * y_stride;
-      if (rank_major) {
-        // B stored [S, R, out]: one multiply-add sweep over `out` per rank, in full vectors.
-        // A rank row that is all zero (a slot's padding past its adapter's rank) gives h[r] == 0
-        // exactly; its B row is zero too and is not read.
-        std::fill(acc.begin(), acc.end(), 0.f);
-        const scalar_t* b = b_data + slot * rank * out;
+      for (int64_t p = 0; p < parts; ++p) {
+        const int64_t rank = lora_a[p].size(1), out = lora_b[p].size(1);
+        const scalar_t* a = lora_a[p].data_ptr<scalar_t>() + slot * rank * in;
         for (int64_t r = 0; r < rank; ++r) {
-          const float hr = h[r];
-          if (hr == 0.f) continue;
-          const scalar_t* b_row = b + r * out;
-#pragma omp simd
-          for (int64_t o = 0; o < out; ++o) acc[o] += hr * static_cast<float>(b_row[o]);
-        }
-        for (int64_t o = 0; o < out; ++o) y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + acc[o]);
-        continue;
-      }
-      const scalar_t* b = b_data + slot * out * rank;
-      for (int64_t o = 0; o < out; ++o) {
-        const scalar_t* b_row = b + o * rank;
-        float dot = 0.f;
+          const scalar_t* a_row = a + r * in;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t r = 0; r < rank; ++r) dot += static_cast<float>(b_row[r]) * h[r];
-        y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + dot);
+          for (int64_t i = 0; i < in; ++i) dot += static_cast<float>(a_row[i]) * xf[i];
+          h[r] = dot * scale;
+        }
+        scalar_t* y_row = y_data + t * y_stride + columns[p];
+        const scalar_t* b = lora_b[p].data_ptr<scalar_t>() + slot * rank * out;
+        if (rank_major(lora_b[p])) {
+          // A rank row that is all zero (a slot's padding past its adapter's rank) gives
+          // h[r] == 0 exactly; its B row is zero too and is not read.
+          std::fill(acc.begin(), acc.begin() + out, 0.f);
+          for (int64_t r = 0; r < rank; ++r) {
+            const float hr = h[r];
+            if (hr == 0.f) continue;
+            const scalar_t* b_row = b + r * out;
+#pragma omp simd
+            for (int64_t o = 0; o < out; ++o) acc[o] += hr * static_cast<float>(b_row[o]);
+          }
+          for (int64_t o = 0; o < out; ++o) {
+            y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + acc[o]);
+          }
+        } else {
+          for (int64_t o = 0; o < out; ++o) {
+            const scalar_t* b_row = b + o * rank;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t r = 0; r < rank; ++r) dot += static_cast<float>(b_row[r]) * h[r];
+            y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + dot);
+          }
+        }
       }
     }
   });
 }
 
-void lora_bgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
-               const at::Tensor& scaling, const at::Tensor& token_slots) {
-  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu() && lora_a.device().is_cpu() &&
-                  lora_b.device().is_cpu(),
-              "lora_bgmv runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && lora_a.dim() == 3 && lora_b.dim() == 3,
-              "x, y must be 2-D and the LoRA buffers 3-D");
-  TORCH_CHECK(x.is_contiguous() && lora_a.is_contiguous() && y.stride(1) == 1,
-              "x and lora_a must be contiguous, y's rows dense");
-  TORCH_CHECK(lora_b.is_contiguous() || lora_b.transpose(1, 2).is_contiguous(),
-              "lora_b must be contiguous [S, out, R] or a transposed view of contiguous [S, R, out]");
-  TORCH_CHECK(y.size(0) == x.size(0) && lora_a.size(2) == x.size(1) && lora_b.size(1) == y.size(1) &&
-                  lora_b.size(2) == lora_a.size(1) && lora_b.size(0) == lora_a.size(0),
-              "shapes do not fit: y ", y.sizes(), ", x ", x.sizes(), ", A ", lora_a.sizes(), ", B ",
-              lora_b.sizes());
-  TORCH_CHECK(x.scalar_type() == y.scalar_type() && x.scalar_type() == lora_a.scalar_type() &&
-                  x.scalar_type() == lora_b.scalar_type(),
-              "x, y and the LoRA buffers must share a dtype");
-  TORCH_CHECK(scaling.scalar_type() == at::kFloat && scaling.is_contiguous() &&
-                  scaling.numel() == lora_a.size(0),
+void check_common(const at::Tensor& y, const at::Tensor& x, const at::Tensor& scaling,
+                  const at::Tensor& token_slots) {
+  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu(), "lora_bgmv runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "x and y must be 2-D");
+  TORCH_CHECK(x.is_contiguous() && y.stride(1) == 1, "x must be contiguous, y's rows dense");
+  TORCH_CHECK(y.size(0) == x.size(0), "shapes do not fit: y ", y.sizes(), ", x ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
+  TORCH_CHECK(scaling.scalar_type() == at::kFloat && scaling.is_contiguous() && scaling.dim() == 1,
               "scaling must be a contiguous float32 [slots]");
   TORCH_CHECK(token_slots.scalar_type() == at::kInt && token_slots.is_contiguous() &&
                   token_slots.numel() == x.size(0),
               "token_slots must be a contiguous int32 [T]");
+}
+
+void check_part(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
+                const at::Tensor& lora_b, int64_t column, const at::Tensor& scaling) {
+  TORCH_CHECK(lora_a.device().is_cpu() && lora_b.device().is_cpu(), "lora_bgmv runs on CPU tensors");
+  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3, "the LoRA buffers must be 3-D");
+  TORCH_CHECK(lora_a.is_contiguous(), "lora_a must be contiguous");
+  TORCH_CHECK(lora_b.is_contiguous() || lora_b.transpose(1, 2).is_contiguous(),
+              "lora_b must be contiguous [S, out, R] or a transposed view of contiguous [S, R, out]");
+  TORCH_CHECK(lora_a.size(2) == x.size(1) && lora_b.size(2) == lora_a.size(1) &&
+                  lora_b.size(0) == lora_a.size(0) && column >= 0 &&
+                  column + lora_b.size(1) <= y.size(1),
+              "shapes do not fit: y ", y.sizes(), ", x ", x.sizes(), ", A ", lora_a.sizes(), ", B ",
+              lora_b.sizes(), ", column ", column);
+  TORCH_CHECK(x.scalar_type() == lora_a.scalar_type() && x.scalar_type() == lora_b.scalar_type(),
+              "x, y and the LoRA buffers must share a dtype");
+  TORCH_CHECK(scaling.numel() == lora_a.size(0), "scaling must have one entry per slot");
+}
+
+void lora_bgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, at::TensorList lora_b,
+                     at::IntArrayRef columns, const at::Tensor& scaling, const at::Tensor& token_slots) {
+  check_common(y, x, scaling, token_slots);
+  TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
+              "one lora_a, lora_b and column per part");
+  std::vector<at::Tensor> as(lora_a.begin(), lora_a.end()), bs(lora_b.begin(), lora_b.end());
+  std::vector<int64_t> cols(columns.begin(), columns.end());
+  for (size_t p = 0; p < as.size(); ++p) check_part(y, x, as[p], bs[p], cols[p], scaling);
   const int32_t* slots = token_slots.data_ptr<int32_t>();
   for (int64_t t = 0; t < token_slots.numel(); ++t) {
-    TORCH_CHECK(slots[t] < lora_a.size(0), "token_slots[", t, "] = ", slots[t], " is not a slot");
+    TORCH_CHECK(slots[t] < scaling.numel(), "token_slots[", t, "] = ", slots[t], " is not a slot");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
-    bgmv<scalar_t>(y, x, lora_a, lora_b, scaling, token_slots);
+    bgmv_parts<scalar_t>(y, x, as, bs, cols, scaling, token_slots);
   });
+}
+
+void lora_bgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, const at::Tensor& lora_b,
+               const at::Tensor& scaling, const at::Tensor& token_slots) {
+  TORCH_CHECK(lora_b.dim() != 3 || lora_b.size(1) == y.size(1),
+              "shapes do not fit: y ", y.sizes(), ", x ", x.sizes(), ", A ", lora_a.sizes(), ", B ",
+              lora_b.sizes());
+  const int64_t column = 0;
+  lora_bgmv_parts(y, x, {lora_a}, {lora_b}, {column}, scaling, token_slots);
 }
 
 }  // namespace
@@ -116,5 +156,8 @@ void lora_bgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, cons
 TORCH_LIBRARY_FRAGMENT(quiver_cpu, m) {
   m.def("lora_bgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
         "Tensor token_slots) -> ()");
+  m.def("lora_bgmv_parts(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, int[] columns, "
+        "Tensor scaling, Tensor token_slots) -> ()");
   m.impl("lora_bgmv", c10::DispatchKey::CPU, &lora_bgmv);
+  m.impl("lora_bgmv_parts", c10::DispatchKey::CPU, &lora_bgmv_parts);
 }
