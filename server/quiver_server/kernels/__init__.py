@@ -1,9 +1,10 @@
-"""Batched multi-LoRA compute: one entry point, `add_lora`, three interchangeable backends.
+"""Batched multi-LoRA compute: `add_lora` (one projection) and `add_lora_parts` (the parts of a
+fused projection, which share x), over interchangeable backends.
 
 - "triton" (`lora_triton`): fused shrink+expand kernels, BGMV for decode rows and SGMV for
   prefill segments; the default on CUDA.
-- "cpu" (`cpu_ops.lora_bgmv` for decode rows, `lora_torch` for long prefill segments): the
-  default on CPU where the C++ kernels build.
+- "cpu" (`cpu_ops.lora_bgmv` / `lora_bgmv_parts` for decode rows, `lora_torch` for long prefill
+  segments): the default on CPU where the C++ kernels build.
 - "torch" (`lora_torch`): vectorised torch, no loop per token; the default elsewhere.
 - "reference" (`lora_reference`): the per-token loop that defines the semantics.
 

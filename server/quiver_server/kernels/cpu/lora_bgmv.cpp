@@ -40,10 +40,20 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
   const float* scale_data = scaling.data_ptr<float>();
   const int32_t* slots = token_slots.data_ptr<int32_t>();
   scalar_t* y_data = y.data_ptr<scalar_t>();
+  // Per-part pointers, sizes and layout, read once here rather than per row.
+  struct Part {
+    const scalar_t* a;
+    const scalar_t* b;
+    int64_t rank, out, column;
+    bool rank_major;
+  };
+  std::vector<Part> info;
   int64_t max_rank = 0, max_out = 0;
   for (int64_t p = 0; p < parts; ++p) {
-    max_rank = std::max(max_rank, lora_a[p].size(1));
-    max_out = std::max(max_out, lora_b[p].size(1));
+    info.push_back({lora_a[p].data_ptr<scalar_t>(), lora_b[p].data_ptr<scalar_t>(), lora_a[p].size(1),
+                    lora_b[p].size(1), columns[p], rank_major(lora_b[p])});
+    max_rank = std::max(max_rank, info.back().rank);
+    max_out = std::max(max_out, info.back().out);
   }
 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
@@ -54,9 +64,9 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
       const scalar_t* x_row = x_data + t * in;
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(x_row[i]);
       const float scale = scale_data[slot];
-      for (int64_t p = 0; p < parts; ++p) {
-        const int64_t rank = lora_a[p].size(1), out = lora_b[p].size(1);
-        const scalar_t* a = lora_a[p].data_ptr<scalar_t>() + slot * rank * in;
+      for (const Part& part : info) {
+        const int64_t rank = part.rank, out = part.out;
+        const scalar_t* a = part.a + slot * rank * in;
         for (int64_t r = 0; r < rank; ++r) {
           const scalar_t* a_row = a + r * in;
           float dot = 0.f;
@@ -64,9 +74,9 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
           for (int64_t i = 0; i < in; ++i) dot += static_cast<float>(a_row[i]) * xf[i];
           h[r] = dot * scale;
         }
-        scalar_t* y_row = y_data + t * y_stride + columns[p];
-        const scalar_t* b = lora_b[p].data_ptr<scalar_t>() + slot * rank * out;
-        if (rank_major(lora_b[p])) {
+        scalar_t* y_row = y_data + t * y_stride + part.column;
+        const scalar_t* b = part.b + slot * rank * out;
+        if (part.rank_major) {
           // A rank row that is all zero (a slot's padding past its adapter's rank) gives
           // h[r] == 0 exactly; its B row is zero too and is not read.
           std::fill(acc.begin(), acc.begin() + out, 0.f);
