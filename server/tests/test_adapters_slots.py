@@ -116,6 +116,7 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     assert engine.lora.slots.adapter_in(1) is None
     assert "a" not in engine.lora.registry and len(engine.lora.registry.host) == 0
     assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.lora.slots.parts.values())
+    assert all(int(p.ranks[1]) == 0 for p in engine.lora.slots.parts.values())
     with pytest.raises(ValueError, match="'a' is not active in a slot"):
         engine.prefill(1, [_request(0, "a")])
     with pytest.raises(ValueError, match="'a' is not loaded"):
@@ -127,6 +128,36 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     outputs = [engine.prefill(1, [_request(0, "a")]).generations[0].token_id]
     outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
     assert_greedy_matches(outputs, setup.expected["qv-only"], "reloaded")
+
+
+def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
+    """Each projection records the rank of the adapter in each slot, 0 where it targets nothing:
+    the CPU kernel reads that many rank rows and skips the projection at 0."""
+    engine = _engine(setup)
+    for kind in ("rank16", "qv-only", "rank8-attention"):
+        engine.load_adapter(kind, "local", str(setup.adapters[kind]))
+    parts = engine.lora.slots.parts
+
+    def ranks(slot: int) -> dict[str, set[int]]:
+        by_name: dict[str, set[int]] = {}
+        for (_, name), part in parts.items():
+            by_name.setdefault(name, set()).add(int(part.ranks[slot]))
+        return by_name
+
+    engine.activate_adapter("rank16", 0)
+    engine.activate_adapter("rank8-attention", 1)
+    assert set().union(*ranks(0).values()) == {16}
+    assert ranks(1) == {"q_proj": {8}, "k_proj": {8}, "v_proj": {8}, "o_proj": {8},
+                        "gate_proj": {0}, "up_proj": {0}, "down_proj": {0}}
+    engine.activate_adapter("qv-only", 0)  # replaces rank16: the projections it skips drop to 0
+    assert ranks(0) == {"q_proj": {8}, "k_proj": {0}, "v_proj": {8}, "o_proj": {0},
+                        "gate_proj": {0}, "up_proj": {0}, "down_proj": {0}}
+    for (_, name), part in parts.items():  # the rows past a slot's rank are zero, as promised
+        for slot in (0, 1):
+            rank = int(part.ranks[slot])
+            assert not part.lora_a[slot, rank:].any() and not part.lora_b[slot, :, rank:].any()
+    engine.unload_adapter("rank8-attention")  # empties its slot
+    assert set().union(*ranks(1).values()) == {0}
 
 
 def test_load_is_idempotent_but_one_id_names_one_directory(setup: Setup) -> None:

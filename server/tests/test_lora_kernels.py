@@ -359,39 +359,50 @@ def test_dispatcher_rejects_mismatched_shapes() -> None:
 
 def _fused_parts(dtype: torch.dtype, rank_major_b: bool, num_rows: int, seed: int):
     """Three parts of widths 48, 24, 24 over one x, slot buffers of different max ranks holding
-    adapters of smaller ranks; rows mix slots and base rows."""
+    adapters of smaller ranks (slot 4 does not target the middle part: rank 0 there); rows mix
+    slots and base rows. Each part is (lora_a, lora_b, scaling, out_slice, slot_ranks)."""
     gen = torch.Generator().manual_seed(seed)
     num_slots, in_features = 5, 64
     scaling = torch.rand(num_slots, generator=gen) * 2 + 0.25
     parts, start = [], 3
-    for width, max_rank in ((48, 16), (24, 8), (24, 16)):
+    for index, (width, max_rank) in enumerate(((48, 16), (24, 8), (24, 16))):
         a = torch.zeros(num_slots, max_rank, in_features)
         b = torch.zeros(num_slots, width, max_rank)
+        ranks = torch.zeros(num_slots, dtype=torch.int32)
         for slot in range(num_slots):
-            rank = 1 + (slot * 5 + max_rank) % max_rank
+            rank = 0 if (index, slot) == (1, 4) else 1 + (slot * 5 + max_rank) % max_rank
             a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
-            b[slot, :, :rank] = torch.randn(width, rank, generator=gen) / rank**0.5
+            b[slot, :, :rank] = torch.randn(width, rank, generator=gen) / max(rank, 1)**0.5
+            ranks[slot] = rank
         b = b.to(dtype)
         if rank_major_b:
             b = b.transpose(1, 2).contiguous().transpose(1, 2)
-        parts.append((a.to(dtype), b, scaling, slice(start, start + width)))
+        parts.append((a.to(dtype), b, scaling, slice(start, start + width), ranks))
         start += width
     y = torch.randn(num_rows, start + 5, generator=gen).to(dtype)
     x = torch.randn(num_rows, in_features, generator=gen).to(dtype)
     slots = [int(s) for s in torch.randint(-1, num_slots, (num_rows,), generator=gen)]
-    slots[0] = 2  # at least one adapter row
+    slots[:2] = [2, 4]  # at least one adapter row, and one of the slot with an untargeted part
     meta = LoraBatchMeta.build(slots, [1] * num_rows, 16, "cpu")
     return y, x, parts, meta
 
 
+def _reference_per_part(y, x, parts, meta):
+    expected = y.clone()
+    for lora_a, lora_b, scaling, out_slice, _ in parts:
+        add_lora_reference(expected, x, lora_a, lora_b, scaling, meta, out_slice)
+    return expected
+
+
+@pytest.mark.parametrize("with_ranks", [False, True], ids=["padded", "slot-ranks"])
 @pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, backend) -> None:
+def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, backend, with_ranks) -> None:
     y, x, parts, meta = _fused_parts(dtype, rank_major_b, num_rows=29, seed=7)
-    expected = y.clone()
-    for lora_a, lora_b, scaling, out_slice in parts:
-        add_lora_reference(expected, x, lora_a, lora_b, scaling, meta, out_slice)
+    expected = _reference_per_part(y, x, parts, meta)
+    if not with_ranks:
+        parts = [(*part[:4], None) for part in parts]
     actual = y.clone()
     add_lora_parts(actual, x, parts, meta, backend=backend)
     # Columns outside every part and base rows are untouched, bit for bit.
@@ -403,10 +414,43 @@ def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, back
     assert error <= TOLERANCE[dtype] * scale, f"max error {error:.3g}"
 
 
+@pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
+def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool) -> None:
+    """With slot_ranks the kernel must not read past a slot's rank: fill the padding with large
+    values, and the result must still be the reference on the zero-padded buffers (a kernel that
+    read the padding would be off by about 1e3)."""
+    y, x, parts, meta = _fused_parts(torch.float32, rank_major_b, num_rows=17, seed=3)
+    expected = _reference_per_part(y, x, parts, meta)
+    polluted = []
+    for lora_a, lora_b, scaling, out_slice, ranks in parts:
+        a, b = lora_a.clone(), lora_b.clone()
+        for slot, rank in enumerate(ranks.tolist()):
+            a[slot, rank:] = 1e3
+            b[slot, :, rank:] = 1e3
+        polluted.append((a, b, scaling, out_slice, ranks))
+    actual = y.clone()
+    add_lora_parts(actual, x, polluted, meta, backend="cpu")
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    # The same buffers without slot_ranks read the padding (the control).
+    control = y.clone()
+    add_lora_parts(control, x, [(*part[:4], None) for part in polluted], meta, backend="cpu")
+    assert (control - expected).abs().max() > 1.0
+
+
 def test_fused_parts_kernel_rejects_bad_input() -> None:
     y, x, parts, meta = _fused_parts(torch.float32, True, num_rows=4, seed=1)
-    a, b, s, _ = zip(*parts)
+    a, b, s, _, r = zip(*parts)
+    a, b, r = list(a), list(b), list(r)
+    slots = meta.token_slots
     with pytest.raises(RuntimeError, match="shapes do not fit"):  # a part past y's last column
-        cpu_ops.lora_bgmv_parts(y, x, list(a), list(b), [0, 48, y.shape[1] - 10], s[0], meta.token_slots)
+        cpu_ops.lora_bgmv_parts(y, x, a, b, r, [0, 48, y.shape[1] - 10], s[0], slots)
     with pytest.raises(RuntimeError, match="one lora_a, lora_b and column per part"):
-        cpu_ops.lora_bgmv_parts(y, x, list(a), list(b)[:2], [3, 51, 75], s[0], meta.token_slots)
+        cpu_ops.lora_bgmv_parts(y, x, a, b[:2], r, [3, 51, 75], s[0], slots)
+    with pytest.raises(RuntimeError, match="slot_ranks: none, or one per part"):
+        cpu_ops.lora_bgmv_parts(y, x, a, b, r[:2], [3, 51, 75], s[0], slots)
+    too_big = r[1].clone()
+    too_big[0] = 9  # the middle part's buffers hold rank 8
+    with pytest.raises(RuntimeError, match="outside 0..8"):
+        cpu_ops.lora_bgmv_parts(y, x, a, b, [r[0], too_big, r[2]], [3, 51, 75], s[0], slots)
+    with pytest.raises(RuntimeError, match="slot_ranks must be contiguous int32"):
+        cpu_ops.lora_bgmv_parts(y, x, a, b, [r[0], r[1].long(), r[2]], [3, 51, 75], s[0], slots)

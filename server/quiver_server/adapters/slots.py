@@ -49,6 +49,7 @@ class AdapterSlots:
                     lora_a=torch.zeros(num_slots, max_rank, projection.in_features, dtype=dtype, device=device),
                     lora_b=_b_buffer(num_slots, projection.out_features, max_rank, dtype, device),
                     scaling=self.scaling,
+                    ranks=torch.zeros(num_slots, dtype=torch.int32, device=device),
                 )
                 self.parts[(layer, name)] = part
         self._attach(model, spec)
@@ -90,14 +91,14 @@ class AdapterSlots:
         rank = adapter.rank
         # Zero what the previous occupant wrote that this adapter does not overwrite.
         for where in self._targets[slot] - adapter.weights.keys():
-            self.parts[where].lora_a[slot].zero_()
-            self.parts[where].lora_b[slot].zero_()
+            self._zero(self.parts[where], slot)
         for where, (a, b) in adapter.weights.items():
             part = self.parts[where]
             part.lora_a[slot, :rank].copy_(a, non_blocking=True)
             part.lora_a[slot, rank:].zero_()
             part.lora_b[slot, :, :rank].copy_(b, non_blocking=True)
             part.lora_b[slot, :, rank:].zero_()
+            part.ranks[slot] = rank
         self.scaling[slot] = adapter.scaling
         previous = self._adapters[slot]
         self._adapters[slot] = adapter.adapter_id
@@ -109,14 +110,19 @@ class AdapterSlots:
         """Empties `slot` (its buffers back to zero); returns the adapter it held."""
         self.check_slot(slot)
         for where in self._targets[slot]:
-            self.parts[where].lora_a[slot].zero_()
-            self.parts[where].lora_b[slot].zero_()
+            self._zero(self.parts[where], slot)
         self.scaling[slot] = 0.0
         previous = self._adapters[slot]
         self._adapters[slot] = None
         self._targets[slot] = frozenset()
         self._update_in_use()
         return previous
+
+    @staticmethod
+    def _zero(part: LoraPart, slot: int) -> None:
+        part.ranks[slot] = 0
+        part.lora_a[slot].zero_()
+        part.lora_b[slot].zero_()
 
     @contextmanager
     def every_part_in_use(self) -> Iterator[None]:

@@ -109,21 +109,25 @@ def add_lora(
 
 def add_lora_parts(
     y: torch.Tensor, x: torch.Tensor,
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice]],
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, torch.Tensor | None]],
     meta: LoraBatchMeta, *, backend: str | None = None,
 ) -> None:
-    """`add_lora` for each (lora_a, lora_b, scaling, out_slice) of one fused projection, which
-    all read the same x. On the CPU backend a decode batch runs every part in one kernel call
-    (x read once, one parallel region); elsewhere it is one `add_lora` per part."""
+    """`add_lora` for each (lora_a, lora_b, scaling, out_slice, slot_ranks) of one fused
+    projection, which all read the same x. slot_ranks (int32 [S] or None) is each slot's own rank
+    in that part, the rows past it being zero (see `adapters.slots`). On the CPU backend a decode
+    batch runs every part in one kernel call (x read once, one parallel region, a slot's padded
+    ranks and untargeted parts not read); elsewhere it is one `add_lora` per part."""
     if not parts or not meta.has_lora or x.shape[0] == 0:
         return
     chosen = _backend(backend, x.device)
     scaling = parts[0][2]
     if chosen == "cpu" and meta.is_decode and all(part[2] is scaling for part in parts):
-        for lora_a, lora_b, part_scaling, out_slice in parts:
+        for lora_a, lora_b, part_scaling, out_slice, _ in parts:
             _check(y, x, lora_a, lora_b, part_scaling, meta, out_slice)
+        ranks = [part[4] for part in parts]
         cpu_ops.lora_bgmv_parts(y, x, [part[0] for part in parts], [part[1] for part in parts],
+                                [] if any(r is None for r in ranks) else ranks,
                                 [part[3].start for part in parts], scaling, meta.token_slots)
         return
-    for lora_a, lora_b, part_scaling, out_slice in parts:
+    for lora_a, lora_b, part_scaling, out_slice, _ in parts:
         add_lora(y, x, lora_a, lora_b, part_scaling, meta, out_slice, backend=chosen)

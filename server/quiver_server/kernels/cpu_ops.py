@@ -113,11 +113,15 @@ def paged_decode_attention(
 
 def lora_bgmv_parts(
     y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-    columns: list[int], scaling: torch.Tensor, token_slots: torch.Tensor,
+    slot_ranks: list[torch.Tensor], columns: list[int], scaling: torch.Tensor, token_slots: torch.Tensor,
 ) -> None:
     """`lora_bgmv` for the parts of one fused projection (shared x and scaling) in one pass:
-    y[t, columns[p]:columns[p] + out_p] += scaling[s] * lora_b[p][s] @ (lora_a[p][s] @ x[t])."""
-    torch.ops.quiver_cpu.lora_bgmv_parts(y, x.contiguous(), lora_a, lora_b, columns, scaling, token_slots)
+    y[t, columns[p]:columns[p] + out_p] += scaling[s] * lora_b[p][s] @ (lora_a[p][s] @ x[t]).
+    slot_ranks: empty, or per part an int32 [S] of each slot's own rank in that part, promising
+    that lora_a[p][s, r:] and lora_b[p][s, :, r:] are zero; those rows are then not read, and a
+    slot of rank 0 (the part is not targeted) costs nothing."""
+    torch.ops.quiver_cpu.lora_bgmv_parts(y, x.contiguous(), lora_a, lora_b, slot_ranks, columns, scaling,
+                                         token_slots)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

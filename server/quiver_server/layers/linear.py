@@ -30,12 +30,15 @@ from quiver_server.kernels import add_lora_parts, cpu_gemm
 class LoraPart:
     """One projection's adapter slots: lora_a [S, R, in], lora_b [S, out, R] in the serving
     dtype, scaling [S] float32 (shared by every projection), and the output columns it adds to.
+    `ranks` [S] int32 is each slot's own rank in this projection (0: the slot's adapter does not
+    target it); the rows past it are zero, and the CPU kernel does not read them.
     `in_use` is False while no slot holds weights for this projection, so the kernel is skipped."""
 
     columns: slice
     lora_a: torch.Tensor
     lora_b: torch.Tensor
     scaling: torch.Tensor
+    ranks: torch.Tensor
     in_use: bool = False
 
 
@@ -63,7 +66,7 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
-            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns) for p in self.lora_parts if p.in_use]
+            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
             add_lora_parts(y, x, parts, batch.lora)
         return y
 

@@ -30,10 +30,86 @@ bool rank_major(const at::Tensor& lora_b) {
          lora_b.stride(0) == lora_b.size(1) * lora_b.size(2);
 }
 
+// h[r] = scale * (a[r] . x) for r < rank. Four rank rows per sweep of x: four independent
+// accumulator chains, and each x vector is loaded once for four rows.
+template <typename scalar_t>
+void shrink(const scalar_t* a, const float* x, int64_t in, int64_t rank, float scale, float* h) {
+  int64_t r = 0;
+  for (; r + 4 <= rank; r += 4) {
+    const scalar_t* a0 = a + r * in;
+    const scalar_t* a1 = a0 + in;
+    const scalar_t* a2 = a1 + in;
+    const scalar_t* a3 = a2 + in;
+    float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+#pragma omp simd reduction(+ : d0, d1, d2, d3)
+    for (int64_t i = 0; i < in; ++i) {
+      const float xi = x[i];
+      d0 += static_cast<float>(a0[i]) * xi;
+      d1 += static_cast<float>(a1[i]) * xi;
+      d2 += static_cast<float>(a2[i]) * xi;
+      d3 += static_cast<float>(a3[i]) * xi;
+    }
+    h[r] = d0 * scale;
+    h[r + 1] = d1 * scale;
+    h[r + 2] = d2 * scale;
+    h[r + 3] = d3 * scale;
+  }
+  for (; r < rank; ++r) {
+    const scalar_t* a_row = a + r * in;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < in; ++i) dot += static_cast<float>(a_row[i]) * x[i];
+    h[r] = dot * scale;
+  }
+}
+
+// y[o] += sum_r h[r] * b[r][o] for rank-major b [R, out]; four ranks per sweep of the
+// accumulator, which stays in L1 (out <= a few thousand floats).
+template <typename scalar_t>
+void expand_rank_major(const scalar_t* b, const float* h, int64_t rank, int64_t out, float* acc,
+                       scalar_t* y) {
+  std::fill(acc, acc + out, 0.f);
+  int64_t r = 0;
+  for (; r + 4 <= rank; r += 4) {
+    const scalar_t* b0 = b + r * out;
+    const scalar_t* b1 = b0 + out;
+    const scalar_t* b2 = b1 + out;
+    const scalar_t* b3 = b2 + out;
+    const float h0 = h[r], h1 = h[r + 1], h2 = h[r + 2], h3 = h[r + 3];
+#pragma omp simd
+    for (int64_t o = 0; o < out; ++o) {
+      acc[o] += h0 * static_cast<float>(b0[o]) + h1 * static_cast<float>(b1[o]) +
+                h2 * static_cast<float>(b2[o]) + h3 * static_cast<float>(b3[o]);
+    }
+  }
+  for (; r < rank; ++r) {
+    const scalar_t* b_row = b + r * out;
+    const float hr = h[r];
+#pragma omp simd
+    for (int64_t o = 0; o < out; ++o) acc[o] += hr * static_cast<float>(b_row[o]);
+  }
+#pragma omp simd
+  for (int64_t o = 0; o < out; ++o) y[o] = static_cast<scalar_t>(static_cast<float>(y[o]) + acc[o]);
+}
+
+// y[o] += b[o][:rank] . h for out-major b [out, stride] (buffers not in the CPU slots' layout).
+template <typename scalar_t>
+void expand_out_major(const scalar_t* b, const float* h, int64_t rank, int64_t stride, int64_t out,
+                      scalar_t* y) {
+  for (int64_t o = 0; o < out; ++o) {
+    const scalar_t* b_row = b + o * stride;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t r = 0; r < rank; ++r) dot += static_cast<float>(b_row[r]) * h[r];
+    y[o] = static_cast<scalar_t>(static_cast<float>(y[o]) + dot);
+  }
+}
+
 template <typename scalar_t>
 void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora_a,
-                const std::vector<at::Tensor>& lora_b, const std::vector<int64_t>& columns,
-                const at::Tensor& scaling, const at::Tensor& token_slots) {
+                const std::vector<at::Tensor>& lora_b, const std::vector<at::Tensor>& slot_ranks,
+                const std::vector<int64_t>& columns, const at::Tensor& scaling,
+                const at::Tensor& token_slots) {
   const int64_t rows = x.size(0), in = x.size(1), parts = static_cast<int64_t>(lora_a.size());
   const int64_t y_stride = y.stride(0);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
@@ -44,14 +120,16 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
   struct Part {
     const scalar_t* a;
     const scalar_t* b;
+    const int32_t* ranks;  // a slot's own rank in this part (rows past it are zero); null: R
     int64_t rank, out, column;
     bool rank_major;
   };
   std::vector<Part> info;
   int64_t max_rank = 0, max_out = 0;
   for (int64_t p = 0; p < parts; ++p) {
-    info.push_back({lora_a[p].data_ptr<scalar_t>(), lora_b[p].data_ptr<scalar_t>(), lora_a[p].size(1),
-                    lora_b[p].size(1), columns[p], rank_major(lora_b[p])});
+    const int32_t* ranks = slot_ranks.empty() ? nullptr : slot_ranks[p].data_ptr<int32_t>();
+    info.push_back({lora_a[p].data_ptr<scalar_t>(), lora_b[p].data_ptr<scalar_t>(), ranks,
+                    lora_a[p].size(1), lora_b[p].size(1), columns[p], rank_major(lora_b[p])});
     max_rank = std::max(max_rank, info.back().rank);
     max_out = std::max(max_out, info.back().out);
   }
@@ -65,39 +143,19 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(x_row[i]);
       const float scale = scale_data[slot];
       for (const Part& part : info) {
-        const int64_t rank = part.rank, out = part.out;
-        const scalar_t* a = part.a + slot * rank * in;
-        for (int64_t r = 0; r < rank; ++r) {
-          const scalar_t* a_row = a + r * in;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < in; ++i) dot += static_cast<float>(a_row[i]) * xf[i];
-          h[r] = dot * scale;
-        }
+        const int64_t rank = part.ranks ? part.ranks[slot] : part.rank;
+        if (rank == 0) continue;  // this slot's adapter does not target the part
         scalar_t* y_row = y_data + t * y_stride + part.column;
-        const scalar_t* b = part.b + slot * rank * out;
+        shrink(part.a + slot * part.rank * in, xf.data(), in, rank, scale, h.data());
+        const scalar_t* b = part.b + slot * part.rank * part.out;
         if (part.rank_major) {
-          // A rank row that is all zero (a slot's padding past its adapter's rank) gives
-          // h[r] == 0 exactly; its B row is zero too and is not read.
-          std::fill(acc.begin(), acc.begin() + out, 0.f);
-          for (int64_t r = 0; r < rank; ++r) {
-            const float hr = h[r];
-            if (hr == 0.f) continue;
-            const scalar_t* b_row = b + r * out;
-#pragma omp simd
-            for (int64_t o = 0; o < out; ++o) acc[o] += hr * static_cast<float>(b_row[o]);
-          }
-          for (int64_t o = 0; o < out; ++o) {
-            y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + acc[o]);
-          }
+          // Trailing zero components (padding past the adapter's rank when no ranks are
+          // given) add exact zeros; their B rows are not read.
+          int64_t used = rank;
+          while (used > 0 && h[used - 1] == 0.f) --used;
+          expand_rank_major(b, h.data(), used, part.out, acc.data(), y_row);
         } else {
-          for (int64_t o = 0; o < out; ++o) {
-            const scalar_t* b_row = b + o * rank;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t r = 0; r < rank; ++r) dot += static_cast<float>(b_row[r]) * h[r];
-            y_row[o] = static_cast<scalar_t>(static_cast<float>(y_row[o]) + dot);
-          }
+          expand_out_major(b, h.data(), rank, part.rank, part.out, y_row);
         }
       }
     }
@@ -135,20 +193,38 @@ void check_part(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora
   TORCH_CHECK(scaling.numel() == lora_a.size(0), "scaling must have one entry per slot");
 }
 
+void check_ranks(const at::Tensor& ranks, const at::Tensor& lora_a) {
+  TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kInt && ranks.dim() == 1 &&
+                  ranks.is_contiguous() && ranks.numel() == lora_a.size(0),
+              "slot_ranks must be contiguous int32 [slots], got ", ranks.sizes(), " ", ranks.scalar_type());
+  const int32_t* data = ranks.data_ptr<int32_t>();
+  for (int64_t s = 0; s < ranks.numel(); ++s) {
+    TORCH_CHECK(data[s] >= 0 && data[s] <= lora_a.size(1), "slot_ranks[", s, "] = ", data[s],
+                " is outside 0..", lora_a.size(1));
+  }
+}
+
 void lora_bgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, at::TensorList lora_b,
-                     at::IntArrayRef columns, const at::Tensor& scaling, const at::Tensor& token_slots) {
+                     at::TensorList slot_ranks, at::IntArrayRef columns, const at::Tensor& scaling,
+                     const at::Tensor& token_slots) {
   check_common(y, x, scaling, token_slots);
   TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
               "one lora_a, lora_b and column per part");
+  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == lora_a.size(),
+              "slot_ranks: none, or one per part");
   std::vector<at::Tensor> as(lora_a.begin(), lora_a.end()), bs(lora_b.begin(), lora_b.end());
+  std::vector<at::Tensor> ranks(slot_ranks.begin(), slot_ranks.end());
   std::vector<int64_t> cols(columns.begin(), columns.end());
-  for (size_t p = 0; p < as.size(); ++p) check_part(y, x, as[p], bs[p], cols[p], scaling);
+  for (size_t p = 0; p < as.size(); ++p) {
+    check_part(y, x, as[p], bs[p], cols[p], scaling);
+    if (!ranks.empty()) check_ranks(ranks[p], as[p]);
+  }
   const int32_t* slots = token_slots.data_ptr<int32_t>();
   for (int64_t t = 0; t < token_slots.numel(); ++t) {
     TORCH_CHECK(slots[t] < scaling.numel(), "token_slots[", t, "] = ", slots[t], " is not a slot");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
-    bgmv_parts<scalar_t>(y, x, as, bs, cols, scaling, token_slots);
+    bgmv_parts<scalar_t>(y, x, as, bs, ranks, cols, scaling, token_slots);
   });
 }
 
@@ -158,7 +234,7 @@ void lora_bgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, cons
               "shapes do not fit: y ", y.sizes(), ", x ", x.sizes(), ", A ", lora_a.sizes(), ", B ",
               lora_b.sizes());
   const int64_t column = 0;
-  lora_bgmv_parts(y, x, {lora_a}, {lora_b}, {column}, scaling, token_slots);
+  lora_bgmv_parts(y, x, {lora_a}, {lora_b}, {}, {column}, scaling, token_slots);
 }
 
 }  // namespace
@@ -166,8 +242,8 @@ void lora_bgmv(at::Tensor y, const at::Tensor& x, const at::Tensor& lora_a, cons
 TORCH_LIBRARY_FRAGMENT(quiver_cpu, m) {
   m.def("lora_bgmv(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scaling, "
         "Tensor token_slots) -> ()");
-  m.def("lora_bgmv_parts(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, int[] columns, "
-        "Tensor scaling, Tensor token_slots) -> ()");
+  m.def("lora_bgmv_parts(Tensor(a!) y, Tensor x, Tensor[] lora_a, Tensor[] lora_b, "
+        "Tensor[] slot_ranks, int[] columns, Tensor scaling, Tensor token_slots) -> ()");
   m.impl("lora_bgmv", c10::DispatchKey::CPU, &lora_bgmv);
   m.impl("lora_bgmv_parts", c10::DispatchKey::CPU, &lora_bgmv_parts);
 }
