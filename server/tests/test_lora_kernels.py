@@ -414,12 +414,21 @@ def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, back
     assert error <= TOLERANCE[dtype] * scale, f"max error {error:.3g}"
 
 
+@pytest.mark.parametrize("step", ["decode", "prefill"])
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
 @pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
-def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool) -> None:
-    """With slot_ranks the kernel must not read past a slot's rank: fill the padding with large
+def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool, backend: str, step: str) -> None:
+    """With slot_ranks the kernels must not read past a slot's rank: fill the padding with large
     values, and the result must still be the reference on the zero-padded buffers (a kernel that
-    read the padding would be off by about 1e3)."""
+    read the padding would be off by about 1e3). Decode rows take the one-call BGMV kernel on
+    CPU, prefill segments the per-segment matmuls."""
     y, x, parts, meta = _fused_parts(torch.float32, rank_major_b, num_rows=17, seed=3)
+    if step == "prefill":
+        lengths = [40, 33, 20, 30]
+        meta = LoraBatchMeta.build([2, 4, -1, 0], lengths, 16, "cpu")
+        gen = torch.Generator().manual_seed(5)
+        y = torch.randn(sum(lengths), y.shape[1], generator=gen)
+        x = torch.randn(sum(lengths), x.shape[1], generator=gen)
     expected = _reference_per_part(y, x, parts, meta)
     polluted = []
     for lora_a, lora_b, scaling, out_slice, ranks in parts:
@@ -429,11 +438,11 @@ def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool) -> None:
             b[slot, :, rank:] = 1e3
         polluted.append((a, b, scaling, out_slice, ranks))
     actual = y.clone()
-    add_lora_parts(actual, x, polluted, meta, backend="cpu")
+    add_lora_parts(actual, x, polluted, meta, backend=backend)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     # The same buffers without slot_ranks read the padding (the control).
     control = y.clone()
-    add_lora_parts(control, x, [(*part[:4], None) for part in polluted], meta, backend="cpu")
+    add_lora_parts(control, x, [(*part[:4], None) for part in polluted], meta, backend=backend)
     assert (control - expected).abs().max() > 1.0
 
 
@@ -454,3 +463,10 @@ def test_fused_parts_kernel_rejects_bad_input() -> None:
         cpu_ops.lora_bgmv_parts(y, x, a, b, [r[0], too_big, r[2]], [3, 51, 75], s[0], slots)
     with pytest.raises(RuntimeError, match="slot_ranks must be contiguous int32"):
         cpu_ops.lora_bgmv_parts(y, x, a, b, [r[0], r[1].long(), r[2]], [3, 51, 75], s[0], slots)
+    # The Python entry point checks the per-step shapes before the kernel sees them.
+    with pytest.raises(ValueError, match="do not fit parts of in_features 64"):
+        add_lora_parts(y, x[:, :40].contiguous(), parts, meta, backend="cpu")
+    with pytest.raises(ValueError, match="slot_ranks must be int32"):
+        add_lora_parts(y, x, [(*parts[0][:4], r[0].long())], meta, backend="cpu")
+    with pytest.raises(ValueError, match="in_features"):  # parts that disagree on x's width
+        add_lora_parts(y, x, [parts[0], (a[1][:, :, :40], *parts[1][1:])], meta, backend="cpu")

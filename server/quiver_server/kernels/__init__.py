@@ -25,7 +25,7 @@ from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.lora_torch import add_lora_cpu, add_lora_torch
 
-__all__ = ["LoraBatchMeta", "add_lora", "add_lora_parts", "BACKENDS"]
+__all__ = ["LoraBatchMeta", "LoraProjection", "add_lora", "add_lora_parts", "BACKENDS"]
 
 BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
 
@@ -85,12 +85,15 @@ def _backend(requested: str | None, device: torch.device) -> str:
 def add_lora(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, *, backend: str | None = None,
+    slot_ranks: torch.Tensor | None = None,
 ) -> None:
     """In place: for every token t with s = token_slots[t] >= 0:
        y[t, out_slice] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))
     x [T, in], lora_a [S, R, in], lora_b [S, out, R] (out = width of out_slice), scaling [S] float32,
     y [T, out_total]. Ranks below R are zero-padded in the buffers. x, A, B and y share one dtype
-    (float32, bfloat16 or float16); products are accumulated in float32."""
+    (float32, bfloat16 or float16); products are accumulated in float32. slot_ranks (int32 [S],
+    optional) promises that slot s's rows past slot_ranks[s] are zero: the CPU and torch
+    prefill paths then skip them."""
     if not meta.has_lora or x.shape[0] == 0:
         return
     _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
@@ -100,11 +103,73 @@ def add_lora(
 
         add_lora_triton(y, x, lora_a, lora_b, scaling, meta, out_slice)
     elif chosen == "cpu":
-        add_lora_cpu(y, x, lora_a, lora_b, scaling, meta, out_slice)
+        add_lora_cpu(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
     elif chosen == "torch":
-        add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice)
+        add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
     else:
         add_lora_reference(y, x, lora_a, lora_b, scaling, meta, out_slice)
+
+
+class LoraProjection:
+    """The LoRA slots of one fused projection's parts (q|k|v, gate|up, or a single part), each
+    (lora_a, lora_b, scaling, out_slice, slot_ranks), checked once here so that a decode step's
+    call (`add`) checks only what changes per step. slot_ranks (int32 [S] or None) is each slot's
+    own rank in that part, the rows past it being zero (see `adapters.slots`). `Linear` keeps one
+    per projection while the set of parts in use stays the same."""
+
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice,
+                                             torch.Tensor | None]]) -> None:
+        if not parts:
+            raise ValueError("LoraProjection needs at least one part")
+        self.parts = list(parts)
+        first_a = self.parts[0][0]
+        self.in_features, self.dtype, self.scaling = first_a.shape[2], first_a.dtype, self.parts[0][2]
+        self.end = 0
+        for lora_a, lora_b, scaling, out_slice, ranks in self.parts:
+            width = lora_b.shape[1]
+            probe_y = torch.empty(0, out_slice.stop or 0, dtype=lora_a.dtype, device=lora_a.device)
+            probe_x = torch.empty(0, self.in_features, dtype=first_a.dtype, device=lora_a.device)
+            _check(probe_y, probe_x, lora_a, lora_b, scaling, _NO_TOKENS, out_slice)
+            if ranks is not None and (ranks.dtype != torch.int32 or ranks.shape != (lora_a.shape[0],)):
+                raise ValueError(f"add_lora_parts: slot_ranks must be int32 [{lora_a.shape[0]}], got "
+                                 f"{ranks.dtype} {tuple(ranks.shape)}")
+            self.end = max(self.end, out_slice.start + width)
+        # The one-call CPU kernel takes one scaling vector and per-part ranks for all parts.
+        self.one_call = all(part[2] is self.scaling for part in self.parts)
+        self.lora_a = [part[0] for part in self.parts]
+        self.lora_b = [part[1] for part in self.parts]
+        self.columns = [part[3].start for part in self.parts]
+        ranks = [part[4] for part in self.parts]
+        self.ranks = [] if any(r is None for r in ranks) else ranks
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, *, backend: str | None = None) -> None:
+        """In place, for every part: `add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice)`.
+        On the CPU backend a decode batch runs every part in one kernel call (x read once, one
+        parallel region, a slot's padded ranks and untargeted parts not read)."""
+        if not meta.has_lora or x.shape[0] == 0:
+            return
+        chosen = _backend(backend, x.device)
+        if chosen == "cpu" and meta.is_decode and self.one_call:
+            if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
+                    and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
+                raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
+                                 f"{meta.num_tokens} tokens do not fit parts of in_features {self.in_features}, "
+                                 f"dtype {self.dtype}, columns up to {self.end}")
+            cpu_ops.lora_bgmv_parts(y, x, self.lora_a, self.lora_b, self.ranks, self.columns, self.scaling,
+                                    meta.token_slots)
+            return
+        for lora_a, lora_b, scaling, out_slice, ranks in self.parts:
+            add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice, backend=chosen, slot_ranks=ranks)
+
+
+class _NoTokens:
+    """The metadata `_check` sees when LoraProjection checks its parts' static shapes."""
+
+    num_tokens = 0
+    token_slots = torch.empty(0, dtype=torch.int32)
+
+
+_NO_TOKENS = _NoTokens()
 
 
 def add_lora_parts(
@@ -113,21 +178,6 @@ def add_lora_parts(
     meta: LoraBatchMeta, *, backend: str | None = None,
 ) -> None:
     """`add_lora` for each (lora_a, lora_b, scaling, out_slice, slot_ranks) of one fused
-    projection, which all read the same x. slot_ranks (int32 [S] or None) is each slot's own rank
-    in that part, the rows past it being zero (see `adapters.slots`). On the CPU backend a decode
-    batch runs every part in one kernel call (x read once, one parallel region, a slot's padded
-    ranks and untargeted parts not read); elsewhere it is one `add_lora` per part."""
-    if not parts or not meta.has_lora or x.shape[0] == 0:
-        return
-    chosen = _backend(backend, x.device)
-    scaling = parts[0][2]
-    if chosen == "cpu" and meta.is_decode and all(part[2] is scaling for part in parts):
-        for lora_a, lora_b, part_scaling, out_slice, _ in parts:
-            _check(y, x, lora_a, lora_b, part_scaling, meta, out_slice)
-        ranks = [part[4] for part in parts]
-        cpu_ops.lora_bgmv_parts(y, x, [part[0] for part in parts], [part[1] for part in parts],
-                                [] if any(r is None for r in ranks) else ranks,
-                                [part[3].start for part in parts], scaling, meta.token_slots)
-        return
-    for lora_a, lora_b, part_scaling, out_slice, _ in parts:
-        add_lora(y, x, lora_a, lora_b, part_scaling, meta, out_slice, backend=chosen)
+    projection, which all read the same x (`LoraProjection`, built for this one call)."""
+    if parts:
+        LoraProjection(parts).add(y, x, meta, backend=backend)

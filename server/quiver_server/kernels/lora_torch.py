@@ -80,7 +80,7 @@ def gather_rows(
 
 def group_by_slot(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, token_slots: torch.Tensor,
+    scaling: torch.Tensor, token_slots: torch.Tensor, slot_ranks: torch.Tensor | None = None,
 ) -> None:
     # Per distinct adapter only two matmuls on a slice of the sorted rows; everything per row
     # (gather, scaling, scatter) is one op over all rows. Small decode batches are bound by the
@@ -97,11 +97,13 @@ def group_by_slot(
     xs = x[rows].float()
     # scaling * B @ (A @ x) == B @ (A @ (scaling * x)): scale the rows once, not per adapter.
     xs.mul_(scaling[sorted_slots[first:]].unsqueeze(1) if len(slots) > 1 else scaling[slots[0]])
+    ranks = slot_ranks.tolist() if slot_ranks is not None else None
     deltas = []
     start = 0
     for slot, count in zip(slots, counts):
-        h = F.linear(xs[start:start + count], lora_a[slot].float())
-        deltas.append(F.linear(h, lora_b[slot].float()))
+        rank = ranks[slot] if ranks is not None else lora_a.shape[1]  # rows past it are zero
+        h = F.linear(xs[start:start + count], lora_a[slot, :rank].float())
+        deltas.append(F.linear(h, lora_b[slot, :, :rank].float()))
         start += count
     _add_rows(y, rows, torch.cat(deltas) if len(deltas) > 1 else deltas[0])
 
@@ -109,36 +111,44 @@ def group_by_slot(
 def by_segment(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, seg_indptr: torch.Tensor, seg_slots: torch.Tensor,
+    slot_ranks: torch.Tensor | None = None,
 ) -> None:
+    """slot_ranks (int32 [S], optional): each slot's own rank; the matmuls use only those rank
+    rows (the rest are zero), and a slot of rank 0 is skipped."""
     bounds = seg_indptr.tolist()
     scales = scaling.tolist()
+    ranks = slot_ranks.tolist() if slot_ranks is not None else None
     for i, slot in enumerate(seg_slots.tolist()):
         if slot < 0:
             continue
+        rank = ranks[slot] if ranks is not None else lora_a.shape[1]
+        if rank == 0:
+            continue
         rows = slice(bounds[i], bounds[i + 1])
-        h = F.linear(x[rows].float(), lora_a[slot].float())
+        h = F.linear(x[rows].float(), lora_a[slot, :rank].float())
+        lora_b_slot = lora_b[slot, :, :rank]
         if y.dtype == torch.float32:
             # Expand and add in one GEMM into y's rows (no [n, out] delta written and re-read).
-            y[rows].addmm_(h, lora_b[slot].t(), alpha=scales[slot])
+            y[rows].addmm_(h, lora_b_slot.t(), alpha=scales[slot])
         else:
             # In-place add of a float32 operand (times alpha) computes in float32, rounds once.
-            y[rows].add_(F.linear(h, lora_b[slot].float()), alpha=scales[slot])
+            y[rows].add_(F.linear(h, lora_b_slot.float()), alpha=scales[slot])
 
 
 def add_lora_torch(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
+    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, slot_ranks: torch.Tensor | None = None,
 ) -> None:
     y_part = y[:, out_slice]
     if meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:  # decode, or many short prompts
-        group_by_slot(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
+        group_by_slot(y_part, x, lora_a, lora_b, scaling, meta.token_slots, slot_ranks)
     else:
-        by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)
+        by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots, slot_ranks)
 
 
 def add_lora_cpu(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
+    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, slot_ranks: torch.Tensor | None = None,
 ) -> None:
     """`add_lora_torch` with the C++ BGMV kernel (`cpu_ops.lora_bgmv`) where rows are few per
     segment: one pass over the rows instead of a matmul pair per distinct adapter. Long prefill
@@ -149,4 +159,4 @@ def add_lora_cpu(
     if meta.is_decode or meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:
         cpu_ops.lora_bgmv(y_part, x, lora_a, lora_b, scaling, meta.token_slots)
     else:
-        by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots)
+        by_segment(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots, slot_ranks)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import add_lora_parts, cpu_gemm
+from quiver_server.kernels import LoraProjection, cpu_gemm
 
 
 @dataclass
@@ -58,6 +58,9 @@ class Linear(nn.Module):
             start += width
         self.part_columns = offsets
         self.lora_parts: list[LoraPart] = []  # set by AdapterSlots; empty = adapters disabled
+        # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
+        self._lora: LoraProjection | None = None
+        self._lora_key: tuple[object, tuple[bool, ...]] | None = None
         self.packed_weight: torch.Tensor | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -66,8 +69,13 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
-            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
-            add_lora_parts(y, x, parts, batch.lora)
+            # AdapterSlots assigns a new list when it attaches buffers; `in_use` flips on activation.
+            key = (self.lora_parts, tuple(p.in_use for p in self.lora_parts))
+            if self._lora_key is None or key[0] is not self._lora_key[0] or key[1] != self._lora_key[1]:
+                parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
+                self._lora, self._lora_key = (LoraProjection(parts) if parts else None), key
+            if self._lora is not None:
+                self._lora.add(y, x, batch.lora)
         return y
 
     def pack_weight(self) -> bool:
