@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from quiver_server.batch_types import SamplingParams
+from quiver_server.kernels import cpu_ops
 
 
 def validate(params: SamplingParams) -> None:
@@ -78,6 +79,8 @@ def sample(
     """logits [B, V]; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
     repetition penalty). Returns (tokens [B] long, logprobs [B] float32)."""
     logits = logits.float()
+    if not params.uses_penalty and not params.sampling_rows and logits.device.type == "cpu" and cpu_ops.available():
+        return cpu_ops.greedy_logprob(logits)  # all rows greedy: one fused pass per row
     scores = logits
     if params.uses_penalty:
         assert seen is not None, "rows with a repetition penalty need their seen tokens"

@@ -162,3 +162,65 @@ def test_greedy_with_repetition_penalty_equals_transformers(engine: Engine, mode
     ours = _generate(engine, [(p, SamplingParams(repetition_penalty=penalty)) for p in PROMPTS] + [(PROMPTS[0], SamplingParams())])
     assert ours[:3] == expected
     assert ours[3] == _generate(engine, [(PROMPTS[0], SamplingParams())])[0]
+
+
+# ---- greedy rows on the fused CPU kernel ----------------------------------------------------
+
+
+def _torch_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: torch.argmax and log_softmax at that token."""
+    tokens = logits.argmax(dim=-1)
+    return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+
+
+def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
+    from quiver_server.kernels import cpu_ops
+
+    assert cpu_ops.available()
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(7, 32003, generator=gen) * 6  # a vocabulary not a multiple of 16
+    logits[1, 17] = logits[1, 20000] = logits[1].max() + 1.0  # a tie: the first index wins
+    logits[2, :] = -7.0  # all equal
+    logits[3, ::3] = float("-inf")  # masked tokens
+    logits[4, -1] = logits[4].max() + 2.0  # the maximum in the tail after the last full 16
+    tokens, logprobs = cpu_ops.greedy_logprob(logits)
+    expected_tokens, expected_logprobs = _torch_greedy(logits)
+    assert torch.equal(tokens, expected_tokens) and tokens[1] == 17 and tokens[4] == 32002
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=2e-5)
+
+
+def test_greedy_kernel_non_finite_rows_match_torch() -> None:
+    from quiver_server.kernels import cpu_ops
+
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(4))
+    logits[0, 40] = float("nan")  # torch.argmax picks the NaN
+    logits[1, :] = float("-inf")
+    logits[2, 7] = float("inf")
+    logits[3, 50] = float("nan")
+    logits[3, 60] = float("inf")
+    tokens, logprobs = cpu_ops.greedy_logprob(logits)
+    expected_tokens, expected_logprobs = _torch_greedy(logits)
+    assert torch.equal(tokens, expected_tokens), (tokens, expected_tokens)
+    assert torch.isnan(logprobs).all() and torch.isnan(expected_logprobs).all()
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        cpu_ops.greedy_logprob(logits.double())
+
+
+def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(5)) * 4
+    params = SamplingBatch.from_params([SamplingParams()] * 5, CPU)
+    generators = [new_generator(0)] * 5
+    from quiver_server.kernels import cpu_ops
+
+    calls = []
+    kernel = cpu_ops.greedy_logprob
+    monkeypatch.setattr(cpu_ops, "greedy_logprob", lambda x: calls.append(x.shape) or kernel(x))
+    fused = sample(logits, params, generators)
+    assert calls == [(5, 1000)]
+    # A sampled row or a repetition penalty keeps the torch path.
+    sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0.5)] * 5, CPU), generators)
+    assert len(calls) == 1
+    monkeypatch.setenv("QUIVER_CPU_KERNELS", "0")
+    reference = sample(logits, params, generators)
+    assert torch.equal(fused[0], reference[0])
+    torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=2e-5)

@@ -6,7 +6,8 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 - `lora_bgmv`, `lora_bgmv_parts`: the LoRA delta of decode rows, one pass for any mix of
   adapters (the torch path runs a matmul pair per distinct adapter), for one projection or for
   all parts of a fused one (q|k|v, gate|up) at once;
-- `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp).
+- `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp);
+- `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp).
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
 $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
@@ -29,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp", "greedy.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`),
 # so a checkout shared by different machines never loads code for another CPU. -fopenmp because
@@ -122,6 +123,12 @@ def lora_bgmv_parts(
     slot of rank 0 (the part is not targeted) costs nothing."""
     torch.ops.quiver_cpu.lora_bgmv_parts(y, x.contiguous(), lora_a, lora_b, slot_ranks, columns, scaling,
                                          token_slots)
+
+
+def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [B, V] -> (tokens [B] long, logprobs [B] float32): torch.argmax's token per row
+    and logits[token] - logsumexp(logits) (NaN where torch's is NaN too)."""
+    return torch.ops.quiver_cpu.greedy_logprob(logits.contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
