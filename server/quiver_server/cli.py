@@ -109,6 +109,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     # Imported late: torch takes seconds to import and `download`/`--help` don't need it.
     from quiver_server.engine import Engine
+    from quiver_server.engine_thread import EngineThread
     from quiver_server.server import SocketInUseError, prepare_socket_path, serve
     from quiver_server.service import ShardService
 
@@ -121,8 +122,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     source = model_path if model_path == args.model_id else f"{args.model_id} from {model_path}"
     logger.info("loading %s", source)
+    engine_thread = EngineThread()  # loads the model and runs every step (engine_thread.py)
     try:
-        engine = Engine(
+        engine = engine_thread.call(
+            Engine,
             model_path,
             args.model_id,
             dtype=args.dtype,
@@ -142,7 +145,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Anything that pulled in transformers while loading (it is not needed to serve) logs through
     # our handler from here on.
     adopt_transformers_logging(only_if_imported=True)
-    service = ShardService(engine, rank=args.rank, world_size=args.world_size)
+    service = ShardService(engine, rank=args.rank, world_size=args.world_size, engine_thread=engine_thread)
     try:
         return asyncio.run(serve(service, args.uds_path))
     except (SocketInUseError, ValueError, OSError) as error:

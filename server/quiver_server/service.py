@@ -1,6 +1,7 @@
 """The gRPC face of the shard: protobuf in, `Engine` call, protobuf out. No logic of its own.
 
-Engine calls block (torch), so they run on one dedicated worker thread: the event loop stays free
+Engine calls block (torch), so they run on one dedicated worker thread (`EngineThread`, the
+thread that also loaded the model): the event loop stays free
 to answer `Health` during a long prefill, and the engine never sees two calls at once (its batch
 state and KV cache are not thread-safe, and the router never overlaps steps anyway).
 `LoadAdapter` is the exception: a hub download or a disk read must not stall decoding, so it runs
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, TypeVar
 from grpc import aio
 
 from quiver_server.batch_types import ModelInfo, RequestSpec, SamplingParams, StepResult
+from quiver_server.engine_thread import EngineThread
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 
 if TYPE_CHECKING:
@@ -79,10 +81,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     shards, which the engine (a single-process model runner) does not know.
     """
 
-    def __init__(self, engine: Engine, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, engine: Engine, rank: int = 0, world_size: int = 1,
+                 engine_thread: EngineThread | None = None) -> None:
         self._engine = engine
         self._info = dataclasses.replace(engine.info, rank=rank, world_size=world_size)
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-engine")
+        # The thread that built `engine`, where there is one (see engine_thread.py).
+        self._worker = engine_thread or EngineThread()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-adapter-load")
 
     @property
@@ -90,12 +94,12 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         return self._info
 
     async def _run(self, call: Callable[..., T], *args: object) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._worker, call, *args)
+        return await self._worker.run(call, *args)
 
     def close(self) -> None:
         """Waits for the engine calls in progress (if any), then stops the worker threads."""
         self._loader.shutdown(wait=True)
-        self._worker.shutdown(wait=True)
+        self._worker.shutdown()
 
     async def Info(
         self, request: shard_pb2.InfoRequest, context: aio.ServicerContext
