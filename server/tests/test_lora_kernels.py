@@ -470,3 +470,72 @@ def test_fused_parts_kernel_rejects_bad_input() -> None:
         add_lora_parts(y, x, [(*parts[0][:4], r[0].long())], meta, backend="cpu")
     with pytest.raises(ValueError, match="in_features"):  # parts that disagree on x's width
         add_lora_parts(y, x, [parts[0], (a[1][:, :, :40], *parts[1][1:])], meta, backend="cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# The C++ SGMV kernel (prefill segments, CPU slots' rank-major lora_B).
+
+
+def _sgmv_case(dtype: torch.dtype, in_features: int, widths: tuple[int, ...], seed: int):
+    """Parts of `widths` over one x in rank-major slot buffers of max rank 16 holding ranks
+    16, 8, 5 and 0 (slot 3 targets no part); segments of 70 rows (three 32-row tiles), 1 and 5
+    rows (fewer than a 4-row block), base rows between adapters, one slot twice."""
+    gen = torch.Generator().manual_seed(seed)
+    num_slots, max_rank = 4, 16
+    scaling = torch.rand(num_slots, generator=gen) * 2 + 0.25
+    parts, start = [], 2
+    for width in widths:
+        a = torch.zeros(num_slots, max_rank, in_features)
+        b = torch.zeros(num_slots, max_rank, width)
+        ranks = torch.tensor([16, 8, 5, 0], dtype=torch.int32)
+        for slot, rank in enumerate(ranks.tolist()):
+            a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
+            b[slot, :rank] = torch.randn(rank, width, generator=gen) / max(rank, 1)**0.5
+        parts.append((a.to(dtype), b.to(dtype).transpose(1, 2), scaling, slice(start, start + width), ranks))
+        start += width
+    lengths, slots = [70, 1, 5, 33, 4, 6], [0, -1, 1, 2, 0, 3]
+    meta = LoraBatchMeta.build(slots, lengths, max_rank, "cpu")
+    y = torch.randn(sum(lengths), start + 3, generator=gen).to(dtype)
+    x = torch.randn(sum(lengths), in_features, generator=gen).to(dtype)
+    return y, x, parts, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("in_features,widths", [(64, (64, 128)), (72, (130, 8, 64))], ids=["blocks", "tails"])
+def test_cpu_sgmv_matches_reference(dtype: torch.dtype, in_features: int, widths: tuple[int, ...]) -> None:
+    # Widths and in_features on and off the kernel's vector blocks (16 floats, 64 outputs).
+    y, x, parts, meta = _sgmv_case(dtype, in_features, widths, seed=in_features)
+    assert not meta.is_decode and all(cpu_ops.rank_major(part[1]) for part in parts)
+    expected = _reference_per_part(y, x, parts, meta)
+    actual = y.clone()
+    a, b, s, slices, r = zip(*parts)
+    cpu_ops.lora_sgmv_parts(actual, x, list(a), list(b), list(r), [sl.start for sl in slices], s[0],
+                            meta.seg_indptr, meta.seg_slots)
+    assert torch.equal(actual[:, :2], y[:, :2]) and torch.equal(actual[:, -3:], y[:, -3:])
+    untouched = (meta.token_slots < 0) | (meta.token_slots == 3)  # base rows; slot 3 has rank 0
+    assert torch.equal(actual[untouched], y[untouched])
+    scale = max((expected.double() - y.double()).abs().max().item(), 1.0)
+    error = (actual.double() - expected.double()).abs().max().item()
+    assert error <= TOLERANCE[dtype] * scale, f"max error {error:.3g}"
+    # As served: a fused projection's prefill on the CPU backend takes this kernel.
+    served = y.clone()
+    add_lora_parts(served, x, parts, meta, backend="cpu")
+    assert torch.equal(served, actual)
+
+
+def test_cpu_sgmv_rejects_bad_input() -> None:
+    y, x, parts, meta = _sgmv_case(torch.float32, 64, (64,), seed=2)
+    a, b, s, _, r = parts[0]
+    args = dict(y=y, x=x, lora_a=[a], lora_b=[b], slot_ranks=[r], columns=[2], scaling=s)
+    with pytest.raises(RuntimeError, match="lora_b must be a transposed view"):
+        cpu_ops.lora_sgmv_parts(**{**args, "lora_b": [b.contiguous()]}, seg_indptr=meta.seg_indptr,
+                                seg_slots=meta.seg_slots)
+    with pytest.raises(RuntimeError, match="run from 0 to the row count"):
+        cpu_ops.lora_sgmv_parts(**args, seg_indptr=meta.seg_indptr - 1, seg_slots=meta.seg_slots)
+    with pytest.raises(RuntimeError, match="not a slot"):
+        cpu_ops.lora_sgmv_parts(**args, seg_indptr=meta.seg_indptr, seg_slots=meta.seg_slots + 4)
+    with pytest.raises(RuntimeError, match="must not decrease"):
+        bad = meta.seg_indptr.clone()
+        bad[1] = bad[2] + 1  # [0, 72, 71, ...]
+        cpu_ops.lora_sgmv_parts(**args, seg_indptr=bad, seg_slots=meta.seg_slots)
+    assert torch.equal(y, _sgmv_case(torch.float32, 64, (64,), seed=2)[0])  # nothing was written

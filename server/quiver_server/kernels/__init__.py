@@ -3,8 +3,9 @@ fused projection, which share x), over interchangeable backends.
 
 - "triton" (`lora_triton`): fused shrink+expand kernels, BGMV for decode rows and SGMV for
   prefill segments; the default on CUDA.
-- "cpu" (`cpu_ops.lora_bgmv` / `lora_bgmv_parts` for decode rows, `lora_torch` for long prefill
-  segments): the default on CPU where the C++ kernels build.
+- "cpu" (`cpu_ops.lora_bgmv_parts` for decode rows, `cpu_ops.lora_sgmv_parts` for prefill
+  segments when lora_B is in the CPU slots' rank-major layout, `lora_torch` otherwise): the default
+  on CPU where the C++ kernels build.
 - "torch" (`lora_torch`): vectorised torch, no loop per token; the default elsewhere.
 - "reference" (`lora_reference`): the per-token loop that defines the semantics.
 
@@ -141,22 +142,28 @@ class LoraProjection:
         self.columns = [part[3].start for part in self.parts]
         ranks = [part[4] for part in self.parts]
         self.ranks = [] if any(r is None for r in ranks) else ranks
+        self.rank_major = all(cpu_ops.rank_major(b) for b in self.lora_b)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, *, backend: str | None = None) -> None:
         """In place, for every part: `add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice)`.
-        On the CPU backend a decode batch runs every part in one kernel call (x read once, one
-        parallel region, a slot's padded ranks and untargeted parts not read)."""
+        On the CPU backend a batch runs every part in one kernel call (x read once, one parallel
+        region, a slot's padded ranks and untargeted parts not read): BGMV for decode rows, SGMV
+        for prefill segments."""
         if not meta.has_lora or x.shape[0] == 0:
             return
         chosen = _backend(backend, x.device)
-        if chosen == "cpu" and meta.is_decode and self.one_call:
+        if chosen == "cpu" and self.one_call and (meta.is_decode or self.rank_major):
             if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
                     and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
                 raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
                                  f"{meta.num_tokens} tokens do not fit parts of in_features {self.in_features}, "
                                  f"dtype {self.dtype}, columns up to {self.end}")
-            cpu_ops.lora_bgmv_parts(y, x, self.lora_a, self.lora_b, self.ranks, self.columns, self.scaling,
-                                    meta.token_slots)
+            if meta.is_decode:
+                cpu_ops.lora_bgmv_parts(y, x, self.lora_a, self.lora_b, self.ranks, self.columns, self.scaling,
+                                        meta.token_slots)
+            else:
+                cpu_ops.lora_sgmv_parts(y, x, self.lora_a, self.lora_b, self.ranks, self.columns, self.scaling,
+                                        meta.seg_indptr, meta.seg_slots)
             return
         for lora_a, lora_b, scaling, out_slice, ranks in self.parts:
             add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice, backend=chosen, slot_ranks=ranks)

@@ -6,6 +6,8 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 - `lora_bgmv`, `lora_bgmv_parts`: the LoRA delta of decode rows, one pass for any mix of
   adapters (the torch path runs a matmul pair per distinct adapter), for one projection or for
   all parts of a fused one (q|k|v, gate|up) at once;
+- `lora_sgmv_parts`: the same for prefill segments (rows sharing one adapter), in tiles of rows
+  that read their adapter's weights once (the torch path runs a matmul pair per segment and part);
 - `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp);
 - `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp).
 
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "elementwise.cpp", "greedy.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "elementwise.cpp", "greedy.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`),
 # so a checkout shared by different machines never loads code for another CPU. -fopenmp because
@@ -38,7 +40,7 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 # for the `omp simd` loops; it binds to the libgomp torch loaded. -ffp-contract=off: no fused
 # multiply-adds the source does not ask for, so the row ops round exactly as torch's do (rotary
 # is bit-identical to transformers' in float32).
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -123,6 +125,25 @@ def lora_bgmv_parts(
     slot of rank 0 (the part is not targeted) costs nothing."""
     torch.ops.quiver_cpu.lora_bgmv_parts(y, x.contiguous(), lora_a, lora_b, slot_ranks, columns, scaling,
                                          token_slots)
+
+
+def rank_major(lora_b: torch.Tensor) -> bool:
+    """Whether lora_b [S, out, R] is a transposed view of contiguous [S, R, out] storage (the CPU
+    slots' layout, which `lora_sgmv_parts` needs)."""
+    slots, out, rank = lora_b.shape
+    return lora_b.stride() == (rank * out, 1, out)
+
+
+def lora_sgmv_parts(
+    y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+    slot_ranks: list[torch.Tensor], columns: list[int], scaling: torch.Tensor, seg_indptr: torch.Tensor,
+    seg_slots: torch.Tensor,
+) -> None:
+    """`lora_bgmv_parts` over segments: rows seg_indptr[g] .. seg_indptr[g + 1] - 1 all use slot
+    seg_slots[g] (-1: none). lora_b must be in the CPU slots' layout (a transposed view of
+    contiguous [S, R, out])."""
+    torch.ops.quiver_cpu.lora_sgmv_parts(y, x.contiguous(), lora_a, lora_b, slot_ranks, columns, scaling,
+                                         seg_indptr, seg_slots)
 
 
 def greedy_logprob(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -150,10 +150,16 @@ def add_lora_cpu(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
     scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, slot_ranks: torch.Tensor | None = None,
 ) -> None:
-    """`add_lora_torch` with the C++ BGMV kernel (`cpu_ops.lora_bgmv`) where rows are few per
-    segment: one pass over the rows instead of a matmul pair per distinct adapter. Long prefill
-    segments keep `by_segment`, whose matmuls use the weights better than a mat-vec per row."""
+    """`add_lora_torch` with the C++ kernels: BGMV (`cpu_ops.lora_bgmv`) for decode rows, one pass
+    over the rows instead of a matmul pair per distinct adapter; SGMV (`cpu_ops.lora_sgmv_parts`)
+    for prefill segments when lora_b is in the CPU slots' rank-major layout, in tiles of rows that
+    share their adapter's weights. Other prefills: BGMV where rows are few per segment, else
+    `by_segment`, whose matmuls use the weights better than a mat-vec per row."""
     y_part = y[:, out_slice]
+    if not meta.is_decode and cpu_ops.rank_major(lora_b):
+        cpu_ops.lora_sgmv_parts(y_part, x, [lora_a], [lora_b], [] if slot_ranks is None else [slot_ranks], [0],
+                                scaling, meta.seg_indptr, meta.seg_slots)
+        return
     # Decode rows always: with the slots' rank-major lora_B the kernel beats a matmul pair even
     # when every row shares one adapter (32 rows, one adapter: 45 against 49 ms a step).
     if meta.is_decode or meta.num_tokens < SHORT_SEGMENT_TOKENS * meta.num_segments:

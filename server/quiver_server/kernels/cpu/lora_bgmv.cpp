@@ -19,16 +19,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "lora_common.h"
+
 #include <algorithm>
 #include <vector>
 
 namespace {
 
-bool rank_major(const at::Tensor& lora_b) {
-  // A transposed view of contiguous [S, R, out] storage.
-  return lora_b.stride(1) == 1 && lora_b.stride(2) == lora_b.size(1) &&
-         lora_b.stride(0) == lora_b.size(1) * lora_b.size(2);
-}
+using quiver_lora::check_part;
+using quiver_lora::check_ranks;
+using quiver_lora::rank_major;
 
 // h[r] = scale * (a[r] . x) for r < rank. Four rank rows per sweep of x: four independent
 // accumulator chains, and each x vector is loaded once for four rows.
@@ -162,52 +162,12 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
   });
 }
 
-void check_common(const at::Tensor& y, const at::Tensor& x, const at::Tensor& scaling,
-                  const at::Tensor& token_slots) {
-  TORCH_CHECK(y.device().is_cpu() && x.device().is_cpu(), "lora_bgmv runs on CPU tensors");
-  TORCH_CHECK(x.dim() == 2 && y.dim() == 2, "x and y must be 2-D");
-  TORCH_CHECK(x.is_contiguous() && y.stride(1) == 1, "x must be contiguous, y's rows dense");
-  TORCH_CHECK(y.size(0) == x.size(0), "shapes do not fit: y ", y.sizes(), ", x ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == y.scalar_type(), "x and y must share a dtype");
-  TORCH_CHECK(scaling.scalar_type() == at::kFloat && scaling.is_contiguous() && scaling.dim() == 1,
-              "scaling must be a contiguous float32 [slots]");
-  TORCH_CHECK(token_slots.scalar_type() == at::kInt && token_slots.is_contiguous() &&
-                  token_slots.numel() == x.size(0),
-              "token_slots must be a contiguous int32 [T]");
-}
-
-void check_part(const at::Tensor& y, const at::Tensor& x, const at::Tensor& lora_a,
-                const at::Tensor& lora_b, int64_t column, const at::Tensor& scaling) {
-  TORCH_CHECK(lora_a.device().is_cpu() && lora_b.device().is_cpu(), "lora_bgmv runs on CPU tensors");
-  TORCH_CHECK(lora_a.dim() == 3 && lora_b.dim() == 3, "the LoRA buffers must be 3-D");
-  TORCH_CHECK(lora_a.is_contiguous(), "lora_a must be contiguous");
-  TORCH_CHECK(lora_b.is_contiguous() || lora_b.transpose(1, 2).is_contiguous(),
-              "lora_b must be contiguous [S, out, R] or a transposed view of contiguous [S, R, out]");
-  TORCH_CHECK(lora_a.size(2) == x.size(1) && lora_b.size(2) == lora_a.size(1) &&
-                  lora_b.size(0) == lora_a.size(0) && column >= 0 &&
-                  column + lora_b.size(1) <= y.size(1),
-              "shapes do not fit: y ", y.sizes(), ", x ", x.sizes(), ", A ", lora_a.sizes(), ", B ",
-              lora_b.sizes(), ", column ", column);
-  TORCH_CHECK(x.scalar_type() == lora_a.scalar_type() && x.scalar_type() == lora_b.scalar_type(),
-              "x, y and the LoRA buffers must share a dtype");
-  TORCH_CHECK(scaling.numel() == lora_a.size(0), "scaling must have one entry per slot");
-}
-
-void check_ranks(const at::Tensor& ranks, const at::Tensor& lora_a) {
-  TORCH_CHECK(ranks.device().is_cpu() && ranks.scalar_type() == at::kInt && ranks.dim() == 1 &&
-                  ranks.is_contiguous() && ranks.numel() == lora_a.size(0),
-              "slot_ranks must be contiguous int32 [slots], got ", ranks.sizes(), " ", ranks.scalar_type());
-  const int32_t* data = ranks.data_ptr<int32_t>();
-  for (int64_t s = 0; s < ranks.numel(); ++s) {
-    TORCH_CHECK(data[s] >= 0 && data[s] <= lora_a.size(1), "slot_ranks[", s, "] = ", data[s],
-                " is outside 0..", lora_a.size(1));
-  }
-}
-
 void lora_bgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, at::TensorList lora_b,
                      at::TensorList slot_ranks, at::IntArrayRef columns, const at::Tensor& scaling,
                      const at::Tensor& token_slots) {
-  check_common(y, x, scaling, token_slots);
+  quiver_lora::check_common(y, x, scaling);
+  TORCH_CHECK(token_slots.numel() == x.size(0), "token_slots must have one entry per row of x");
+  quiver_lora::check_slots(token_slots, scaling, "token_slots");
   TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
               "one lora_a, lora_b and column per part");
   TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == lora_a.size(),
@@ -218,10 +178,6 @@ void lora_bgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, a
   for (size_t p = 0; p < as.size(); ++p) {
     check_part(y, x, as[p], bs[p], cols[p], scaling);
     if (!ranks.empty()) check_ranks(ranks[p], as[p]);
-  }
-  const int32_t* slots = token_slots.data_ptr<int32_t>();
-  for (int64_t t = 0; t < token_slots.numel(); ++t) {
-    TORCH_CHECK(slots[t] < scaling.numel(), "token_slots[", t, "] = ", slots[t], " is not a slot");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
     bgmv_parts<scalar_t>(y, x, as, bs, ranks, cols, scaling, token_slots);
