@@ -11,8 +11,9 @@
 // Here the work is cut into tiles of up to TILE_ROWS rows of one segment, spread over the threads
 // in one region; a tile computes every part, so its slot's A and B come from cache for all its
 // rows. Register-blocked micro-kernels: the shrink takes 4 rows x 4 ranks per sweep of x (16
-// accumulator vectors, 8 loads per 16 FMAs), the expand 4 rows x 16 outputs per rank (one B
-// vector and 4 broadcasts per 4 FMAs). Accumulation is float32; y gets one rounding.
+// accumulator vectors, 8 loads per 16 FMAs), the expand 4 rows x OUT_BLOCK outputs per rank (4 B
+// vectors and 4 broadcasts per 16 FMAs); float32 has vector-type versions of both, 16-bit
+// dtypes `omp simd` loops. Accumulation is float32; y gets one rounding.
 // `kernels/lora_reference.py` defines the semantics and the tests hold this to it.
 
 #include <ATen/ATen.h>
