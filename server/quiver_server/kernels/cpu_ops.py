@@ -32,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "elementwise.cpp", "greedy.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp", "greedy.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`),
 # so a checkout shared by different machines never loads code for another CPU. -fopenmp because

@@ -61,7 +61,7 @@ class Linear(nn.Module):
         # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
         self._lora: LoraProjection | None = None
         self._lora_key: tuple[object, tuple[bool, ...]] | None = None
-        self.packed_weight: torch.Tensor | None = None  # replaces `weight` once packed
+        self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if self.packed_weight is not None:

@@ -216,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built on the target device by `load`
-        self.lm_head_packed: torch.Tensor | None = None  # CPU: the LM head prepacked, see `load`
+        self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]
