@@ -17,39 +17,23 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_f32.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-// The build turns off FMA contraction for the row ops' sake (cpu_ops.CFLAGS); a matmul's sums
-// have no bit-exact counterpart to match, so fused multiply-adds are welcome here.
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=fast")
-#endif
-
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#else
-constexpr int VL = 8;
-#endif
+using quiver_vec::VL;
+using quiver_vec::vfloat;
+using quiver_vec::vload;
+using quiver_vec::vstore;
 constexpr int NV = 3;
 constexpr int64_t PANEL = NV * VL;
 constexpr int MR = 8;
 // Rows per work item of a prefill-sized product: x's chunk stays in L2 while the panels stream.
 constexpr int64_t ROW_CHUNK = 128;
-
-typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
-
-inline vfloat vload(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 // The next panel's cache lines, spread over the current panel's k iterations (`step` per k).
 struct Prefetcher {

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "lora_common.h"
+#include "vec_f32.h"
 
 #include <algorithm>
 #include <cmath>
@@ -29,37 +30,16 @@
 #include <type_traits>
 #include <vector>
 
-// The build turns off FMA contraction for the row ops' sake (cpu_ops.CFLAGS); these sums have no
-// bit-exact counterpart to match, so fused multiply-adds are welcome here.
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=fast")
-#endif
-
 namespace {
 
 constexpr int64_t TILE_ROWS = 32;
 constexpr int64_t OUT_BLOCK = 64;
 
-// float32 micro-kernels on the compiler's vector type, so that their 16 accumulators stay in
-// registers (arrays of floats in `omp simd` loops went to the stack). One vector is a zmm
-// register with AVX-512, a ymm one otherwise.
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#else
-constexpr int VL = 8;
-#endif
-typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
+using quiver_vec::VL;
+using quiver_vec::vfloat;
+using quiver_vec::vload;
+using quiver_vec::vstore;
 static_assert(OUT_BLOCK == 4 * VL || OUT_BLOCK == 8 * VL, "expand_4rows_f32 covers OUT_BLOCK outputs");
-
-inline vfloat vload(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
 
 inline float vsum(vfloat v) {
   float s = 0.f;
