@@ -29,7 +29,7 @@ using quiver_vec::VL;
 using quiver_vec::vfloat;
 using quiver_vec::vload;
 using quiver_vec::vstore;
-constexpr int NV = 3;
+constexpr int NV = 3;  // `micro` loads w0, w1, w2: one per vector of a panel row
 constexpr int64_t PANEL = NV * VL;
 constexpr int MR = 8;
 // Rows per work item of a prefill-sized product: x's chunk stays in L2 while the panels stream.
@@ -58,6 +58,7 @@ struct Prefetcher {
 template <int ROWS>
 void micro(const float* x, int64_t k_len, const float* panel, const float* bias, float* y, int64_t y_stride,
            int64_t cols, Prefetcher& prefetch) {
+  static_assert(NV == 3, "the k loop below is written for three vectors per panel row");
   vfloat acc[ROWS][NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vfloat{};
