@@ -1,6 +1,6 @@
 """Validates response bodies against OpenAI's published OpenAPI description.
 
-The description lives beside the repository (`../shared/openai-openapi/openapi.yaml`); its schemas
+The description ships in the repository (`testdata/openai-openapi/openapi.yaml`); its schemas
 are JSON Schema 2020-12 except for the OpenAPI 3.0 keyword `nullable`, which is rewritten into a
 union with null before validating.
 """
@@ -17,7 +17,7 @@ import yaml
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-OPENAPI_PATH = Path(__file__).resolve().parent.parent.parent / "shared" / "openai-openapi" / "openapi.yaml"
+OPENAPI_PATH = Path(__file__).resolve().parent.parent / "testdata" / "openai-openapi" / "openapi.yaml"
 _BASE_URI = "urn:openai-openapi"
 # OpenAI has no schema for legacy-completion stream chunks; they are completion objects whose
 # choices carry `finish_reason: null` until the last one (this is what the API sends).
@@ -54,7 +54,7 @@ def _registry() -> tuple[Registry, dict]:
     if not OPENAPI_PATH.exists():
         raise FileNotFoundError(
             f"OpenAI's OpenAPI description is missing at {OPENAPI_PATH}: the integration tests "
-            "validate responses against it (it ships in ../shared/openai-openapi/)"
+            "validate responses against it (it ships in testdata/openai-openapi/)"
         )
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     with open(OPENAPI_PATH, encoding="utf-8") as f:

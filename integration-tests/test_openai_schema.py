@@ -1,5 +1,5 @@
 """Responses, stream chunks, the model list and error bodies validate against OpenAI's published
-schemas (../shared/openai-openapi/openapi.yaml), on the raw bytes the server sent."""
+schemas (testdata/openai-openapi/openapi.yaml), on the raw bytes the server sent."""
 
 from __future__ import annotations
 

@@ -1,23 +1,19 @@
 //! The router's chat rendering against transformers' `apply_chat_template`, byte for byte, on
-//! the shared golden corpus (`shared/chat-templates/golden.json`, made with transformers 5.23
-//! and jinja2 3.1.6; see its README). Every case must match, or fail where transformers failed.
+//! the golden corpus in `testdata/chat-templates/` (`golden.json`, made with transformers 5.23
+//! and jinja2 3.1.6; its README gives provenance and licence). Every case must match, or fail
+//! where transformers failed.
 
 use std::path::PathBuf;
 
 use quiver_router::template::{ChatTemplate, Clock};
 use serde_json::Value;
 
-/// The corpus directory: `$QUIVER_CHAT_TEMPLATES_DIR`, else `shared/` beside the checkout.
+/// The corpus ships in the repository, so a bare clone runs this test.
 fn corpus_dir() -> PathBuf {
-    let dir = std::env::var_os("QUIVER_CHAT_TEMPLATES_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/chat-templates")
-        });
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../testdata/chat-templates");
     assert!(
         dir.join("golden.json").is_file(),
-        "chat-template corpus not found: {} has no golden.json (set QUIVER_CHAT_TEMPLATES_DIR \
-         to the directory holding golden.json and the template files)",
+        "chat-template corpus not found: {} has no golden.json",
         dir.display()
     );
     dir

@@ -1,4 +1,4 @@
-//! OpenAI's published schema (`../shared/openai-openapi/openapi.yaml`) as the reference for
+//! OpenAI's published schema (`testdata/openai-openapi/openapi.yaml`) as the reference for
 //! response shapes: a small checker for the parts of OpenAPI the relevant schemas use
 //! (`$ref`, `allOf`, `anyOf`/`oneOf`, `type`, `nullable`, `enum`, `required`, `properties`,
 //! `items`).
@@ -9,7 +9,7 @@ use serde_json::Value;
 
 const SPEC: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/../../shared/openai-openapi/openapi.yaml"
+    "/../testdata/openai-openapi/openapi.yaml"
 );
 const REF_PREFIX: &str = "#/components/schemas/";
 
