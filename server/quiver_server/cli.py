@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("build-kernels", parents=[common],
                         help="compile the C++ CPU kernels now (a CPU shard otherwise does on first use)")
+    commands.add_parser("cpu-isas", parents=[common],
+                        help="list the kernel ISAs this CPU runs (values of QUIVER_CPU_ISA), widest first")
     return parser
 
 
@@ -72,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(json_logs=args.json_logs)
     handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model,
-                "build-kernels": _build_kernels}
+                "build-kernels": _build_kernels, "cpu-isas": _cpu_isas}
     try:
         return handlers[args.command](args)
     except KeyboardInterrupt:
@@ -185,6 +187,14 @@ def _build_kernels(args: argparse.Namespace) -> int:
         logger.error("the CPU kernels did not build (see the warning above)")
         return EXIT_FAILURE
     print(cpu_ops.build_dir())
+    return 0
+
+
+def _cpu_isas(args: argparse.Namespace) -> int:
+    from quiver_server.kernels import cpu_ops
+
+    for isa in cpu_ops.host_isas():
+        print(isa)
     return 0
 
 

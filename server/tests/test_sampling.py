@@ -168,9 +168,33 @@ def test_greedy_with_repetition_penalty_equals_transformers(engine: Engine, mode
 
 
 def _torch_greedy(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: torch.argmax and log_softmax at that token."""
+    """The reference: torch.argmax on the float32 logits, and log_softmax at that token in float64."""
     tokens = logits.argmax(dim=-1)
-    return tokens, logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
+    exact = logits.double()
+    return tokens, (exact.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(exact, dim=-1)).float()
+
+
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24
+# The greedy kernel sums exp(l - max) in blocks of this many float32 terms (greedy.cpp, kSumBlock)
+# whose totals add up in float64, so no chain of float32 roundings is longer than this.
+GREEDY_SUM_CHAIN = 128
+
+
+def _greedy_logprob_error_bound(logits: torch.Tensor, tokens: torch.Tensor, chain: int) -> torch.Tensor:
+    """Per row, a bound on |logprob - exact| for a float32 computation of logits[token] - max -
+    log(sum_v exp(logits[v] - max)) whose sum has float32 rounding chains of at most `chain` terms:
+    - the sum: relative error <= chain * u (u = 2^-24) for non-negative terms;
+    - each term: exp within 2 ulp (4u relative), and the rounded difference d = l - max costs a
+      relative u * |d| of that term, i.e. u * E[|d|] under the softmax weights in all;
+    - log(sum) turns the sum's relative error into an absolute one of the same size, and the final
+      rounding to float32 adds half an ulp of |logprob| (<= u * |logprob|).
+    The 1.01 covers the second-order terms these first-order bounds leave out."""
+    exact = logits.double()
+    distance = exact.max(dim=-1, keepdim=True).values - exact
+    weights = torch.softmax(exact, dim=-1)
+    mean_distance = (weights * distance.nan_to_num(posinf=0.0)).sum(dim=-1)
+    logprob = exact.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(exact, dim=-1)
+    return 1.01 * FLOAT32_UNIT_ROUNDOFF * (chain + 4 + mean_distance + logprob.abs())
 
 
 def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
@@ -178,15 +202,18 @@ def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
 
     assert cpu_ops.available()
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(7, 32003, generator=gen) * 6  # a vocabulary not a multiple of 16
+    logits = torch.randn(7, 32003, generator=gen) * 6  # a vocabulary not a multiple of any vector width
     logits[1, 17] = logits[1, 20000] = logits[1].max() + 1.0  # a tie: the first index wins
     logits[2, :] = -7.0  # all equal
     logits[3, ::3] = float("-inf")  # masked tokens
-    logits[4, -1] = logits[4].max() + 2.0  # the maximum in the tail after the last full 16
+    logits[4, -1] = logits[4].max() + 2.0  # the maximum in the tail after the last full vector
+    logits[5] *= 30  # a peaked row: most terms far below the maximum
     tokens, logprobs = cpu_ops.greedy_logprob(logits)
     expected_tokens, expected_logprobs = _torch_greedy(logits)
     assert torch.equal(tokens, expected_tokens) and tokens[1] == 17 and tokens[4] == 32002
-    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=2e-5)
+    error = (logprobs.double() - expected_logprobs.double()).abs()
+    bound = _greedy_logprob_error_bound(logits, tokens, GREEDY_SUM_CHAIN)
+    assert (error <= bound).all(), (error, bound)
 
 
 def test_greedy_kernel_non_finite_rows_match_torch() -> None:
@@ -215,12 +242,21 @@ def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkey
     calls = []
     kernel = cpu_ops.greedy_logprob
     monkeypatch.setattr(cpu_ops, "greedy_logprob", lambda x: calls.append(x.shape) or kernel(x))
-    fused = sample(logits, params, generators)
+    from quiver_server.kernels.ops import select_ops
+
+    ops = select_ops(CPU)  # the shard's choice here: the C++ kernels
+    fused = sample(logits, params, generators, ops=ops)
     assert calls == [(5, 1000)]
     # A sampled row or a repetition penalty keeps the torch path.
-    sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0.5)] * 5, CPU), generators)
+    sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0.5)] * 5, CPU), generators, ops=ops)
     assert len(calls) == 1
     monkeypatch.setenv("QUIVER_CPU_KERNELS", "0")
-    reference = sample(logits, params, generators)
-    assert torch.equal(fused[0], reference[0])
-    torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=2e-5)
+    torch_path = sample(logits, params, generators)
+    expected_tokens, expected_logprobs = _torch_greedy(logits)
+    assert torch.equal(fused[0], expected_tokens) and torch.equal(torch_path[0], expected_tokens)
+    # Each path within its own bound of the exact value: torch's sum order is its own, so it gets
+    # the bound of the longest chain possible, the whole vocabulary.
+    vocab = logits.shape[1]
+    for logprobs, chain in ((fused[1], GREEDY_SUM_CHAIN), (torch_path[1], vocab)):
+        error = (logprobs.double() - expected_logprobs.double()).abs()
+        assert (error <= _greedy_logprob_error_bound(logits, expected_tokens, chain)).all(), error

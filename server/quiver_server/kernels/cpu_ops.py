@@ -16,7 +16,8 @@ $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make 
 it there with `quiver-server build-kernels`) or ~/.cache/quiver/cpu-kernels; a CPU shard that
 finds no build makes one during warmup. Where it cannot be built (no C++ compiler) the shard
 logs why once and serves with the torch paths; QUIVER_CPU_KERNELS=0 forces those, e.g. to rule
-the kernels out while debugging.
+the kernels out while debugging. QUIVER_CPU_ISA=avx2|avx512 builds for that vector width instead
+of the widest the CPU runs (`make test` tests each width the host can run this way).
 """
 
 from __future__ import annotations
@@ -32,15 +33,25 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp", "greedy.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp", "greedy.cpp",
+                        "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
-# AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`),
-# so a checkout shared by different machines never loads code for another CPU. -fopenmp because
-# at::parallel_for is inlined from ATen's headers (without it the kernels run on one thread) and
-# for the `omp simd` loops; it binds to the libgomp torch loaded. -ffp-contract=off: no fused
-# multiply-adds the source does not ask for, so the row ops round exactly as torch's do (rotary
-# is bit-identical to transformers' in float32).
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffp-contract=off", "-fopenmp"]
+# AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
+# and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp
+# because at::parallel_for is inlined from ATen's headers (without it the kernels run on one
+# thread) and for the `omp simd` loops; it binds to the libgomp torch loaded. -ffp-contract=off: no
+# fused multiply-adds the source does not ask for, so the row ops round exactly as torch's do
+# (rotary is bit-identical to transformers' in float32).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# The vector ISAs the kernels are tuned for (register blocking follows the width: vec_width.h).
+# QUIVER_CPU_ISA picks one (default `native`: the widest this CPU runs), so an AVX-512 host can
+# build and test the AVX2 code too. GCC keeps to 256-bit vectors on Intel server CPUs unless told.
+ISA_CFLAGS = {
+    "avx512": ["-mprefer-vector-width=512"],
+    "avx2": ["-mno-avx512f"],
+}
+# /proc/cpuinfo flags each ISA needs: AVX-512 Foundation for the zmm build, AVX2 with FMA for the other.
+ISA_CPU_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}}
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -66,6 +77,30 @@ def cpu_fingerprint() -> str:
     return "cpu-" + hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
 
 
+def host_isas() -> list[str]:
+    """The kernel ISAs this CPU can run, widest first (empty off x86-64 or without AVX2)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    return [isa for isa, needed in ISA_CPU_FLAGS.items() if needed <= flags]
+
+
+def selected_isa() -> str:
+    """The ISA to build for: QUIVER_CPU_ISA (avx2, avx512, or native: the widest this CPU runs;
+    `native` with neither means the compiler's own choice for this machine)."""
+    wanted = os.environ.get("QUIVER_CPU_ISA", "native").strip().lower() or "native"
+    runnable = host_isas()
+    if wanted == "native":
+        return runnable[0] if runnable else "native"
+    if wanted not in ISA_CFLAGS:
+        raise ValueError(f"QUIVER_CPU_ISA={wanted!r}: expected one of native, {', '.join(ISA_CFLAGS)}")
+    if wanted not in runnable:
+        raise ValueError(f"QUIVER_CPU_ISA={wanted}: this CPU cannot run it (it runs: {', '.join(runnable) or 'neither'})")
+    return wanted
+
+
 def _compile() -> None:
     from torch.utils import cpp_extension
 
@@ -75,13 +110,16 @@ def _compile() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    directory = build_dir() / cpu_fingerprint()
+    isa = selected_isa()
+    directory = build_dir() / f"{cpu_fingerprint()}-{isa}"
     directory.mkdir(parents=True, exist_ok=True)
     cpp_extension.load(
-        name="quiver_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS,
+        name="quiver_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=CFLAGS + ISA_CFLAGS.get(isa, []),
         extra_include_paths=[str(SOURCES[0].parent)],
         build_directory=str(directory), is_python_module=False, verbose=False,
     )
+    _state["isa"] = isa
+    log.info("CPU kernels loaded, built for %s (%d floats per vector)", isa, vector_width())
 
 
 def available() -> bool:
@@ -94,6 +132,7 @@ def available() -> bool:
         return bool(loaded)
     with _lock:
         if "loaded" not in _state:
+            selected_isa()  # an ISA this CPU cannot run is the operator's error, not a build failure
             try:
                 _compile()
                 _state["loaded"] = True
@@ -101,6 +140,16 @@ def available() -> bool:
                 log.warning("CPU kernels unavailable, serving with the torch paths: %s", error)
                 _state["loaded"] = False
     return bool(_state["loaded"])
+
+
+def loaded_isa() -> str | None:
+    """The ISA the loaded kernels were built for (None before `available()` loaded them)."""
+    return _state.get("isa")  # type: ignore[return-value]
+
+
+def vector_width() -> int:
+    """Floats per vector in the loaded build (16: AVX-512, 8: AVX2), as compiled."""
+    return int(torch.ops.quiver_cpu.vector_width())
 
 
 def paged_decode_attention(

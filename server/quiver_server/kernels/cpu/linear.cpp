@@ -2,8 +2,10 @@
 //
 // Packed layout: W [N, K] becomes [P, K, PANEL] (P = ceil(N / PANEL)): panel p holds columns
 // p * PANEL ... as K rows of PANEL contiguous floats, zero past N. The micro-kernel keeps an
-// 8-row x PANEL-column block of y in 24 vector registers; per k it loads NV panel vectors and
-// broadcasts 8 values of x (11 loads per 24 FMAs), so from L2 it runs at the FMA units' rate.
+// MR-row x PANEL-column block of y in MR * NV vector registers; per k it loads NV panel vectors
+// and broadcasts MR values of x, so from L2 it runs at the FMA units' rate. The block is sized to
+// the register file (vec_width.h): AVX-512 8 rows x 3 zmm (24 accumulators + 3 + 1 of 32), AVX2
+// 4 rows x 3 ymm (12 + 3 + 1 of 16; the AVX-512 block would spill there).
 //
 // Why not oneDNN's packed sgemm, which the shard used before: in a decode step the weights come
 // from DRAM (the benchmark model's 168 MB of projections and LM head are more than this VM's
@@ -25,13 +27,16 @@
 
 namespace {
 
+using quiver_vec::kVecRegs;
 using quiver_vec::VL;
 using quiver_vec::vfloat;
 using quiver_vec::vload;
 using quiver_vec::vstore;
-constexpr int NV = 3;  // `micro` loads w0, w1, w2: one per vector of a panel row
+constexpr int NV = 3;  // vectors per panel row
 constexpr int64_t PANEL = NV * VL;
-constexpr int MR = 8;
+// Rows per block: as many as leave room for the NV panel vectors and one broadcast of x.
+constexpr int MR = (kVecRegs - NV - 1) / NV >= 8 ? 8 : 4;
+static_assert(MR * NV + NV + 1 <= kVecRegs, "the micro-kernel's block must fit the register file");
 // Rows per work item of a prefill-sized product: x's chunk stays in L2 while the panels stream.
 constexpr int64_t ROW_CHUNK = 128;
 
@@ -58,20 +63,20 @@ struct Prefetcher {
 template <int ROWS>
 void micro(const float* x, int64_t k_len, const float* panel, const float* bias, float* y, int64_t y_stride,
            int64_t cols, Prefetcher& prefetch) {
-  static_assert(NV == 3, "the k loop below is written for three vectors per panel row");
   vfloat acc[ROWS][NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vfloat{};
   for (int64_t k = 0; k < k_len; ++k) {
     const float* w = panel + k * PANEL;
-    const vfloat w0 = vload(w), w1 = vload(w + VL), w2 = vload(w + 2 * VL);
+    vfloat wv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) wv[v] = vload(w + v * VL);
     prefetch.step();
 #pragma GCC unroll 8
     for (int i = 0; i < ROWS; ++i) {
       const float xi = x[i * k_len + k];
-      acc[i][0] += xi * w0;
-      acc[i][1] += xi * w1;
-      acc[i][2] += xi * w2;
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] += xi * wv[v];
     }
   }
   for (int i = 0; i < ROWS; ++i) {
@@ -88,12 +93,12 @@ void micro(const float* x, int64_t k_len, const float* panel, const float* bias,
   }
 }
 
-// Rows [m_begin, m_end) of one panel, in blocks of 8, 4, 2 and 1 rows.
+// Rows [m_begin, m_end) of one panel, in blocks of MR, then 4 (when MR is larger), 2 and 1 rows.
 void panel_rows(const float* x, int64_t k_len, const float* panel, const float* bias, float* y, int64_t y_stride,
                 int64_t cols, int64_t m_begin, int64_t m_end, Prefetcher& prefetch) {
   int64_t m = m_begin;
   for (; m + MR <= m_end; m += MR) micro<MR>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-  if (m + 4 <= m_end) {
+  if (MR > 4 && m + 4 <= m_end) {
     micro<4>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
     m += 4;
   }
@@ -105,7 +110,9 @@ void panel_rows(const float* x, int64_t k_len, const float* panel, const float* 
 }
 
 // How many micro-kernel calls panel_rows makes for `rows` rows.
-int64_t row_blocks(int64_t rows) { return rows / MR + (rows % MR >= 4) + (rows % 4 >= 2) + (rows % 2); }
+int64_t row_blocks(int64_t rows) {
+  return rows / MR + (MR > 4 && rows % MR >= 4) + (rows % 4 >= 2) + (rows % 2);
+}
 
 // Work items are (row chunk, panel) pairs, chunk-major, split into one contiguous range per
 // thread; a decode-sized product is one chunk, so the threads split the panels.

@@ -10,10 +10,12 @@
 // of 32 prompts on 32 adapters of the benchmark model, each a dispatch and an OpenMP region).
 // Here the work is cut into tiles of up to TILE_ROWS rows of one segment, spread over the threads
 // in one region; a tile computes every part, so its slot's A and B come from cache for all its
-// rows. Register-blocked micro-kernels: the shrink takes 4 rows x 4 ranks per sweep of x (16
-// accumulator vectors, 8 loads per 16 FMAs), the expand 4 rows x OUT_BLOCK outputs per rank (4 B
-// vectors and 4 broadcasts per 16 FMAs); float32 has vector-type versions of both, 16-bit
-// dtypes `omp simd` loops. Accumulation is float32; y gets one rounding.
+// rows. Register-blocked micro-kernels sized to the register file (vec_width.h): the shrink takes
+// 4 rows x SHRINK_RANKS ranks per sweep of x (AVX-512: 4 ranks, 16 accumulators and 8 loads of
+// 32 zmm; AVX2: 2 ranks, 8 + 6 of 16 ymm), the expand 4 rows x OUT_BLOCK outputs per rank
+// (AVX-512: 4 zmm per row, 64 outputs; AVX2: 2 ymm per row, 16 outputs); float32 has
+// vector-type versions of both, 16-bit dtypes `omp simd` loops. Accumulation is float32; y gets
+// one rounding.
 // `kernels/lora_reference.py` defines the semantics and the tests hold this to it.
 
 #include <ATen/ATen.h>
@@ -32,14 +34,21 @@
 
 namespace {
 
-constexpr int64_t TILE_ROWS = 32;
-constexpr int64_t OUT_BLOCK = 64;
-
+using quiver_vec::kVecRegs;
 using quiver_vec::VL;
 using quiver_vec::vfloat;
 using quiver_vec::vload;
 using quiver_vec::vstore;
-static_assert(OUT_BLOCK == 4 * VL || OUT_BLOCK == 8 * VL, "expand_4rows_f32 covers OUT_BLOCK outputs");
+
+constexpr int64_t TILE_ROWS = 32;
+// Ranks per float32 shrink block: 4 rows x SHRINK_RANKS accumulators plus the 4 x and
+// SHRINK_RANKS A vectors of a sweep step must fit the register file.
+constexpr int SHRINK_RANKS = kVecRegs >= 32 ? 4 : 2;
+static_assert(4 * SHRINK_RANKS + 4 + SHRINK_RANKS <= kVecRegs, "shrink block spills");
+// Vectors per row of a float32 expand block: 4 rows of them, their B vectors and a broadcast.
+constexpr int EXPAND_VECTORS = kVecRegs >= 32 ? 4 : 2;
+static_assert(4 * EXPAND_VECTORS + EXPAND_VECTORS + 1 <= kVecRegs, "expand block spills");
+constexpr int64_t OUT_BLOCK = EXPAND_VECTORS * VL;
 
 inline float vsum(vfloat v) {
   float s = 0.f;
@@ -47,18 +56,20 @@ inline float vsum(vfloat v) {
   return s;
 }
 
-// h[t * h_stride + k] = scale * (x[t] . a[k]) for 4 rows t of x and 4 rows k of a.
-void shrink_4x4_f32(const float* x, int64_t in, const float* a, float scale, float* h, int64_t h_stride) {
-  vfloat acc[4][4] = {};
+// h[t * h_stride + k] = scale * (x[t] . a[k]) for 4 rows t of x and SHRINK_RANKS rows k of a.
+void shrink_block_f32(const float* x, int64_t in, const float* a, float scale, float* h, int64_t h_stride) {
+  constexpr int K = SHRINK_RANKS;
+  vfloat acc[4][K] = {};
   int64_t i = 0;
   for (; i + VL <= in; i += VL) {
-    vfloat xv[4], av[4];
-    for (int k = 0; k < 4; ++k) xv[k] = vload(x + k * in + i), av[k] = vload(a + k * in + i);
+    vfloat xv[4], av[K];
+    for (int t = 0; t < 4; ++t) xv[t] = vload(x + t * in + i);
+    for (int k = 0; k < K; ++k) av[k] = vload(a + k * in + i);
     for (int t = 0; t < 4; ++t)
-      for (int k = 0; k < 4; ++k) acc[t][k] += xv[t] * av[k];
+      for (int k = 0; k < K; ++k) acc[t][k] += xv[t] * av[k];
   }
   for (int t = 0; t < 4; ++t) {
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < K; ++k) {
       float dot = vsum(acc[t][k]);
       for (int64_t r = i; r < in; ++r) dot += x[t * in + r] * a[k * in + r];
       h[t * h_stride + k] = dot * scale;
@@ -69,7 +80,7 @@ void shrink_4x4_f32(const float* x, int64_t in, const float* a, float scale, flo
 // y[t, :OUT_BLOCK] += sum_j h[t, j] * b[j, :OUT_BLOCK] for 4 rows t (b rank-major, row stride out).
 void expand_4rows_f32(const float* h, int64_t h_stride, const float* b, int64_t out, int64_t rank, float* y,
                       int64_t y_stride) {
-  constexpr int V = OUT_BLOCK / VL;
+  constexpr int V = EXPAND_VECTORS;
   vfloat acc[4][V] = {};
   for (int64_t j = 0; j < rank; ++j) {
     vfloat bv[V];
@@ -126,11 +137,13 @@ void shrink_1x1(const float* x, int64_t rows, int64_t in, const scalar_t* a, int
 template <typename scalar_t>
 void shrink(const float* x, int64_t rows, int64_t in, const scalar_t* a, int64_t rank, float scale,
             float* h, int64_t h_stride) {
-  const int64_t rows4 = rows / 4 * 4, rank4 = rank / 4 * 4;
+  // float32 blocks are 4 x SHRINK_RANKS, 16-bit ones 4 x 4.
+  constexpr int64_t K = std::is_same_v<scalar_t, float> ? SHRINK_RANKS : 4;
+  const int64_t rows4 = rows / 4 * 4, rank4 = rank / K * K;
   for (int64_t t = 0; t < rows4; t += 4) {
-    for (int64_t j = 0; j < rank4; j += 4) {
+    for (int64_t j = 0; j < rank4; j += K) {
       if constexpr (std::is_same_v<scalar_t, float>) {
-        shrink_4x4_f32(x + t * in, in, a + j * in, scale, h + t * h_stride + j, h_stride);
+        shrink_block_f32(x + t * in, in, a + j * in, scale, h + t * h_stride + j, h_stride);
       } else {
         shrink_4x4(x + t * in, in, a, j, scale, h + t * h_stride, h_stride);
       }

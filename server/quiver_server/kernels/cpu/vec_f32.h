@@ -1,12 +1,14 @@
 // float32 vectors on the compiler's vector type for the register-blocked micro-kernels
 // (lora_sgmv.cpp, linear.cpp): their accumulators stay in registers, where arrays of floats in
 // `omp simd` loops went to the stack. One vector is a zmm register with AVX-512, a ymm one
-// otherwise. Including this also turns FMA contraction back on for the including file: the build
-// turns it off for the row ops' sake (cpu_ops.CFLAGS), and these sums have no bit-exact
-// counterpart to match.
+// otherwise (vec_width.h). Including this also turns FMA contraction back on for the including
+// file: the build turns it off for the row ops' sake (cpu_ops.CFLAGS), and these sums have no
+// bit-exact counterpart to match.
 #pragma once
 
 #include <cstring>
+
+#include "vec_width.h"
 
 #if defined(__clang__)
 #pragma clang fp contract(fast)
@@ -16,11 +18,6 @@
 
 namespace quiver_vec {
 
-#if defined(__AVX512F__)
-constexpr int VL = 16;
-#else
-constexpr int VL = 8;
-#endif
 typedef float vfloat __attribute__((vector_size(VL * sizeof(float))));
 
 inline vfloat vload(const float* p) {
