@@ -23,6 +23,7 @@ from quiver_server.adapters.manager import AdapterManager
 from quiver_server.batch_state import CachedBatch, RequestState
 from quiver_server.batch_types import AdapterInfo, ModelInfo, RequestSpec, StepResult, TokenOut
 from quiver_server.forward_batch import ForwardBatch, build_decode, build_lora_meta, build_prefill
+from quiver_server.kernels.ops import select_ops
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
@@ -68,7 +69,10 @@ class Engine:
         self.dtype = resolve_dtype(dtype, config, self.device)
         self.cpu_kv_cache_gib = cpu_kv_cache_gib
         self.gpu_memory_fraction = gpu_memory_fraction
-        self.model = load_model(path, config, self.dtype, self.device)
+        # The one choice of kernels and LoRA backend: the model's layers, the sampler and the
+        # adapter slots all run what it picked.
+        self.ops = select_ops(self.device)
+        self.model = load_model(path, config, self.dtype, self.device, self.ops)
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings
@@ -85,7 +89,7 @@ class Engine:
         )
         self.kv_cache: PagedKVCache | None = None
         self.batches: dict[int, CachedBatch] = {}
-        self.lora = AdapterManager(self.model, config, self.dtype, self.device, max_cpu_adapters)
+        self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters)
 
     # ---- warmup -------------------------------------------------------------------------------
 
@@ -238,6 +242,7 @@ class Engine:
             batch.sampling(self.device),
             [r.generator for r in batch.requests],
             batch.seen_matrix(self.vocab_size, self.device),
+            self.ops,
         )
         token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         batch.record(tokens, token_list, fed_last_token)

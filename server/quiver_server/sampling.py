@@ -4,7 +4,8 @@ Per row, in transformers' order: repetition penalty on the raw logits; then gree
 when temperature == 0, else temperature, top_k, top_p, min_p and a draw from the row's own
 seeded generator. All rows are processed as one tensor; only the uniform draws loop over rows
 (one per sampling row), so a request's tokens do not depend on what else is in the batch.
-The reported logprob is log_softmax of the raw logits at the chosen token.
+The reported logprob is log_softmax of the raw logits at the chosen token. An all-greedy batch
+takes the shard's `KernelOps.greedy_logprob` (one fused pass per row with the C++ kernels).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from quiver_server.batch_types import SamplingParams
-from quiver_server.kernels import cpu_ops
+from quiver_server.kernels.ops import KernelOps
+from quiver_server.kernels.torch_ops import greedy_logprob, logprob_at
 
 
 def validate(params: SamplingParams) -> None:
@@ -75,12 +77,14 @@ def sample(
     params: SamplingBatch,
     generators: Sequence[torch.Generator],
     seen: torch.Tensor | None = None,
+    ops: KernelOps | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V]; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
-    repetition penalty). Returns (tokens [B] long, logprobs [B] float32)."""
+    repetition penalty); ops: the shard's (None: plain torch throughout). Returns (tokens [B]
+    long, logprobs [B] float32)."""
     logits = logits.float()
-    if not params.uses_penalty and not params.sampling_rows and logits.device.type == "cpu" and cpu_ops.available():
-        return cpu_ops.greedy_logprob(logits)  # all rows greedy: one fused pass per row
+    if not params.uses_penalty and not params.sampling_rows:
+        return ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)
     scores = logits
     if params.uses_penalty:
         assert seen is not None, "rows with a repetition penalty need their seen tokens"
@@ -89,9 +93,7 @@ def sample(
     if params.sampling_rows:
         sampled = _draw(warp_scores(scores, params), params, generators)
         tokens = torch.where(params.temperature > 0, sampled, tokens)
-    # log_softmax at the chosen tokens only: no [B, V] output written.
-    logprobs = logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
-    return tokens, logprobs
+    return tokens, logprob_at(logits, tokens)
 
 
 def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

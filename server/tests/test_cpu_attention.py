@@ -1,5 +1,5 @@
 """The C++ paged decode attention (`kernels/cpu/paged_attention.cpp`) against the torch path
-(`decode_attention_torch`: gather the blocks, SDPA with a mask), which itself is held to
+(`attention_torch.decode_attention`: gather the blocks, SDPA with a mask), which itself is held to
 transformers by the model parity tests. Fragmented block tables, lengths on and off block
 boundaries, grouped-query heads, sliding windows and 16-bit caches."""
 
@@ -10,7 +10,10 @@ import torch
 
 from quiver_server.forward_batch import build_decode
 from quiver_server.kernels import cpu_ops
-from quiver_server.layers.attention import decode_attention, decode_attention_torch
+from quiver_server.kernels.attention_torch import decode_attention as decode_attention_torch
+from quiver_server.kernels.ops import select_ops
+
+CPU = torch.device("cpu")
 
 BLOCK = 16
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -34,7 +37,7 @@ def test_kernels_are_built_and_chosen_on_cpu() -> None:
     assert cpu_ops.available()
     q, k, v, batch = _case([7, 40], 4, 2, 32, torch.float32, seed=4)
     kernel = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, None)
-    assert torch.equal(decode_attention(q, k, v, batch, 0.2, None), kernel)
+    assert torch.equal(select_ops(CPU).decode_attention(q, k, v, batch, 0.2, None), kernel)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -47,7 +50,7 @@ def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> Non
     q, k, v, batch = _case(lengths, heads, kv_heads, head_dim, dtype, seed=heads * 7 + head_dim)
     scale = head_dim**-0.5
     want = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window)
-    got = decode_attention(q, k, v, batch, scale, window)
+    got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, window)
     assert got.dtype == dtype and got.shape == q.shape
     error = (got.float() - want).abs().max().item()
     assert error <= TOLERANCE[dtype] * max(want.abs().max().item(), 1.0), error

@@ -1,5 +1,6 @@
 """The paged KV cache and the attention that reads it, against a naive per-position reference
-(the semantics written in layers/attention.py's docstring)."""
+(the semantics written in layers/attention.py's docstring): decode attention both in plain torch
+and as the shard's ops run it here (the C++ kernel where it is built)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import torch
 
 from quiver_server.forward_batch import build_decode, build_prefill
 from quiver_server.kv_cache import KVCacheSpec, PagedKVCache
-from quiver_server.layers import attention
-from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
+from quiver_server.kernels import attention_torch
+from quiver_server.kernels.ops import KernelOps, select_ops
+from quiver_server.layers.attention import prefill_attention, write_kv
 
 CPU = torch.device("cpu")
 BLOCK = 4  # small blocks so short sequences cross several block boundaries
@@ -62,12 +64,17 @@ def test_write_kv_stores_each_token_in_its_block() -> None:
         assert torch.equal(cache.k[0][block, offset], k[p]) and torch.equal(cache.v[0][block, offset], v[p])
 
 
-@pytest.mark.parametrize("gather_bytes", [1 << 30, 1], ids=["one-group", "one-sequence-per-group"])
+@pytest.mark.parametrize(
+    "ops,gather_bytes",
+    [("torch", 1 << 30), ("torch", 1), ("selected", 1 << 30)],
+    ids=["torch-one-group", "torch-one-sequence-per-group", "selected"],
+)
 @pytest.mark.parametrize("window", [None, 3])
 def test_decode_attention_matches_reference(
-    window: int | None, gather_bytes: int, monkeypatch: pytest.MonkeyPatch
+    window: int | None, ops: str, gather_bytes: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(attention, "CPU_GATHER_BYTES", gather_bytes)
+    monkeypatch.setattr(attention_torch, "CPU_GATHER_BYTES", gather_bytes)
+    kernel_ops = select_ops(CPU) if ops == "selected" else KernelOps(CPU, "torch", None)
     generator = torch.Generator().manual_seed(0)
     lengths = [1, 6, 13]  # cached tokens before the new one
     spec = KVCacheSpec(1, KV_HEADS, HEAD_DIM, torch.float32, BLOCK)
@@ -79,7 +86,7 @@ def test_decode_attention_matches_reference(
     table = torch.tensor([t + [0] * (4 - len(t)) for t in tables])
     batch = build_decode(lengths, table, BLOCK, CPU)
     q = torch.randn(3, HEADS, HEAD_DIM, generator=generator)
-    out = decode_attention(q, cache.k[0], cache.v[0], batch, SCALE, window)
+    out = kernel_ops.decode_attention(q, cache.k[0], cache.v[0], batch, SCALE, window)
     for s, n in enumerate(lengths):
         slots = [(tables[s][p // BLOCK], p % BLOCK) for p in range(n + 1)]
         keys = torch.stack([cache.k[0][b, o] for b, o in slots])

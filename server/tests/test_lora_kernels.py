@@ -201,9 +201,9 @@ def test_cpu_kernels_build_here() -> None:
     # make install compiles them; a machine with a C++ compiler must have them (no silent
     # fallback to the torch path in the tests that claim to cover the kernels).
     assert cpu_ops.available()
-    from quiver_server.kernels import _backend
+    from quiver_server.kernels.ops import lora_backend
 
-    assert _backend(None, torch.device("cpu")) == "cpu"
+    assert lora_backend(torch.device("cpu")) == "cpu"
 
 
 def test_cpu_bgmv_rejects_bad_input() -> None:
@@ -221,9 +221,9 @@ def test_cpu_bgmv_rejects_bad_input() -> None:
 
 def test_cpu_slots_hold_lora_b_rank_major(tmp_path) -> None:
     # The layout the C++ kernel's fast expand path reads (see adapters/slots.py).
-    from quiver_server.adapters.slots import _b_buffer
+    from quiver_server.kernels.ops import select_ops
 
-    b = _b_buffer(3, 40, 8, torch.float32, torch.device("cpu"))
+    b = select_ops(torch.device("cpu")).lora_b_buffer(3, 40, 8, torch.float32)
     assert b.shape == (3, 40, 8) and b.transpose(1, 2).is_contiguous()
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from quiver_server.adapters.peft_config import LoraConfig, read_lora_config, resolve_targets
-from quiver_server.adapters.spec import PROJECTION_ORDER, BaseModelSpec
+from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.adapters.validation import check_adapter
 from quiver_server.batch_types import AdapterInfo
 
@@ -38,12 +38,11 @@ class LoadedAdapter:
     path: str
     rank: int
     scaling: float
-    weights: LoraPairs = field(repr=False)
+    weights: LoraPairs = field(repr=False)  # in the base's projection order (see load_adapter_dir)
 
     @property
     def target_modules(self) -> list[str]:
-        present = {name for _, name in self.weights}
-        return [name for name in PROJECTION_ORDER if name in present]
+        return list(dict.fromkeys(name for _, name in self.weights))
 
     @property
     def nbytes(self) -> int:
@@ -124,7 +123,12 @@ def load_adapter_dir(
         # Pinned pages let activation copy into a slot asynchronously.
         return converted.pin_memory() if pin_memory else converted
 
-    weights = {where: (host_copy(a), host_copy(b)) for where, (a, b) in pairs.items()}
+    # Ordered by projection as the base lists them, so `target_modules` reads in that order.
+    order = {name: index for index, name in enumerate(spec.projections)}
+    weights = {
+        (layer, name): (host_copy(a), host_copy(b))
+        for (layer, name), (a, b) in sorted(pairs.items(), key=lambda item: (order[item[0][1]], item[0][0]))
+    }
     return LoadedAdapter(
         adapter_id=adapter_id,
         path=str(adapter_dir),

@@ -20,7 +20,8 @@ from quiver_server.adapters.registry import AdapterRegistry
 from quiver_server.adapters.slots import AdapterSlots
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.batch_types import AdapterInfo
-from quiver_server.models.llama import LlamaForCausalLM
+from quiver_server.kernels.ops import KernelOps
+from quiver_server.models.family import ModelFamily
 
 log = logging.getLogger(__name__)
 
@@ -30,17 +31,17 @@ DISABLED = "LoRA adapters are disabled: warmup allocated no adapter slots (max_a
 class AdapterManager:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelFamily,
         config: dict[str, Any],
         dtype: torch.dtype,
-        device: torch.device,
+        ops: KernelOps,
         max_cpu_adapters: int,
     ) -> None:
         self.model = model
         self.dtype = dtype
-        self.device = device
+        self.ops = ops
         self.spec = BaseModelSpec.from_model(model, config)
-        self.registry = AdapterRegistry(self.spec, dtype, device, max_cpu_adapters)
+        self.registry = AdapterRegistry(self.spec, dtype, ops.device, max_cpu_adapters)
         self.slots: AdapterSlots | None = None  # None: adapters disabled (or no warmup yet)
         self._warmed_up = False
 
@@ -58,7 +59,7 @@ class AdapterManager:
         self._warmed_up = True
         if num_slots < 1:
             return
-        self.slots = AdapterSlots(self.model, self.spec, num_slots, max_rank, self.dtype, self.device)
+        self.slots = AdapterSlots(self.model, self.spec, num_slots, max_rank, self.dtype, self.ops)
         self.registry.max_rank = max_rank
         log.info("adapter slots: %d of rank up to %d (%.1f MiB)", num_slots, max_rank, self.slots.nbytes / 2**20)
 

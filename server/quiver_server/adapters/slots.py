@@ -1,7 +1,8 @@
 """Device tier: a fixed table of adapter slots, preallocated at warmup.
 
 For every layer and LoRA-capable projection there is one stacked pair of buffers,
-A [slots, max_rank, in] and B [slots, out, max_rank] in the serving dtype, plus one scaling
+A [slots, max_rank, in] and B [slots, out, max_rank] (laid out for the LoRA backend by
+`KernelOps.lora_b_buffer`) in the serving dtype, plus one scaling
 vector [slots] float32 shared by all projections. Slot s of every buffer belongs to one adapter:
 its rank-r weights fill rows/columns [:r], the rest stays zero (zero rank components add exact
 zeros), and the projections it does not target stay zero for that slot. The buffers are attached
@@ -20,34 +21,37 @@ import torch
 
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.kernels.ops import KernelOps
 from quiver_server.layers.linear import LoraPart
-from quiver_server.models.llama import LlamaForCausalLM
+from quiver_server.models.family import ModelFamily
 
 
 class AdapterSlots:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: ModelFamily,
         spec: BaseModelSpec,
         num_slots: int,
         max_rank: int,
         dtype: torch.dtype,
-        device: torch.device,
+        ops: KernelOps,
     ) -> None:
+        """ops: the shard's, which lay out the lora_B buffers for its LoRA backend."""
         if num_slots < 1 or max_rank < 1:
             raise ValueError(f"adapter slots need num_slots >= 1 and max_rank >= 1, got {num_slots}, {max_rank}")
         self.num_slots = num_slots
         self.max_rank = max_rank
+        device = ops.device
         self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.parts: dict[tuple[int, str], LoraPart] = {}
         for layer in range(spec.num_layers):
             for name, projection in spec.projections.items():
-                linear = model.projection(layer, name)
+                linear = spec.layout.linear(model, layer, name)
                 start, end = linear.part_columns[name]
                 part = LoraPart(
                     columns=slice(start, end),
                     lora_a=torch.zeros(num_slots, max_rank, projection.in_features, dtype=dtype, device=device),
-                    lora_b=_b_buffer(num_slots, projection.out_features, max_rank, dtype, device),
+                    lora_b=ops.lora_b_buffer(num_slots, projection.out_features, max_rank, dtype),
                     scaling=self.scaling,
                     ranks=torch.zeros(num_slots, dtype=torch.int32, device=device),
                 )
@@ -56,18 +60,18 @@ class AdapterSlots:
         self._adapters: list[str | None] = [None] * num_slots  # adapter id held by each slot
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots
 
-    def _attach(self, model: LlamaForCausalLM, spec: BaseModelSpec) -> None:
+    def _attach(self, model: ModelFamily, spec: BaseModelSpec) -> None:
         for layer in range(spec.num_layers):
             for name in spec.projections:
-                linear = model.projection(layer, name)  # fused parts: the same Linear again
+                linear = spec.layout.linear(model, layer, name)  # fused parts: the same Linear again
                 linear.lora_parts = [self.parts[(layer, part)] for part in linear.parts]
 
     @staticmethod
-    def detach(model: LlamaForCausalLM, spec: BaseModelSpec) -> None:
+    def detach(model: ModelFamily, spec: BaseModelSpec) -> None:
         """Removes any slot buffers from the model (adapters disabled)."""
         for layer in range(spec.num_layers):
             for name in spec.projections:
-                model.projection(layer, name).lora_parts = []
+                spec.layout.linear(model, layer, name).lora_parts = []
 
     @property
     def nbytes(self) -> int:
@@ -140,13 +144,3 @@ class AdapterSlots:
         for where, part in self.parts.items():
             part.in_use = where in targeted
 
-
-def _b_buffer(num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """The stacked lora_B buffer, [S, out, R] as every kernel takes it. On CPU it is a transposed
-    view of [S, R, out] storage: the C++ BGMV then expands with one vector sweep per rank and
-    skips a slot's padded ranks (see kernels/cpu/lora_bgmv.cpp); the torch paths take the view
-    as it is. CUDA keeps [S, out, R] contiguous for the Triton kernels."""
-    if device.type == "cpu":
-        return torch.zeros(num_slots, max_rank, out_features, dtype=dtype, device=device).transpose(1, 2)
-    return torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=device)

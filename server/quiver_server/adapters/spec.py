@@ -1,14 +1,12 @@
-"""What an adapter is checked against: the base model's LoRA-capable projections and shapes."""
+"""What an adapter is checked against: the base model's LoRA-capable projections and shapes,
+read from its family's `ProjectionLayout` (no model family is imported here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from quiver_server.models.llama import LORA_PROJECTIONS, NON_LORA_MODULES, LlamaForCausalLM
-
-# The projections in the order responses list them.
-PROJECTION_ORDER = tuple(LORA_PROJECTIONS)
+from quiver_server.models.family import ModelFamily, ProjectionLayout
 
 # config.json keys whose values must agree between the base an adapter was trained on (when
 # its adapter_config.json points at a local copy of it) and the base being served.
@@ -24,7 +22,6 @@ SHAPE_KEYS = (
 
 @dataclass(frozen=True)
 class Projection:
-    parent: str  # transformers module it sits under: "self_attn" or "mlp"
     in_features: int
     out_features: int
 
@@ -33,27 +30,33 @@ class Projection:
 class BaseModelSpec:
     model_type: str
     num_layers: int
-    projections: dict[str, Projection]  # q_proj ... down_proj
-    non_lora_modules: tuple[str, ...]  # module paths PEFT may name that we serve no LoRA on
+    layout: ProjectionLayout
+    projections: dict[str, Projection]  # the LoRA targets (q_proj ... down_proj), in the order responses list them
     config: dict[str, Any]  # the base's config.json
 
     @classmethod
-    def from_model(cls, model: LlamaForCausalLM, config: dict[str, Any]) -> BaseModelSpec:
+    def from_model(cls, model: ModelFamily, config: dict[str, Any]) -> BaseModelSpec:
+        layout = model.layout
         projections = {}
-        for name, parent in LORA_PROJECTIONS.items():
-            linear = model.projection(0, name)
-            projections[name] = Projection(parent, linear.in_features, linear.parts[name])
+        for name in layout.lora_targets:
+            linear = layout.linear(model, 0, name)
+            projections[name] = Projection(linear.in_features, linear.parts[name])
         return cls(
             model_type=str(config.get("model_type")),
             num_layers=model.config.num_layers,
+            layout=layout,
             projections=projections,
-            non_lora_modules=NON_LORA_MODULES,
             config=dict(config),
         )
 
+    @property
+    def non_lora_modules(self) -> tuple[str, ...]:
+        """Module paths PEFT may name that we serve no LoRA on (embeddings, the output head)."""
+        return self.layout.non_lora_modules
+
     def module_path(self, layer: int, name: str) -> str:
         """transformers' module path of a projection, as PEFT keys name it."""
-        return f"model.layers.{layer}.{self.projections[name].parent}.{name}"
+        return self.layout.module_path(layer, name)
 
     def module_paths(self) -> dict[str, tuple[int, str]]:
         """Every LoRA-capable module path -> (layer, projection name)."""

@@ -9,14 +9,14 @@ fused projection, which share x), over interchangeable backends.
 - "torch" (`lora_torch`): vectorised torch, no loop per token; the default elsewhere.
 - "reference" (`lora_reference`): the per-token loop that defines the semantics.
 
-The backend is picked per call from the tensors' device; `backend=` or the environment variable
-QUIVER_LORA_BACKEND (auto|triton|cpu|torch|reference) force one, e.g. to debug a suspected kernel bug
-in a running server with the reference.
+A shard chooses its backend once at load (`ops.select_ops`: QUIVER_LORA_BACKEND,
+auto|triton|cpu|torch|reference, else the device's default; e.g. to debug a suspected kernel bug
+in a running server with the reference) and `Linear` passes it as `backend=`. A call without one
+resolves it the same way (`ops.lora_backend`), for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -25,11 +25,9 @@ from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.lora_torch import add_lora_cpu, add_lora_torch
+from quiver_server.kernels.ops import BACKENDS, lora_backend
 
 __all__ = ["LoraBatchMeta", "LoraProjection", "add_lora", "add_lora_parts", "BACKENDS"]
-
-BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
-
 
 def _check(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -69,18 +67,12 @@ def _check(
     raise ValueError("add_lora: " + "; ".join(problems))
 
 
-def _backend(requested: str | None, device: torch.device) -> str:
-    name = requested or os.environ.get("QUIVER_LORA_BACKEND", "auto")
-    if name not in BACKENDS:
-        raise ValueError(f"unknown LoRA backend {name!r}, expected one of {BACKENDS}")
-    if name == "auto":
-        if device.type == "cuda":
-            return "triton"
-        return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
-    if name == "cpu" and not cpu_ops.available():
-        raise ValueError("LoRA backend 'cpu' asked for, but the C++ CPU kernels are not available "
-                         "(QUIVER_CPU_KERNELS=0, or they failed to build: see the shard's log)")
-    return name
+def _resolve(backend: str | None, device: torch.device) -> str:
+    """A concrete backend name passes as it is (the serving path's, checked at load); None or
+    "auto" is resolved, and an unknown name refused, by `lora_backend`."""
+    if backend is not None and backend != "auto" and backend in BACKENDS:
+        return backend
+    return lora_backend(device, backend)
 
 
 def add_lora(
@@ -98,7 +90,7 @@ def add_lora(
     if not meta.has_lora or x.shape[0] == 0:
         return
     _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
-    chosen = _backend(backend, x.device)
+    chosen = _resolve(backend, x.device)
     if chosen == "triton":
         from quiver_server.kernels.lora_triton import add_lora_triton  # imports triton lazily
 
@@ -151,7 +143,7 @@ class LoraProjection:
         for prefill segments."""
         if not meta.has_lora or x.shape[0] == 0:
             return
-        chosen = _backend(backend, x.device)
+        chosen = _resolve(backend, x.device)
         if chosen == "cpu" and self.one_call and (meta.is_decode or self.rank_major):
             if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
                     and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):

@@ -10,8 +10,9 @@ token's adapter delta into that part's columns with batched kernel calls (on CPU
 all parts of a decode step). Steps
 without adapter requests carry no LoRA metadata and pay nothing.
 
-On CPU, `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
-prepacked one (`kernels.cpu_gemm`).
+The shard's `KernelOps` decides the rest once at load: which LoRA backend the delta runs on,
+and whether `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
+prepacked one (float32 on CPU, `kernels.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels import LoraProjection, cpu_gemm
+from quiver_server.kernels.ops import KernelOps
 
 
 @dataclass
@@ -43,9 +45,10 @@ class LoraPart:
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, ops: KernelOps) -> None:
         """parts: checkpoint projection name -> output width, in output-column order."""
         super().__init__()
+        self.ops = ops
         self.in_features = in_features
         self.parts = dict(parts)
         self.out_features = sum(parts.values())
@@ -75,15 +78,16 @@ class Linear(nn.Module):
                 parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
                 self._lora, self._lora_key = (LoraProjection(parts) if parts else None), key
             if self._lora is not None:
-                self._lora.add(y, x, batch.lora)
+                self._lora.add(y, x, batch.lora, backend=self.ops.lora_backend)
         return y
 
     def pack_weight(self) -> bool:
-        """Replaces the plain weight by a prepacked one where `cpu_gemm` applies; True if it did.
-        Only after loading: `load_part` needs the plain weight."""
-        if self.weight is None or not cpu_gemm.available(self.weight):
+        """Replaces the plain weight by a prepacked one where the ops pack weights; True if it
+        did. Only after loading: `load_part` needs the plain weight."""
+        packed = self.ops.pack(self.weight) if self.weight is not None else None
+        if packed is None:
             return False
-        self.packed_weight = cpu_gemm.pack(self.weight)
+        self.packed_weight = packed
         self.weight = None  # the packed copy is the only one kept
         return True
 

@@ -7,6 +7,8 @@ Supported `rope_type`s: default, linear (position interpolation), llama3 (Llama 
 and dynamic (NTK). Dynamic NTK rescales only once a sequence grows past
 `max_position_embeddings`; below that it is exactly the default RoPE, and the engine never
 serves positions past `max_position_embeddings`, so it is the default here.
+
+The rotation itself is the shard's `KernelOps.rotary` (`kernels.torch_ops.rotary` states it).
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from typing import Any
 
 import torch
 
-from quiver_server.kernels import cpu_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
@@ -100,12 +101,3 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the (half-split, GPT-NeoX style) rotary embedding.
-    On CPU with the C++ kernels, in place (x is returned); otherwise a new tensor."""
-    if x.device.type == "cpu" and cpu_ops.available():
-        return cpu_ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

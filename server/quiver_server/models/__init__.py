@@ -1,8 +1,10 @@
 """Model registry: config.json's `model_type` -> the family implementation that serves it.
 
-A family is a torch module with `config` (vocab_size, num_layers, num_kv_heads, head_dim,
-max_position_embeddings), `forward(input_ids, batch, kv_cache) -> logits`, and a classmethod
-`load(model_dir, config, dtype, device)`.
+A family (`family.ModelFamily`) is a torch module with `config` (vocab_size, num_layers,
+num_kv_heads, head_dim, max_position_embeddings), `forward(input_ids, batch, kv_cache) -> logits`,
+a classmethod `load(model_dir, config, dtype, ops)`, and a `layout` of its projections
+(`family.ProjectionLayout`) that the adapter code reads. Adding a family: its own model file and
+an entry here.
 """
 
 from __future__ import annotations
@@ -12,14 +14,16 @@ from typing import Any
 
 import torch
 
+from quiver_server.kernels.ops import KernelOps, select_ops
 from quiver_server.models import llama
+from quiver_server.models.family import ModelFamily
 
-MODEL_FAMILIES: dict[str, type[llama.LlamaForCausalLM]] = {
+MODEL_FAMILIES: dict[str, type[ModelFamily]] = {
     model_type: llama.LlamaForCausalLM for model_type in llama.MODEL_TYPES
 }
 
 
-def family_for(config: dict[str, Any]) -> type[llama.LlamaForCausalLM]:
+def family_for(config: dict[str, Any]) -> type[ModelFamily]:
     model_type = config.get("model_type")
     family = MODEL_FAMILIES.get(str(model_type))
     if family is None:
@@ -29,6 +33,11 @@ def family_for(config: dict[str, Any]) -> type[llama.LlamaForCausalLM]:
 
 
 def load_model(
-    model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device
-) -> llama.LlamaForCausalLM:
-    return family_for(config).load(Path(model_dir), config, dtype, device)
+    model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device, ops: KernelOps | None = None
+) -> ModelFamily:
+    """The model on `device`, running `ops` (by default `select_ops(device)`: the shard passes its own)."""
+    if ops is None:
+        ops = select_ops(device)
+    elif ops.device != device:
+        raise ValueError(f"ops for {ops.device} cannot run a model on {device}")
+    return family_for(config).load(Path(model_dir), config, dtype, ops)

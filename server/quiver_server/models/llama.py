@@ -5,8 +5,9 @@ One decoder shape covers all three; what differs is read from config.json in
 attention window, Llama optional attention/MLP biases and RoPE scaling.
 
 Module and parameter names mirror transformers' (model.layers.N.self_attn...), except that
-q/k/v and gate/up are fused into one `Linear` each; `load_weights` maps checkpoint names onto
-the fused parts.
+q/k/v and gate/up are fused into one `Linear` each (`LAYOUT`); `load_weights` maps checkpoint
+names onto the fused parts. The ops (C++ kernels on CPU, torch elsewhere) are the shard's
+`KernelOps`, chosen once at load and handed to every layer.
 """
 
 from __future__ import annotations
@@ -14,47 +15,38 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import cpu_gemm, cpu_ops
+from quiver_server.kernels import cpu_gemm
+from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
-from quiver_server.layers.attention import decode_attention, prefill_attention, write_kv
+from quiver_server.layers.attention import prefill_attention, write_kv
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.norm import RMSNorm
-from quiver_server.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary
+from quiver_server.layers.rotary import RopeConfig, RotaryEmbedding
+from quiver_server.models.family import FusedProjection, ProjectionLayout
 from quiver_server.weights import iter_tensors
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 
-# Checkpoint projection name -> the fused Linear (sibling module) that holds it.
-FUSED_INTO = {
-    "q_proj": "qkv_proj",
-    "k_proj": "qkv_proj",
-    "v_proj": "qkv_proj",
-    "o_proj": "o_proj",
-    "gate_proj": "gate_up_proj",
-    "up_proj": "gate_up_proj",
-    "down_proj": "down_proj",
-}
-
-# The projections a LoRA adapter may target, and the transformers module each sits under:
-# PEFT names adapter weights by these paths (model.layers.N.self_attn.q_proj.lora_A.weight).
-LORA_PROJECTIONS = {
-    "q_proj": "self_attn",
-    "k_proj": "self_attn",
-    "v_proj": "self_attn",
-    "o_proj": "self_attn",
-    "gate_proj": "mlp",
-    "up_proj": "mlp",
-    "down_proj": "mlp",
-}
-# Modules PEFT could target that we do not serve LoRA on (embeddings, the output head).
-NON_LORA_MODULES = ("model.embed_tokens", "lm_head")
+# The projections, fused per Linear; LoRA may target every one of them. PEFT could also target
+# the embeddings and the output head, which we do not serve LoRA on.
+LAYOUT = ProjectionLayout(
+    layers="model.layers",
+    fused=(
+        FusedProjection("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+        FusedProjection("self_attn", "o_proj", ("o_proj",)),
+        FusedProjection("mlp", "gate_up_proj", ("gate_proj", "up_proj")),
+        FusedProjection("mlp", "down_proj", ("down_proj",)),
+    ),
+    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    non_lora_modules=("model.embed_tokens", "lm_head"),
+)
+FUSED_INTO = LAYOUT.fused_into
 
 
 @dataclass(frozen=True)
@@ -121,16 +113,17 @@ class LlamaConfig:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_index: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_index: int, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.sliding_window = cfg.sliding_windows[layer_index]
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = Linear(
-            cfg.hidden_size, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=cfg.qkv_bias
+            cfg.hidden_size, {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width}, bias=cfg.qkv_bias, ops=ops
         )
-        self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias)
+        self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, ops=ops)
 
     def forward(
         self,
@@ -148,13 +141,13 @@ class Attention(nn.Module):
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x, batch).view(tokens, heads + 2 * kv_heads, self.head_dim)
         # q and k heads sit side by side, so one rotary application covers both.
-        qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
+        qk = self.ops.rotary(qkv[:, : heads + kv_heads], cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         if batch.is_prefill:
             out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window)
         else:
-            out = decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
+            out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
         out = out.reshape(tokens, heads * self.head_dim)
         if rows is None:
             return self.o_proj(out, batch)
@@ -162,27 +155,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, ops: KernelOps) -> None:
         super().__init__()
+        self.ops = ops
         width = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, {"gate_proj": width, "up_proj": width}, bias=cfg.mlp_bias)
-        self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias)
+        self.gate_up_proj = Linear(
+            cfg.hidden_size, {"gate_proj": width, "up_proj": width}, bias=cfg.mlp_bias, ops=ops
+        )
+        self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias, ops=ops)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x, batch)
-        if gate_up.device.type == "cpu" and cpu_ops.available():
-            return self.down_proj(cpu_ops.silu_and_mul(gate_up), batch)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up, batch)
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x, batch)), batch)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer_index: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_index: int, ops: KernelOps) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_index)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer_index, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.mlp = MLP(cfg, ops)
 
     def forward(
         self,
@@ -202,18 +194,21 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, ops: KernelOps) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    layout: ClassVar[ProjectionLayout] = LAYOUT
+
+    def __init__(self, cfg: LlamaConfig, ops: KernelOps) -> None:
         super().__init__()
         self.config = cfg
-        self.model = Backbone(cfg)
+        self.ops = ops
+        self.model = Backbone(cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary: RotaryEmbedding | None = None  # built on the target device by `load`
         self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
@@ -236,10 +231,11 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(x)
 
     @classmethod
-    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps) -> LlamaForCausalLM:
         cfg = LlamaConfig.from_hf(config)
+        device = ops.device
         with torch.device("meta"):
-            model = cls(cfg)
+            model = cls(cfg, ops)
         # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
         model = model.to(dtype).to_empty(device=device)
         if cfg.tie_word_embeddings:
@@ -250,22 +246,15 @@ class LlamaForCausalLM(nn.Module):
         return model.eval()
 
     def pack_weights(self) -> None:
-        """CPU: every projection and the LM head on prepacked weights (`kernels.cpu_gemm`).
-        A tied LM head packs a copy: the embedding lookup still needs the plain table."""
+        """Every projection and the LM head on prepacked weights where the ops pack them (float32
+        on CPU, `kernels.cpu_gemm`). A tied LM head packs a copy: the embedding lookup still
+        needs the plain table."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight()
-        if cpu_gemm.available(self.lm_head.weight):
-            self.lm_head_packed = cpu_gemm.pack(self.lm_head.weight)
-            if not self.config.tie_word_embeddings:
-                self.lm_head.weight = None
-
-    def projection(self, layer: int, name: str) -> Linear:
-        """The (possibly fused) Linear of layer `layer` that computes projection `name`
-        (q_proj ... down_proj); its `part_columns[name]` are that projection's output columns."""
-        linear = self.get_submodule(f"model.layers.{layer}.{LORA_PROJECTIONS[name]}.{FUSED_INTO[name]}")
-        assert isinstance(linear, Linear)
-        return linear
+        self.lm_head_packed = self.ops.pack(self.lm_head.weight)
+        if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
+            self.lm_head.weight = None
 
     def checkpoint_names(self) -> set[str]:
         """The tensor names a transformers checkpoint of this config must contain."""

@@ -1,0 +1,73 @@
+"""Decode attention over the paged KV cache in plain torch: the path on CUDA and without the
+C++ kernels, and the reference `cpu_ops.paged_decode_attention` is tested against. The semantics
+are written in `layers/attention.py`'s docstring."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import would be a cycle
+    from quiver_server.forward_batch import ForwardBatch
+
+# On CPU, decode attention gathers the K/V of a few sequences at a time so the gathered copy
+# stays in cache instead of making a round trip through memory (decode is memory-bound there).
+CPU_GATHER_BYTES = 4 << 20
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, heads, d] attends to its sequence's cached K/V
+    (the new token's own K/V already written). Keys are gathered block-wise, per group of
+    sequences padded to the group's longest one; the padding is masked out."""
+    assert batch.block_tables is not None
+    num_seqs, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    # The g query heads sharing a KV head become g query rows against that head: no KV repeat.
+    qg = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+    mask = batch.decode_mask(sliding_window)
+    group = num_seqs
+    if q.device.type == "cpu":
+        per_sequence = 2 * batch.kv_span * kv_heads * head_dim * k_cache.element_size()
+        group = max(1, CPU_GATHER_BYTES // per_sequence)
+    if group >= num_seqs:
+        out = _attend_gathered(qg, k_cache, v_cache, batch.block_tables, mask, scale)
+        return out.reshape(num_seqs, heads, head_dim)
+    out = torch.empty_like(qg)
+    for start in range(0, num_seqs, group):
+        end = min(start + group, num_seqs)
+        blocks = -(-max(batch.seq_lens_host[start:end]) // block_size)
+        out[start:end] = _attend_gathered(
+            qg[start:end],
+            k_cache,
+            v_cache,
+            batch.block_tables[start:end, :blocks],
+            mask[start:end, :, :, : blocks * block_size],
+            scale,
+        )
+    return out.view(num_seqs, heads, head_dim)
+
+
+def _attend_gathered(
+    qg: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """qg [n, kv_heads, g, d] over the K/V of `block_tables` [n, nb] -> [n, kv_heads, g, d]."""
+    num_seqs, kv_heads, _, head_dim = qg.shape
+    flat_blocks = block_tables.reshape(-1)
+    k = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)

@@ -1,0 +1,142 @@
+"""The one place a shard's ops are chosen: `select_ops(device)`, called once at load, returns the
+`KernelOps` the model's layers, the sampler and the adapter slots receive. Nothing outside
+`kernels/` asks which device or which kernels it runs on.
+
+- `KernelOps`: plain torch (`torch_ops`, `attention_torch`): CUDA, and CPU where the C++ kernels
+  are off (QUIVER_CPU_KERNELS=0) or failed to build. Also the semantics the kernels must match.
+- `CpuKernelOps`: the C++ kernels (`cpu_ops`) for the row ops, decode attention and greedy
+  sampling, on CPU where they are built.
+
+Chosen with them: the LoRA backend (`lora_backend`: QUIVER_LORA_BACKEND, else the device's
+default), the packed matmul for float32 CPU weights (`cpu_gemm`), and the layout of the adapter
+slots' lora_B buffers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from quiver_server.kernels import attention_torch, cpu_gemm, cpu_ops, torch_ops
+
+if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import would be a cycle
+    from quiver_server.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
+
+
+def lora_backend(device: torch.device, requested: str | None = None) -> str:
+    """The LoRA backend for tensors on `device`: `requested`, else QUIVER_LORA_BACKEND, else
+    ("auto") Triton on CUDA, the C++ kernels on CPU where they are built, torch otherwise."""
+    name = requested or os.environ.get("QUIVER_LORA_BACKEND", "auto")
+    if name not in BACKENDS:
+        raise ValueError(f"unknown LoRA backend {name!r}, expected one of {BACKENDS}")
+    if name == "auto":
+        if device.type == "cuda":
+            return "triton"
+        return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
+    if name == "cpu" and not cpu_ops.available():
+        raise ValueError("LoRA backend 'cpu' asked for, but the C++ CPU kernels are not available "
+                         "(QUIVER_CPU_KERNELS=0, or they failed to build: see the shard's log)")
+    return name
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The plain-torch ops. `lora_backend` is what `Linear` passes to the LoRA kernels;
+    `packed_matmul` ("quiver", "onednn" or None) what float32 CPU weights are packed for."""
+
+    device: torch.device
+    lora_backend: str
+    packed_matmul: str | None
+    name: ClassVar[str] = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch_ops.rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by cos, sin [T, 1, D]. May work in place: use the result."""
+        return torch_ops.rotary(x, cos, sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch_ops.silu_and_mul(gate_up)
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float, sliding_window: int | None,
+    ) -> torch.Tensor:
+        """q [B, heads, d], one new token per sequence, over its sequence's cached K/V (the new
+        token's own K/V already written); semantics in `layers/attention.py`."""
+        return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+
+    def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 [B, V] -> (argmax token [B] long, its log-softmax [B] float32)."""
+        return torch_ops.greedy_logprob(logits)
+
+    def pack(self, weight: torch.Tensor) -> cpu_gemm.PackedWeight | None:
+        """`weight` packed for `cpu_gemm.linear`, or None where it stays a plain `F.linear` weight
+        (CUDA, 16-bit, QUIVER_CPU_PACKED_WEIGHTS=0)."""
+        if self.packed_matmul is None or not cpu_gemm.available(weight):
+            return None
+        return cpu_gemm.pack(weight, self.packed_matmul)
+
+    def lora_b_buffer(self, num_slots: int, out_features: int, max_rank: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed stacked lora_B buffer, [S, out, R] as every LoRA backend takes it. On CPU a
+        transposed view of [S, R, out] storage: the C++ BGMV then expands with one vector sweep
+        per rank and skips a slot's padded ranks (kernels/cpu/lora_bgmv.cpp), and the torch paths
+        take the view as it is (kept with the torch ops too, so both give the same numbers).
+        CUDA keeps [S, out, R] contiguous for the Triton kernels."""
+        if self.device.type == "cpu":
+            storage = torch.zeros(num_slots, max_rank, out_features, dtype=dtype, device=self.device)
+            return storage.transpose(1, 2)
+        return torch.zeros(num_slots, out_features, max_rank, dtype=dtype, device=self.device)
+
+
+@dataclass(frozen=True)
+class CpuKernelOps(KernelOps):
+    """The C++ kernels (`cpu_ops`), each a faster form of the torch op it replaces."""
+
+    name: ClassVar[str] = "cpu"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2:  # the kernel takes rows of a matrix
+            return torch_ops.rms_norm(x, weight, eps)
+        return cpu_ops.rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return cpu_ops.silu_and_mul(gate_up)
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float, sliding_window: int | None,
+    ) -> torch.Tensor:
+        # Reads the cache in place, where the torch path gathers every sequence's blocks first.
+        assert batch.block_tables is not None and batch.seq_lens is not None
+        return cpu_ops.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
+                                              scale, sliding_window)
+
+    def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cpu_ops.greedy_logprob(logits)  # one fused pass per row
+
+
+def select_ops(device: torch.device) -> KernelOps:
+    """The ops for a shard on `device`, from what is built here and the QUIVER_* switches
+    (QUIVER_CPU_KERNELS, QUIVER_LORA_BACKEND; QUIVER_CPU_PACKED_WEIGHTS is read per weight)."""
+    backend = lora_backend(device)
+    ops: KernelOps
+    if device.type == "cpu" and cpu_ops.available():
+        ops = CpuKernelOps(device, backend, packed_matmul="quiver")
+    else:
+        # oneDNN's packing where quiver's C++ matmul is not built (cpu_gemm checks it exists).
+        ops = KernelOps(device, backend, packed_matmul="onednn" if device.type == "cpu" else None)
+    log.info("ops: %s, LoRA backend %s, packed matmul %s", ops.name, ops.lora_backend, ops.packed_matmul)
+    return ops
