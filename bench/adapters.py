@@ -60,12 +60,13 @@ def _meta_peft_model(model_dir: Path, rank: int, dtype: torch.dtype):
 def _randomise(model, generator: torch.Generator, dtype: torch.dtype) -> None:
     """Replaces every LoRA weight (on meta) by a real random tensor: A [r, in] with unit-variance
     rank components, B [out, r] at SCALE."""
-    for module_name, module in model.named_modules():
+    for module in model.modules():
         for part in ("lora_A", "lora_B"):
             holder = getattr(module, part, None)
             if not isinstance(holder, torch.nn.ModuleDict):
                 continue
             for linear in holder.values():
+                assert isinstance(linear, torch.nn.Linear), linear
                 out_features, in_features = linear.weight.shape
                 weight = torch.randn(out_features, in_features, generator=generator) / in_features ** 0.5
                 if part == "lora_B":

@@ -12,7 +12,8 @@ def load(model_dir: str, device: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
-    return model.to(device).eval()
+    # transformers types `to` through a wrapper that takes the device for `self`.
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def sync(device: str) -> None:

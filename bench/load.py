@@ -8,6 +8,7 @@ frontend with that many users), so the server always has about `concurrency` str
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ class StreamTiming:
         return self.token_times[0] - self.sent_at
 
     def inter_token(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+        return [b - a for a, b in itertools.pairwise(self.token_times)]
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dic
         # first-call paths, and each adapter loaded and in a device slot (steady state is what
         # is measured; the first request of an adapter also pays for reading it from disk).
         await asyncio.gather(*(_stream_once(conn, model, workload.prompts[0], 4)
-                               for conn, model in zip(conns, workload.models)))
+                               for conn, model in zip(conns, workload.models, strict=False)))
         cpu_started, started = time.process_time(), time.perf_counter()
         per_client = await asyncio.gather(
             *(_client_loop(conns[i], workload, i, concurrency) for i in range(concurrency))

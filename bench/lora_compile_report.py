@@ -47,6 +47,14 @@ def ptxas() -> str:
     raise SystemExit(f"no ptxas under {bin_dir}")
 
 
+def _ptxas_number(pattern: str, report: str) -> int:
+    """The number `pattern` captures in ptxas' `-v` report."""
+    match = re.search(pattern, report)
+    if match is None:
+        raise RuntimeError(f"ptxas -v printed nothing matching {pattern!r}:\n{report[-2000:]}")
+    return int(match.group(1))
+
+
 def compile_plan(kernel, pointers: dict[str, str], ints: dict[str, int], constexprs: dict,
                  num_warps: int, arch: int) -> dict:
     names = kernel.arg_names
@@ -73,8 +81,8 @@ def compile_plan(kernel, pointers: dict[str, str], ints: dict[str, int], constex
     if out.returncode != 0:
         return {"ptxas_error": out.stderr[-2000:]}
     return {
-        "registers": int(re.search(r"Used (\d+) registers", out.stderr).group(1)),
-        "spill_store_bytes": int(re.search(r"(\d+) bytes spill stores", out.stderr).group(1)),
+        "registers": _ptxas_number(r"Used (\d+) registers", out.stderr),
+        "spill_store_bytes": _ptxas_number(r"(\d+) bytes spill stores", out.stderr),
         "shared_bytes": compiled.metadata.shared,
         "global_loads": sorted(set(re.findall(r"ld\.global[.\w]*", ptx))),
         "matrix_ops": sorted(set(re.findall(r"wgmma\.mma_async[.\w]*|mma\.sync[.\w]*", ptx))),

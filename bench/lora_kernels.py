@@ -27,6 +27,7 @@ Prints ONE JSON report on stdout and writes it to bench/results/; progress goes 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -35,8 +36,10 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 
@@ -261,8 +264,8 @@ def strategy(name: str):
     return run
 
 
-def backends(case: Case, device: str, quick: bool) -> dict:
-    out = {"torch": lora_torch.add_lora_torch}
+def backends(case: Case, device: str, quick: bool) -> dict[str, Callable[..., None]]:
+    out: dict[str, Callable[..., None]] = {"torch": lora_torch.add_lora_torch}
     if device == "cuda" or quick:
         from quiver_server.kernels.lora_triton import add_lora_triton
         out = {"triton": add_lora_triton, **out}
@@ -314,7 +317,7 @@ def run_case(case: Case, args, dtype: torch.dtype, bandwidth: float) -> dict:
     # Correctness first, on pristine inputs (timing below accumulates into the sets' y).
     errors = {name: relative_error(fn, probe, meta, want) for name, fn in chosen.items()}
     for name, fn in chosen.items():
-        result = {"rel_error": errors[name]}
+        result: dict[str, Any] = {"rel_error": errors[name]}
         result["us"] = time_eager(fn, sets, meta, device, args.min_time_ms, repeats) * 1e6
         result["x_floor"] = result["us"] / row["floor_us"]
         if name == "triton" and device == "cuda":
@@ -329,10 +332,9 @@ def run_case(case: Case, args, dtype: torch.dtype, bandwidth: float) -> dict:
     if args.sweep and device == "cuda":
         from quiver_server.kernels.lora_triton import add_lora_triton
         probe.y.copy_(sets_y0)
-        timings = []
+        timings: list[dict[str, Any]] = []
         for config in sweep_configs(case):
-            def fn(*a, config=config):
-                add_lora_triton(*a, config=config)
+            fn = functools.partial(add_lora_triton, config=config)
             try:
                 error = relative_error(fn, probe, meta, want)
                 us = time_graph(fn, sets, meta, repeats) * 1e6
@@ -363,6 +365,8 @@ def summary(rows: list[dict]) -> None:
 
 def main() -> None:
     args = ARGS
+    if args is None:
+        raise SystemExit("bench/lora_kernels.py is a script: run it with python, not import it")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":

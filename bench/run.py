@@ -162,7 +162,8 @@ def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts
         log(f"transformers+peft one at a time, {scenario.name}: {len(requests)} of {total} requests")
         results[scenario.name], outputs = server.measure(requests, args.max_tokens, args.repeats, total)
         if scenario.name in quiver_texts:
-            results[scenario.name]["agreement_with_quiver"] = peft_baseline.agreement(quiver_texts[scenario.name], outputs)
+            results[scenario.name]["agreement_with_quiver"] = peft_baseline.agreement(
+                quiver_texts[scenario.name], outputs)
     del server
     bench_model.release_device_memory()
     return results

@@ -67,8 +67,14 @@ class SseConnection:
         if headers.get("connection", "").lower() == "close":
             await self.close()
 
+    @property
+    def _connected_reader(self) -> asyncio.StreamReader:
+        if self._reader is None:
+            raise HttpError("the connection is closed")
+        return self._reader
+
     async def _read_head(self) -> tuple[int, dict[str, str]]:
-        raw = await self._reader.readuntil(b"\r\n\r\n")
+        raw = await self._connected_reader.readuntil(b"\r\n\r\n")
         lines = raw.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
         headers = {}
@@ -81,14 +87,14 @@ class SseConnection:
     async def _read_body(self, headers: dict[str, str]) -> bytes:
         if headers.get("transfer-encoding", "").lower() == "chunked":
             return b"".join([chunk async for chunk in self._chunks()])
-        return await self._reader.readexactly(int(headers.get("content-length", "0")))
+        return await self._connected_reader.readexactly(int(headers.get("content-length", "0")))
 
     async def _chunks(self) -> AsyncIterator[bytes]:
         while True:
-            size_line = await self._reader.readuntil(b"\r\n")
+            size_line = await self._connected_reader.readuntil(b"\r\n")
             size = int(size_line.split(b";", 1)[0], 16)
             if size == 0:
-                await self._reader.readuntil(b"\r\n")  # no trailers from our router
+                await self._connected_reader.readuntil(b"\r\n")  # no trailers from our router
                 return
-            data = await self._reader.readexactly(size + 2)
+            data = await self._connected_reader.readexactly(size + 2)
             yield data[:-2]

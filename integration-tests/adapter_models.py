@@ -24,11 +24,11 @@ import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import peft
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, LlamaConfig
 
 import reference
 from model_builders import CHAT_TEMPLATE, build_model_dir
@@ -90,7 +90,7 @@ def build_adapter(base_dir: Path, out_dir: Path, seed: int, **lora_config: Any) 
     model = peft.get_peft_model(base, peft.LoraConfig(task_type="CAUSAL_LM", **lora_config))
     randomise_lora(model, seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(str(out_dir))
     return out_dir
 
 
@@ -189,8 +189,11 @@ def start_stack(adapters: AdapterSet, log_dir: Path, name: str, max_active_adapt
 
 
 @lru_cache(maxsize=32)
-def peft_model(base_dir: str, adapter_dir: str | None) -> torch.nn.Module:
-    """The base from disk, with the adapter from disk on top (None: the bare base)."""
+def peft_model(base_dir: str, adapter_dir: str | None) -> Any:
+    """The base from disk, with the adapter from disk on top (None: the bare base).
+
+    Typed Any: a PeftModel passes `generate` on to the base through `__getattr__`, which its
+    types do not show."""
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     if adapter_dir is None:
         return base.eval()
@@ -236,7 +239,8 @@ def chat_ids(adapters: AdapterSet, messages: list[dict], chat_template: str | No
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or adapters.base_dir)
     encoded = tokenizer.apply_chat_template(messages, chat_template=chat_template,
                                             add_generation_prompt=True, tokenize=True)
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+    # One conversation, tokenized: a flat list of ids (in a BatchEncoding when it returns a dict).
+    return list(cast(list[int], encoded["input_ids"] if isinstance(encoded, BatchEncoding) else encoded))
 
 
 class PeakRunning:
@@ -261,7 +265,7 @@ class PeakRunning:
             self.value = max(self.value, value)
             self.samples += 1
 
-    def __enter__(self) -> "PeakRunning":
+    def __enter__(self) -> PeakRunning:
         self._thread.start()
         return self
 

@@ -4,6 +4,7 @@ OpenAI SDK clients pointed at it."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,7 +96,7 @@ class StackPool:
 
 
 @pytest.fixture(scope="session")
-def pool(tmp_path_factory) -> StackPool:
+def pool(tmp_path_factory) -> Iterator[StackPool]:
     pool = StackPool(tmp_path_factory.mktemp("quiver"))
     yield pool
     pool.close()
@@ -108,6 +109,6 @@ def llama(pool) -> Served:
 
 
 @pytest.fixture
-def client(llama) -> openai.OpenAI:
+def client(llama) -> Iterator[openai.OpenAI]:
     with llama.client() as c:
         yield c

@@ -7,7 +7,9 @@ input to both sides, not part of the reference.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import processors
@@ -61,8 +63,13 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return fast
 
 
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    # `convert_tokens_to_ids` is typed for a list of tokens as well; the vocabulary is plain.
+    return tokenizer.get_vocab()[token]
+
+
 def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -80,12 +87,14 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
         initializer_range=0.1,
     )
     if arch == "llama":
-        return LlamaConfig(**common, rope_theta=10000.0)
+        return LlamaConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     if arch == "mistral":
         # Mistral 7B v0.1's window; longer than any test sequence, so it changes no result.
-        return MistralConfig(**common, rope_theta=10000.0, sliding_window=4096)
+        return MistralConfig(**common, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                             sliding_window=4096)
     if arch == "qwen2":
-        return Qwen2Config(**common, rope_theta=1000000.0, use_sliding_window=False)
+        return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                           use_sliding_window=False)
     raise ValueError(f"unknown architecture {arch}")
 
 
@@ -97,13 +106,13 @@ def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 
     """
     tokenizer = build_tokenizer()
     vocab_size = len(tokenizer)
-    eos_id = tokenizer.convert_tokens_to_ids(EOS)
+    eos_id = _token_id(tokenizer, EOS)
     config = _config(
         arch,
         vocab_size,
-        bos_id=tokenizer.convert_tokens_to_ids(BOS),
+        bos_id=_token_id(tokenizer, BOS),
         eos_id=eos_id,
-        pad_id=tokenizer.convert_tokens_to_ids(PAD),
+        pad_id=_token_id(tokenizer, PAD),
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -141,13 +150,12 @@ def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT) -> Path:
     weights happening to produce such text.
     """
     tokenizer = build_tokenizer()
-    start = tokenizer.convert_tokens_to_ids("Ċ")  # "\n": the end of the chat generation prompt
-    chain = [start, *tokenizer(text, add_special_tokens=False)["input_ids"],
-             tokenizer.convert_tokens_to_ids(EOS)]
+    start = _token_id(tokenizer, "Ċ")  # "\n": the end of the chat generation prompt
+    chain = [start, *tokenizer(text, add_special_tokens=False)["input_ids"], _token_id(tokenizer, EOS)]
     if len(set(chain[:-1])) != len(chain) - 1:
         raise ValueError(f"{text!r} repeats a token: the next token would not be a function of the last")
-    config = _config("llama", len(tokenizer), bos_id=tokenizer.convert_tokens_to_ids(BOS),
-                     eos_id=chain[-1], pad_id=tokenizer.convert_tokens_to_ids(PAD))
+    config = _config("llama", len(tokenizer), bos_id=_token_id(tokenizer, BOS),
+                     eos_id=chain[-1], pad_id=_token_id(tokenizer, PAD))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
@@ -160,7 +168,7 @@ def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT) -> Path:
         head.normal_(0.0, 0.01)
         # Token t's hidden state is (nearly) its normalised embedding: the row of its successor
         # is that embedding, so the successor's logit (~hidden_size) dwarfs every other (~±8).
-        for current, successor in zip(chain, chain[1:]):
+        for current, successor in itertools.pairwise(chain):
             head[successor] = embeddings[current]
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=chain[-1], pad_token_id=config.pad_token_id

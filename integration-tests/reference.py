@@ -73,7 +73,7 @@ def assert_greedy_parity(served: list[int], reference: Greedy, context: str = ""
     only where the reference's top-two logits are within TIE_TOLERANCE (after it the two
     continuations legitimately differ, so comparison stops there)."""
     ref = reference.token_ids
-    for pos, (got, want) in enumerate(zip(served, ref)):
+    for pos, (got, want) in enumerate(zip(served, ref, strict=False)):
         if got == want:
             continue
         gap = top_two_gap(reference.logits[pos])

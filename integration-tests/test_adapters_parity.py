@@ -49,7 +49,7 @@ def _client(stack, cls):
 def _requests(adapters) -> list[tuple[str | None, str, object]]:
     """(adapter id or None for the base, kind of request, prompt or messages) for every model."""
     models = [None] + [adapters.kind_id(kind) for kind in ADAPTER_KINDS]
-    out = []
+    out: list[tuple[str | None, str, object]] = []
     for model in models:
         out += [(model, "completion", prompt) for prompt in COMPLETION_PROMPTS]
         out.append((model, "chat", CHAT))
@@ -105,7 +105,7 @@ def test_burst_mixing_every_kind_and_the_base_equals_peft(adapters, stack):
     peak = PeakRunning(stack)
     with peak:
         responses = asyncio.run(main())
-    for (model, kind, prompt), response in zip(requests, responses):
+    for (model, kind, prompt), response in zip(requests, responses, strict=True):
         _check(adapters, model, kind, prompt, response, f"burst {model or 'base'} {kind} {prompt!r}")
     # Proof that they shared batches rather than running one after another.
     print(f"burst: peak {peak.value} of {peak.samples} samples")

@@ -43,7 +43,7 @@ def _complete(client, model: str, **extra):
                                      extra_body={**RETURN_TOKEN_IDS, **extra})
 
 
-def _refused(adapters, client, model: str, status_error: type, code: str, **extra) -> str:
+def _refused(adapters, client, model: str, status_error: type[openai.APIStatusError], code: str, **extra) -> str:
     """Sends a completion for `model`, checks the error's status, code and shape; its message."""
     with pytest.raises(status_error) as caught:
         _complete(client, model, **extra)

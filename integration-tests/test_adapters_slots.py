@@ -91,7 +91,7 @@ def test_rotation_one_at_a_time_equals_peft(adapters, stack):
     """Every request needs an adapter that is not in a slot (the last two used are): an eviction
     and a copy per request."""
     requests = _rotation(2)
-    for (model, prompt), response in zip(requests, _run(stack, requests, concurrent=False)):
+    for (model, prompt), response in zip(requests, _run(stack, requests, concurrent=False), strict=True):
         _check(adapters, model, prompt, response, f"sequential {model or 'base'} {prompt!r}")
 
 
@@ -101,7 +101,7 @@ def test_rotation_all_at_once_equals_peft(adapters, stack):
     requests = _rotation(ROUNDS)
     with PeakRunning(stack, "quiver_adapters_active") as active, PeakRunning(stack) as running:
         responses = _run(stack, requests, concurrent=True)
-    for (model, prompt), response in zip(requests, responses):
+    for (model, prompt), response in zip(requests, responses, strict=True):
         _check(adapters, model, prompt, response, f"concurrent {model or 'base'} {prompt!r}")
     # The server really worked with two slots, and really ran requests side by side.
     assert stack.metrics()["quiver_adapter_slots"] == SLOTS
@@ -112,6 +112,6 @@ def test_rotation_all_at_once_equals_peft(adapters, stack):
 def test_bursts_on_every_adapter_at_once(adapters, stack):
     """Several requests per adapter, for all six, in one burst: no adapter's queue starves."""
     requests = [(model, prompt) for prompt in COMPLETION_PROMPTS for model in ROTATION]
-    for (model, prompt), response in zip(requests, _run(stack, requests, concurrent=True)):
+    for (model, prompt), response in zip(requests, _run(stack, requests, concurrent=True), strict=True):
         _check(adapters, model, prompt, response, f"burst {model} {prompt!r}")
     assert stack.get("/health")[0] == 200

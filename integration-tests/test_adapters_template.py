@@ -93,5 +93,5 @@ def test_templates_stay_per_request_in_a_concurrent_mix(adapters, stack):
                                       timeout=120) as client:
             return await asyncio.wait_for(asyncio.gather(*(_chat(client, m, msgs) for m, msgs in requests)), 180)
 
-    for (model, messages), response in zip(requests, asyncio.run(main())):
+    for (model, messages), response in zip(requests, asyncio.run(main()), strict=True):
         _check(adapters, model, messages, response)

@@ -80,7 +80,7 @@ class CachedBatch:
     def record(self, tokens: torch.Tensor, token_list: list[int], fed_last_token: bool) -> None:
         """Stores the tokens just sampled (their K/V get cached by the next step); after a decode
         step the previous last token (`fed_last_token`) is now in the cache."""
-        for request, token in zip(self.requests, token_list):
+        for request, token in zip(self.requests, token_list, strict=True):
             request.length += fed_last_token
             request.last_token = token
         if self._seen is not None:

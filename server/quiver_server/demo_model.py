@@ -152,7 +152,8 @@ def _write_files(out: Path, seed: int) -> None:
     tokenizer.model_max_length = MAX_POSITIONS
     tokenizer.save_pretrained(out)
 
-    token_id = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    vocab = tokenizer.get_vocab()
+    token_id = {token: vocab[token] for token in SPECIAL_TOKENS}
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=HIDDEN_SIZE,
@@ -167,7 +168,7 @@ def _write_files(out: Path, seed: int) -> None:
         pad_token_id=token_id[ENDOFTEXT],
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = LlamaForCausalLM(config).float().eval()
     model.generation_config = GenerationConfig(
         bos_token_id=token_id[ENDOFTEXT],
         # Like Qwen2 instruct models: the end of a turn or of the text both stop generation.

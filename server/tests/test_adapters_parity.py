@@ -119,7 +119,7 @@ def test_prefill_and_decode_logits_equal_peft_in_one_mixed_batch(setup: Setup) -
     batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens)), lora_rows=batch.lora)
     logits = engine.model(torch.tensor([t for p in prompts for t in p]), batch, cache).split(lens)
     base_logits = setup.reference_model(None)(torch.tensor([prompts[1]])).logits[0]
-    for kind, prompt, ours in zip(kinds, prompts, logits):
+    for kind, prompt, ours in zip(kinds, prompts, logits, strict=True):
         expected = setup.reference_model(kind)(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0, msg=lambda m, k=kind: f"{k}: {m}")
     # The adapters matter: peft's logits with the first adapter are far from the base's.
@@ -132,7 +132,7 @@ def test_prefill_and_decode_logits_equal_peft_in_one_mixed_batch(setup: Setup) -
         fed = [(17 * step + 5 * i + 3) % 300 for i in range(len(kinds))]
         batch = build_decode([len(s) for s in sequences], table, BLOCK_SIZE, engine.device, decode_lora)
         logits = engine.model(torch.tensor(fed), batch, cache)
-        for i, (kind, token) in enumerate(zip(kinds, fed)):
+        for i, (kind, token) in enumerate(zip(kinds, fed, strict=True)):
             sequences[i].append(token)
             expected = setup.reference_model(kind)(torch.tensor([sequences[i]])).logits[0, -1]
             torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0, msg=lambda m, k=kind: f"{k}: {m}")

@@ -152,7 +152,7 @@ def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
     engine.activate_adapter("qv-only", 0)  # replaces rank16: the projections it skips drop to 0
     assert ranks(0) == {"q_proj": {8}, "k_proj": {0}, "v_proj": {8}, "o_proj": {0},
                         "gate_proj": {0}, "up_proj": {0}, "down_proj": {0}}
-    for (_, name), part in parts.items():  # the rows past a slot's rank are zero, as promised
+    for part in parts.values():  # the rows past a slot's rank are zero, as promised
         for slot in (0, 1):
             rank = int(part.ranks[slot])
             assert not part.lora_a[slot, rank:].any() and not part.lora_b[slot, :, rank:].any()

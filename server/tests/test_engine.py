@@ -25,9 +25,12 @@ CACHE_GIB = 0.01
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
-def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, list[int]]]:
+def model(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[int, list[int]]]:
     """A tiny model and transformers' greedy continuation of each prompt, generated alone."""
-    path = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param, seed=ARCHITECTURES.index(request.param))
+    path = build_tiny_model(tmp_path_factory.mktemp(request.param), request.param,
+                            seed=ARCHITECTURES.index(request.param))
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = {}
     for rid, prompt in PROMPTS.items():
@@ -182,7 +185,8 @@ def llama_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
         (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, adapter_id="a"), "adapter 'a' is not active"),
         (RequestSpec(id=1, input_ids=[5], blocks=[0] * 80, max_new_tokens=1200), "max_position_embeddings"),
         (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, sampling=SamplingParams(top_p=0.0)), "top_p"),
-        (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, sampling=SamplingParams(temperature=-1)), "temperature"),
+        (RequestSpec(id=1, input_ids=[5], blocks=[0], max_new_tokens=4, sampling=SamplingParams(temperature=-1)),
+         "temperature"),
     ],
     ids=["empty-prompt", "token-id", "short-block-table", "block-id", "adapter", "too-long", "top-p", "temperature"],
 )

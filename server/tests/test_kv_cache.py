@@ -30,7 +30,7 @@ def _reference_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
         visible = [i for i in range(position + 1) if window is None or i > position - window]
         scores = torch.stack([q[head] @ keys[i, head // group] * SCALE for i in visible])
         weights = torch.softmax(scores, dim=0)
-        out[head] = sum(w * values[i, head // group] for w, i in zip(weights, visible))
+        out[head] = sum(w * values[i, head // group] for w, i in zip(weights, visible, strict=True))
     return out
 
 

@@ -46,7 +46,8 @@ CASES = {
     "llama-attention-and-mlp-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-rope-llama3": ("llama", {"rope_parameters": LLAMA3_ROPE}),
     "llama-rope-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}}),
-    "llama-rope-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama-rope-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                         "factor": 2.0}}),
     "mistral-sliding-window": ("mistral", {"sliding_window": 6}),
     "qwen2-sliding-window-layer": (
         "qwen2",
@@ -92,7 +93,7 @@ def test_prefill_then_decode_logits_match_transformers(case: tuple[Path, transfo
     batch = build_prefill(lens, table, BLOCK_SIZE, CPU)
     batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens)))
     ours = model(torch.tensor([t for p in prompts for t in p]), batch, kv_cache).split(lens)
-    for prompt, logits in zip(prompts, ours):
+    for prompt, logits in zip(prompts, ours, strict=True):
         expected = reference(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
 
@@ -112,7 +113,8 @@ def test_prefill_then_decode_logits_match_transformers(case: tuple[Path, transfo
     "rope_config",
     [
         {"rope_theta": 10000.0},
-        {"rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}},
+        {"rope_theta": 500000.0,
+         "rope_scaling": {"rope_type": "llama3", **{k: v for k, v in LLAMA3_ROPE.items() if k != "rope_theta"}}},
         {"rope_theta": 1000.0, "rope_scaling": {"type": "linear", "factor": 2.0}},
         {"rope_theta": 1000.0, "rope_scaling": {"type": "dynamic", "factor": 2.0}},
         {"rope_parameters": LLAMA3_ROPE},

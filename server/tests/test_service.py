@@ -80,7 +80,7 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int)
 def assert_matches_reference(got: list[int], logprobs: list[float], ref: Reference) -> None:
     """Token-for-token equality, except after a position where the reference itself is a tie."""
     assert len(got) == len(ref.tokens)
-    for position, (token, logprob, want, logits) in enumerate(zip(got, logprobs, ref.tokens, ref.logits)):
+    for position, (token, logprob, want, logits) in enumerate(zip(got, logprobs, ref.tokens, ref.logits, strict=True)):
         if token != want:
             top2 = torch.topk(logits, 2).values
             assert float(top2[0] - top2[1]) < TIE_TOLERANCE, f"diverged at {position}: {got} vs {ref.tokens}"

@@ -87,7 +87,7 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int)
 def assert_greedy_matches(got: list[int], ref: Reference, what: str) -> None:
     """Token-for-token equality, except after a position where the reference itself is a tie."""
     assert len(got) == len(ref.tokens), what
-    for position, (token, want, logits) in enumerate(zip(got, ref.tokens, ref.logits)):
+    for position, (token, want, logits) in enumerate(zip(got, ref.tokens, ref.logits, strict=True)):
         if token != want:
             top2 = torch.topk(logits, 2).values
             assert float(top2[0] - top2[1]) < TIE_TOLERANCE, f"{what}: diverged at {position}: {got} vs {ref.tokens}"

@@ -41,7 +41,7 @@ class LoraBatchMeta:
     @staticmethod
     def build(
         slots_per_request: list[int], tokens_per_request: list[int], max_rank: int, device
-    ) -> "LoraBatchMeta":
+    ) -> LoraBatchMeta:
         """slots_per_request[i]: device slot of request i's adapter (-1 = base model);
         tokens_per_request[i]: its tokens in this pass, in the batch's token order
         (prompt length in prefill, 1 in decode)."""
@@ -55,7 +55,7 @@ class LoraBatchMeta:
             raise ValueError(f"token counts must be >= 0, got {tokens_per_request}")
         indptr = [0]
         seg_slots: list[int] = []
-        for slot, count in zip(slots_per_request, tokens_per_request):
+        for slot, count in zip(slots_per_request, tokens_per_request, strict=True):
             if count == 0:
                 continue
             if seg_slots and seg_slots[-1] == slot:

@@ -100,7 +100,7 @@ def group_by_slot(
     ranks = slot_ranks.tolist() if slot_ranks is not None else None
     deltas = []
     start = 0
-    for slot, count in zip(slots, counts):
+    for slot, count in zip(slots, counts, strict=True):
         rank = ranks[slot] if ranks is not None else lora_a.shape[1]  # rows past it are zero
         h = F.linear(xs[start:start + count], lora_a[slot, :rank].float())
         deltas.append(F.linear(h, lora_b[slot, :, :rank].float()))

@@ -191,7 +191,7 @@ class LaunchConfig:
     num_warps: int = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter on CPU: any small number keeps tests quick
