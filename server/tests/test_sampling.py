@@ -197,6 +197,7 @@ def _greedy_logprob_error_bound(logits: torch.Tensor, tokens: torch.Tensor, chai
     return 1.01 * FLOAT32_UNIT_ROUNDOFF * (chain + 4 + mean_distance + logprob.abs())
 
 
+@pytest.mark.cpu_kernels
 def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
     from quiver_server.kernels import cpu_ops
 
@@ -216,6 +217,7 @@ def test_greedy_kernel_matches_argmax_and_log_softmax() -> None:
     assert (error <= bound).all(), (error, bound)
 
 
+@pytest.mark.cpu_kernels
 def test_greedy_kernel_non_finite_rows_match_torch() -> None:
     from quiver_server.kernels import cpu_ops
 
@@ -233,6 +235,7 @@ def test_greedy_kernel_non_finite_rows_match_torch() -> None:
         cpu_ops.greedy_logprob(logits.double())
 
 
+@pytest.mark.cpu_kernels
 def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(5)) * 4
     params = SamplingBatch.from_params([SamplingParams()] * 5, CPU)
