@@ -1,10 +1,13 @@
 //! The launcher's command line. Every flag also reads `QUIVER_<FLAG>`; the model id also reads
-//! `MODEL_ID`. Flags the router owns are forwarded only when set, so the router keeps one source
-//! of truth for their defaults (the doc comments name them for `--help`).
+//! `MODEL_ID`. The serving flags are quiver-flags' `ServingFlags`, the same struct the router
+//! parses; what is declared here is the launcher's own: the model, placement, the shards' memory
+//! and where the binaries are. Shard flags are forwarded only when set, so the shard keeps one
+//! source of truth for their defaults (the doc comments name them for `--help`).
 
 use std::path::{Path, PathBuf};
 
 use clap::{Parser, ValueEnum};
+use quiver_flags::ServingFlags;
 
 /// Name the demo model is listed and answered under when no --model-id is given.
 pub const DEMO_SERVED_MODEL_NAME: &str = "quiver-demo";
@@ -28,14 +31,6 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_REVISION")]
     pub revision: Option<String>,
 
-    /// Port the HTTP API listens on.
-    #[arg(long, env = "QUIVER_PORT", default_value_t = 8080)]
-    pub port: u16,
-
-    /// Address the HTTP API listens on (0.0.0.0 to accept connections from other machines).
-    #[arg(long, env = "QUIVER_HOSTNAME", default_value = "127.0.0.1")]
-    pub hostname: String,
-
     /// Number of shards (tensor-parallel ranks), one process each.
     #[arg(long, env = "QUIVER_NUM_SHARD", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -49,65 +44,14 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,
 
-    /// Longest prompt in tokens (router default: --max-total-tokens - 1).
-    #[arg(long, env = "QUIVER_MAX_INPUT_TOKENS")]
-    pub max_input_tokens: Option<u32>,
-
-    /// Longest prompt + completion in tokens (router default: the model's context, at most 4096).
-    #[arg(long, env = "QUIVER_MAX_TOTAL_TOKENS")]
-    pub max_total_tokens: Option<u32>,
-
-    /// Most prompt tokens in one prefill batch (router default: max(--max-input-tokens, 4096)).
-    #[arg(long, env = "QUIVER_MAX_BATCH_PREFILL_TOKENS")]
-    pub max_batch_prefill_tokens: Option<u32>,
-
-    /// Cap on KV-cache token slots over all running requests (router default: all the shard holds).
-    #[arg(long, env = "QUIVER_MAX_BATCH_TOTAL_TOKENS")]
-    pub max_batch_total_tokens: Option<u32>,
-
-    /// Most requests in one running batch (router default: 256).
-    #[arg(long, env = "QUIVER_MAX_BATCH_SIZE")]
-    pub max_batch_size: Option<u32>,
-
-    /// Requests admitted at once, running + queued; beyond it, 429 (router default: 512).
-    #[arg(long, env = "QUIVER_MAX_CONCURRENT_REQUESTS")]
-    pub max_concurrent_requests: Option<u32>,
-
-    /// Where adapter ids are looked up when a request does not say.
-    #[arg(long, env = "QUIVER_ADAPTER_SOURCE", value_enum, default_value_t = AdapterSource::Hub)]
-    pub adapter_source: AdapterSource,
-
-    /// Root directory of local adapters; local adapter ids resolve only inside it.
-    #[arg(long, env = "QUIVER_ADAPTER_ROOT")]
-    pub adapter_root: Option<PathBuf>,
-
-    /// Adapters to load at start-up (comma-separated ids).
-    #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]
-    pub preload_adapters: Vec<String>,
-
-    /// Adapters resident on the device at once, in preallocated LoRA slots (router default: 8).
-    #[arg(long, env = "QUIVER_MAX_ACTIVE_ADAPTERS")]
-    pub max_active_adapters: Option<u32>,
-
-    /// Largest LoRA rank a device slot holds; adapters of higher rank are refused (router
-    /// default: 64).
-    #[arg(long, env = "QUIVER_MAX_LORA_RANK")]
-    pub max_lora_rank: Option<u32>,
+    // HTTP, limits, adapters and shutdown, shared with the router, which gets them unchanged.
+    #[command(flatten)]
+    pub serving: ServingFlags,
 
     /// Loaded adapters each shard keeps in host memory (least recently used beyond it are
     /// dropped and reloaded from disk when asked for again) (shard default: 64).
     #[arg(long, env = "QUIVER_MAX_CPU_ADAPTERS")]
     pub max_cpu_adapters: Option<u32>,
-
-    /// Name the base model is listed and answered under (default: --model-id, or quiver-demo for
-    /// the demo model).
-    #[arg(long, env = "QUIVER_SERVED_MODEL_NAME")]
-    pub served_model_name: Option<String>,
-
-    /// If set, requests must send `Authorization: Bearer <key>`. Passed to the router through its
-    /// environment, never on its command line.
-    #[arg(long, env = "QUIVER_API_KEY", hide_env_values = true)]
-    pub api_key: Option<String>,
 
     /// Directory for quiver's own files, such as the demo model (default: ~/.cache/quiver).
     /// Hub weights go to the Hugging Face cache (HF_HOME).
@@ -122,10 +66,6 @@ pub struct LauncherArgs {
     /// default: 0.9).
     #[arg(long, env = "QUIVER_GPU_MEMORY_FRACTION")]
     pub gpu_memory_fraction: Option<f64>,
-
-    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before the router stops.
-    #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]
-    pub graceful_shutdown_secs: u64,
 
     /// Seconds the shards get to load the model (and download it) and answer Health.
     #[arg(
@@ -163,12 +103,6 @@ pub enum Device {
     Auto,
     Cpu,
     Cuda,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum AdapterSource {
-    Hub,
-    Local,
 }
 
 /// The spelling a child's command line uses for a value-enum flag.
@@ -217,7 +151,7 @@ impl LauncherArgs {
     /// The name the base model is served under: the user's, else quiver-demo for the demo
     /// model, else none (the router then uses the model id).
     pub fn served_model_name(&self, model: &ModelSource) -> Option<String> {
-        match (&self.served_model_name, model) {
+        match (&self.serving.served_model_name, model) {
             (Some(name), _) => Some(name.clone()),
             (None, ModelSource::Demo { .. }) => Some(DEMO_SERVED_MODEL_NAME.to_owned()),
             (None, ModelSource::User(_)) => None,
@@ -242,6 +176,8 @@ pub fn resolve_binary(explicit: Option<&Path>, name: &str) -> PathBuf {
 
 #[cfg(test)]
 mod tests {
+    use quiver_flags::AdapterSource;
+
     use super::*;
 
     fn parse(argv: &[&str]) -> LauncherArgs {
@@ -252,13 +188,13 @@ mod tests {
     #[test]
     fn defaults_match_the_design() {
         let args = parse(&["--model-id", "m"]);
-        assert_eq!(args.port, 8080);
-        assert_eq!(args.hostname, "127.0.0.1");
+        assert_eq!(args.serving.port, 8080);
+        assert_eq!(args.serving.hostname, "127.0.0.1");
         assert_eq!(args.num_shard, 1);
         assert_eq!(args.dtype, Dtype::Auto);
         assert_eq!(args.device, Device::Auto);
-        assert_eq!(args.adapter_source, AdapterSource::Hub);
-        assert_eq!(args.graceful_shutdown_secs, 30);
+        assert_eq!(args.serving.adapter_source, AdapterSource::Hub);
+        assert_eq!(args.serving.graceful_shutdown_secs, 30);
         assert!(!args.json_logs);
     }
 
@@ -350,7 +286,6 @@ mod tests {
     fn flag_values_are_kebab_case() {
         assert_eq!(flag_value(Dtype::Bfloat16), "bfloat16");
         assert_eq!(flag_value(Device::Cuda), "cuda");
-        assert_eq!(flag_value(AdapterSource::Local), "local");
     }
 
     #[test]

@@ -4,6 +4,8 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use quiver_flags::{ServingFlags, API_KEY_ENV};
+
 use crate::args::{flag_value, LauncherArgs, ModelSource};
 
 /// A program with its arguments and the environment changes it gets on top of the launcher's.
@@ -89,12 +91,12 @@ pub fn shard_command(
         ]);
     }
     // The shards never need the API key; keep secrets out of processes that don't use them.
-    cmd.env_remove.push("QUIVER_API_KEY".into());
+    cmd.env_remove.push(API_KEY_ENV.into());
     cmd
 }
 
-/// `quiver-router` with the serving flags the user set (or the launcher's defaults) and the
-/// shards' sockets, rank 0 first.
+/// `quiver-router` with the shards' sockets, rank 0 first, and the serving flags as the launcher
+/// parsed them, defaults included, so both processes run with the same values.
 pub fn router_command(
     args: &LauncherArgs,
     router_bin: &Path,
@@ -102,37 +104,20 @@ pub fn router_command(
     shard_sockets: &[PathBuf],
 ) -> CommandLine {
     let mut cmd = CommandLine::new(router_bin);
-    cmd.flag("--hostname", &args.hostname)
-        .flag("--port", args.port.to_string())
-        .flag("--model-id", model.model_id());
+    cmd.flag("--model-id", model.model_id());
     for socket in shard_sockets {
         cmd.flag("--shard-uds", socket);
     }
-    cmd.flag_if_set("--served-model-name", args.served_model_name(model))
-        .flag_if_set("--max-input-tokens", args.max_input_tokens)
-        .flag_if_set("--max-total-tokens", args.max_total_tokens)
-        .flag_if_set("--max-batch-prefill-tokens", args.max_batch_prefill_tokens)
-        .flag_if_set("--max-batch-total-tokens", args.max_batch_total_tokens)
-        .flag_if_set("--max-batch-size", args.max_batch_size)
-        .flag_if_set("--max-concurrent-requests", args.max_concurrent_requests)
-        .flag("--adapter-source", flag_value(args.adapter_source));
-    if let Some(root) = &args.adapter_root {
-        cmd.flag("--adapter-root", root);
-    }
-    if !args.preload_adapters.is_empty() {
-        cmd.flag("--preload-adapters", args.preload_adapters.join(","));
-    }
-    cmd.flag_if_set("--max-active-adapters", args.max_active_adapters)
-        .flag_if_set("--max-lora-rank", args.max_lora_rank)
-        .flag(
-            "--graceful-shutdown-secs",
-            args.graceful_shutdown_secs.to_string(),
-        )
-        .arg("--json-logs");
-    // Through the environment: a command line is visible to every user in `ps`.
-    match &args.api_key {
-        Some(key) => cmd.env.push(("QUIVER_API_KEY".into(), key.clone())),
-        None => cmd.env_remove.push("QUIVER_API_KEY".into()),
+    // The demo model has a name of its own, which the launcher alone knows about.
+    let serving = ServingFlags {
+        served_model_name: args.served_model_name(model),
+        ..args.serving.clone()
+    };
+    cmd.args.extend(serving.to_router_args());
+    cmd.arg("--json-logs");
+    match &args.serving.api_key {
+        Some(key) => cmd.env.push((API_KEY_ENV.into(), key.clone())),
+        None => cmd.env_remove.push(API_KEY_ENV.into()),
     }
     cmd
 }
@@ -266,90 +251,48 @@ mod tests {
     }
 
     #[test]
-    fn router_gets_serving_flags_and_every_socket_in_rank_order() {
+    fn router_gets_the_model_every_socket_in_rank_order_and_the_serving_flags() {
         let args = parse(&[
             "--model-id",
             "org/model",
             "--port",
             "9000",
-            "--hostname",
-            "0.0.0.0",
-            "--max-input-tokens",
-            "1000",
-            "--max-total-tokens",
-            "2048",
-            "--max-batch-prefill-tokens",
-            "4096",
-            "--max-batch-total-tokens",
-            "100000",
             "--max-batch-size",
             "32",
-            "--max-concurrent-requests",
-            "64",
-            "--adapter-source",
-            "local",
-            "--adapter-root",
-            "/adapters",
             "--preload-adapters",
             "a,b",
-            "--max-active-adapters",
-            "4",
-            "--max-lora-rank",
-            "32",
-            "--served-model-name",
-            "my-model",
-            "--graceful-shutdown-secs",
-            "7",
         ]);
         let model = ModelSource::User("org/model".into());
         let sockets = [PathBuf::from("/r/s0.sock"), PathBuf::from("/r/s1.sock")];
         let cmd = router_command(&args, Path::new("/bin/quiver-router"), &model, &sockets);
+        let argv = strings(&cmd);
         assert_eq!(
-            strings(&cmd),
+            argv[..6],
             [
-                "--hostname",
-                "0.0.0.0",
-                "--port",
-                "9000",
                 "--model-id",
                 "org/model",
                 "--shard-uds",
                 "/r/s0.sock",
                 "--shard-uds",
                 "/r/s1.sock",
-                "--served-model-name",
-                "my-model",
-                "--max-input-tokens",
-                "1000",
-                "--max-total-tokens",
-                "2048",
-                "--max-batch-prefill-tokens",
-                "4096",
-                "--max-batch-total-tokens",
-                "100000",
-                "--max-batch-size",
-                "32",
-                "--max-concurrent-requests",
-                "64",
-                "--adapter-source",
-                "local",
-                "--adapter-root",
-                "/adapters",
-                "--preload-adapters",
-                "a,b",
-                "--max-active-adapters",
-                "4",
-                "--max-lora-rank",
-                "32",
-                "--graceful-shutdown-secs",
-                "7",
-                "--json-logs",
             ]
         );
+        // quiver-flags' own tests prove the router parses these back into the same flags.
+        let serving: Vec<String> = args
+            .serving
+            .to_router_args()
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(argv[6..argv.len() - 1], serving);
+        assert_eq!(argv.last().map(String::as_str), Some("--json-logs"));
+        assert_eq!(value_of(&cmd, "--port").as_deref(), Some("9000"));
+        assert_eq!(value_of(&cmd, "--max-batch-size").as_deref(), Some("32"));
+        assert_eq!(value_of(&cmd, "--preload-adapters").as_deref(), Some("a,b"));
     }
 
     #[test]
-    fn router_leaves_its_own_defaults_alone() {
+    fn router_gets_the_launchers_defaults_and_works_out_the_token_limits_itself() {
         let args = parse(&["--model-id", "m"]);
         let cmd = router_command(
             &args,
@@ -357,31 +300,33 @@ mod tests {
             &ModelSource::User("m".into()),
             &[PathBuf::from("/s")],
         );
+        // Sized from the model and the KV cache at start-up, which only the router sees.
         for absent in [
             "--served-model-name",
             "--max-input-tokens",
             "--max-total-tokens",
             "--max-batch-prefill-tokens",
             "--max-batch-total-tokens",
-            "--max-batch-size",
-            "--max-concurrent-requests",
             "--adapter-root",
             "--preload-adapters",
-            "--max-active-adapters",
-            "--max-lora-rank",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),
                 "{absent} should not be passed"
             );
         }
-        assert_eq!(value_of(&cmd, "--port").as_deref(), Some("8080"));
-        assert_eq!(value_of(&cmd, "--hostname").as_deref(), Some("127.0.0.1"));
-        assert_eq!(value_of(&cmd, "--adapter-source").as_deref(), Some("hub"));
-        assert_eq!(
-            value_of(&cmd, "--graceful-shutdown-secs").as_deref(),
-            Some("30")
-        );
+        for (flag, default) in [
+            ("--port", "8080"),
+            ("--hostname", "127.0.0.1"),
+            ("--max-batch-size", "256"),
+            ("--max-concurrent-requests", "512"),
+            ("--adapter-source", "hub"),
+            ("--max-active-adapters", "8"),
+            ("--max-lora-rank", "64"),
+            ("--graceful-shutdown-secs", "30"),
+        ] {
+            assert_eq!(value_of(&cmd, flag).as_deref(), Some(default), "{flag}");
+        }
     }
 
     #[test]

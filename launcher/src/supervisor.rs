@@ -123,11 +123,11 @@ async fn start_and_watch(
     stack.router = Some(router);
     tracing::info!(
         "router started; the API will be at http://{}:{}/v1",
-        args.hostname,
-        args.port
+        args.serving.hostname,
+        args.serving.port
     );
 
-    let grace = Duration::from_secs(args.graceful_shutdown_secs);
+    let grace = Duration::from_secs(args.serving.graceful_shutdown_secs);
     tokio::select! {
         signal = signals.recv() => {
             tracing::info!("{signal} received; draining the router for up to {grace:?}");

@@ -5,6 +5,7 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use quiver_flags::UnknownAdapterSource;
 
 use crate::adapters::AdapterError;
 use crate::openai::error::{ErrorObject, ErrorResponse};
@@ -138,7 +139,8 @@ impl ApiError {
 
 impl ApiError {
     /// An adapter error about the request field `param`.
-    pub fn adapter(error: AdapterError, param: &'static str) -> Self {
+    pub fn adapter(error: impl Into<AdapterError>, param: &'static str) -> Self {
+        let error = error.into();
         let param = match error {
             AdapterError::InvalidSource(_) => "adapter_source",
             _ => param,
@@ -151,6 +153,13 @@ impl ApiError {
 impl From<AdapterError> for ApiError {
     fn from(error: AdapterError) -> Self {
         Self::adapter(error, "model")
+    }
+}
+
+/// A request's `adapter_source` that is neither `hub` nor `local`.
+impl From<UnknownAdapterSource> for ApiError {
+    fn from(error: UnknownAdapterSource) -> Self {
+        Self::adapter(error, "adapter_source")
     }
 }
 

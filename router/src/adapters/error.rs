@@ -2,6 +2,8 @@
 //! request that waited on it. Messages never show server paths: `--adapter-root` is the
 //! operator's business, not the client's.
 
+use quiver_flags::UnknownAdapterSource;
+
 use crate::shard::ShardError;
 
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -44,6 +46,12 @@ pub enum AdapterError {
     /// The shard failed for a reason of its own (download error, a crash).
     #[error("loading adapter `{id}` failed: {message}")]
     LoadFailed { id: String, message: String },
+}
+
+impl From<UnknownAdapterSource> for AdapterError {
+    fn from(error: UnknownAdapterSource) -> Self {
+        Self::InvalidSource(error.0)
+    }
 }
 
 impl AdapterError {

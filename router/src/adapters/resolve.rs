@@ -9,44 +9,10 @@
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
-use clap::ValueEnum;
-
 use super::AdapterError;
 
-/// Where an adapter id is looked up.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, ValueEnum)]
-pub enum AdapterSource {
-    /// A Hugging Face Hub repository, downloaded by shard rank 0.
-    #[default]
-    Hub,
-    /// A directory inside `--adapter-root`.
-    Local,
-}
-
-impl AdapterSource {
-    /// The request extension's spelling (`"hub"` | `"local"`).
-    pub fn parse(value: &str) -> Result<Self, AdapterError> {
-        match value {
-            "hub" => Ok(Self::Hub),
-            "local" => Ok(Self::Local),
-            other => Err(AdapterError::InvalidSource(other.to_owned())),
-        }
-    }
-
-    /// The proto's spelling, which is also the flag's.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Hub => "hub",
-            Self::Local => "local",
-        }
-    }
-}
-
-impl fmt::Display for AdapterSource {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+/// Where an adapter id is looked up; defined with the `--adapter-source` flag.
+pub use quiver_flags::AdapterSource;
 
 /// Where an adapter's files come from.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -1,0 +1,11 @@
+//! The serving flags: the part of the command line that `quiver-launcher` takes and hands on to
+//! `quiver-router`. Both binaries flatten [`ServingFlags`] into their own `clap` parser, so a flag's
+//! name, environment variable, default and `--help` text are written once, and the launcher
+//! forwards them with [`ServingFlags::to_router_args`] instead of re-listing each one.
+
+mod adapter_source;
+mod router_argv;
+mod serving;
+
+pub use adapter_source::{AdapterSource, UnknownAdapterSource};
+pub use serving::{ServingFlags, API_KEY_ENV};

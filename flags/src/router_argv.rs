@@ -1,0 +1,189 @@
+//! From parsed serving flags back to a command line, for the launcher to start the router with.
+
+use std::ffi::OsString;
+
+use crate::ServingFlags;
+
+impl ServingFlags {
+    /// Arguments that make `quiver-router` parse these same flags: each flag that has a value,
+    /// defaults included, so the router runs with exactly what the launcher parsed. The API key
+    /// is not among them: it goes through the environment ([`crate::API_KEY_ENV`]).
+    pub fn to_router_args(&self) -> Vec<OsString> {
+        // No `..`: a flag added to the struct does not compile until it is handled here.
+        let ServingFlags {
+            port,
+            hostname,
+            max_input_tokens,
+            max_total_tokens,
+            max_batch_prefill_tokens,
+            max_batch_total_tokens,
+            max_batch_size,
+            max_concurrent_requests,
+            adapter_source,
+            adapter_root,
+            preload_adapters,
+            max_active_adapters,
+            max_lora_rank,
+            served_model_name,
+            api_key: _,
+            graceful_shutdown_secs,
+        } = self;
+        let mut argv = Argv::default();
+        argv.flag("--port", port.to_string())
+            .flag("--hostname", hostname)
+            .flag_if_set(
+                "--max-input-tokens",
+                max_input_tokens.map(|n| n.to_string()),
+            )
+            .flag_if_set(
+                "--max-total-tokens",
+                max_total_tokens.map(|n| n.to_string()),
+            )
+            .flag_if_set(
+                "--max-batch-prefill-tokens",
+                max_batch_prefill_tokens.map(|n| n.to_string()),
+            )
+            .flag_if_set(
+                "--max-batch-total-tokens",
+                max_batch_total_tokens.map(|n| n.to_string()),
+            )
+            .flag("--max-batch-size", max_batch_size.to_string())
+            .flag(
+                "--max-concurrent-requests",
+                max_concurrent_requests.to_string(),
+            )
+            .flag("--adapter-source", adapter_source.as_str())
+            .flag_if_set("--adapter-root", adapter_root.as_deref())
+            // The flag splits on commas, so ids never contain one and the join is lossless.
+            .flag_if_set(
+                "--preload-adapters",
+                (!preload_adapters.is_empty()).then(|| preload_adapters.join(",")),
+            )
+            .flag("--max-active-adapters", max_active_adapters.to_string())
+            .flag("--max-lora-rank", max_lora_rank.to_string())
+            .flag_if_set("--served-model-name", served_model_name.as_deref())
+            .flag(
+                "--graceful-shutdown-secs",
+                graceful_shutdown_secs.to_string(),
+            );
+        argv.0
+    }
+}
+
+/// A command line being built. Values stay `OsString`, so a path that is not UTF-8 survives.
+#[derive(Default)]
+struct Argv(Vec<OsString>);
+
+impl Argv {
+    fn flag(&mut self, name: &str, value: impl Into<OsString>) -> &mut Self {
+        self.0.push(name.into());
+        self.0.push(value.into());
+        self
+    }
+
+    /// Left out when unset, so the router applies the same default the launcher saw.
+    fn flag_if_set(&mut self, name: &str, value: Option<impl Into<OsString>>) -> &mut Self {
+        if let Some(value) = value {
+            self.flag(name, value);
+        }
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+    use crate::AdapterSource;
+
+    /// A command line made of the serving flags alone, as each binary flattens them.
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        flags: ServingFlags,
+    }
+
+    fn parse(args: Vec<OsString>) -> ServingFlags {
+        let argv = std::iter::once(OsString::from("quiver-router")).chain(args);
+        Cli::try_parse_from(argv).unwrap().flags
+    }
+
+    /// Every flag away from its default (the API key aside: it never rides on the command line).
+    fn all_set() -> ServingFlags {
+        ServingFlags {
+            port: 9000,
+            hostname: "0.0.0.0".into(),
+            max_input_tokens: Some(1000),
+            max_total_tokens: Some(2048),
+            max_batch_prefill_tokens: Some(4096),
+            max_batch_total_tokens: Some(100_000),
+            max_batch_size: 32,
+            max_concurrent_requests: 64,
+            adapter_source: AdapterSource::Local,
+            adapter_root: Some(PathBuf::from("/adapters")),
+            preload_adapters: vec!["a".into(), "org/b@v1".into()],
+            max_active_adapters: 4,
+            max_lora_rank: 32,
+            served_model_name: Some("my-model".into()),
+            api_key: None,
+            graceful_shutdown_secs: 7,
+        }
+    }
+
+    #[test]
+    fn every_flag_reaches_the_router_unchanged() {
+        let flags = all_set();
+        assert_eq!(parse(flags.to_router_args()), flags);
+    }
+
+    #[test]
+    fn defaults_reach_the_router_unchanged() {
+        let defaults = parse(Vec::new());
+        assert_eq!(parse(defaults.to_router_args()), defaults);
+    }
+
+    #[test]
+    fn every_flag_but_the_api_key_is_on_the_command_line() {
+        let args: Vec<_> = all_set().to_router_args();
+        for arg in Cli::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            let flag = format!("--{long}");
+            let forwarded = args.iter().any(|a| *a == *flag);
+            assert_eq!(
+                forwarded,
+                !["--help", "--api-key"].contains(&flag.as_str()),
+                "{flag}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_api_key_stays_off_the_command_line() {
+        let flags = ServingFlags {
+            api_key: Some("sk-secret".into()),
+            ..all_set()
+        };
+        let args = flags.to_router_args();
+        assert!(!args
+            .iter()
+            .any(|a| a.to_string_lossy().contains("sk-secret")));
+    }
+
+    #[test]
+    fn every_flag_reads_a_quiver_variable() {
+        for arg in Cli::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if long == "help" {
+                continue;
+            }
+            let env = arg
+                .get_env()
+                .unwrap_or_else(|| panic!("--{long} has no variable"));
+            let expected = format!("QUIVER_{}", long.to_uppercase().replace('-', "_"));
+            assert_eq!(env.to_string_lossy(), expected);
+        }
+    }
+}

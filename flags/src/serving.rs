@@ -1,0 +1,84 @@
+//! The serving flags' one definition: names, environment variables, defaults and `--help` text.
+
+use std::path::PathBuf;
+
+use clap::Args;
+
+use crate::AdapterSource;
+
+/// The variable the API key is read from. The launcher hands the key to the router through it,
+/// never on the command line, where `ps` shows it to every user.
+pub const API_KEY_ENV: &str = "QUIVER_API_KEY";
+
+/// HTTP, limits, adapters and shutdown: what the router needs and the launcher passes on.
+/// Flags without a default here (the token limits) are worked out by the router at start-up,
+/// from the model and the KV cache the shards report.
+#[derive(Debug, Clone, PartialEq, Args)]
+pub struct ServingFlags {
+    /// Port the HTTP API listens on.
+    #[arg(long, env = "QUIVER_PORT", default_value_t = 8080)]
+    pub port: u16,
+
+    /// Address the HTTP API listens on (0.0.0.0 to accept connections from other machines).
+    #[arg(long, env = "QUIVER_HOSTNAME", default_value = "127.0.0.1")]
+    pub hostname: String,
+
+    /// Longest prompt in tokens (router default: --max-total-tokens - 1).
+    #[arg(long, env = "QUIVER_MAX_INPUT_TOKENS")]
+    pub max_input_tokens: Option<u32>,
+
+    /// Longest prompt + completion in tokens (router default: the model's context, at most 4096).
+    #[arg(long, env = "QUIVER_MAX_TOTAL_TOKENS")]
+    pub max_total_tokens: Option<u32>,
+
+    /// Most prompt tokens in one prefill batch (router default: max(--max-input-tokens, 4096)).
+    #[arg(long, env = "QUIVER_MAX_BATCH_PREFILL_TOKENS")]
+    pub max_batch_prefill_tokens: Option<u32>,
+
+    /// Cap on KV-cache token slots over all running requests (router default: all the shard holds).
+    #[arg(long, env = "QUIVER_MAX_BATCH_TOTAL_TOKENS")]
+    pub max_batch_total_tokens: Option<u32>,
+
+    /// Most requests in one running batch.
+    #[arg(long, env = "QUIVER_MAX_BATCH_SIZE", default_value_t = 256)]
+    pub max_batch_size: u32,
+
+    /// Requests admitted at once, running + queued; beyond it, 429.
+    #[arg(long, env = "QUIVER_MAX_CONCURRENT_REQUESTS", default_value_t = 512)]
+    pub max_concurrent_requests: u32,
+
+    /// Where adapter ids are looked up when a request does not say.
+    #[arg(long, env = "QUIVER_ADAPTER_SOURCE", value_enum, default_value_t = AdapterSource::Hub)]
+    pub adapter_source: AdapterSource,
+
+    /// Root directory of local adapters; local adapter ids resolve only inside it.
+    #[arg(long, env = "QUIVER_ADAPTER_ROOT")]
+    pub adapter_root: Option<PathBuf>,
+
+    /// Adapters to load at start-up (comma-separated ids, looked up in --adapter-source);
+    /// start-up fails if one cannot be loaded.
+    #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]
+    pub preload_adapters: Vec<String>,
+
+    /// Adapters resident on the device at once, in preallocated LoRA slots.
+    #[arg(long, env = "QUIVER_MAX_ACTIVE_ADAPTERS", default_value_t = 8)]
+    pub max_active_adapters: u32,
+
+    /// Largest LoRA rank a device slot holds; adapters of higher rank are refused.
+    #[arg(long, env = "QUIVER_MAX_LORA_RANK", default_value_t = 64)]
+    pub max_lora_rank: u32,
+
+    /// Name the base model is listed and answered under (default: --model-id, or quiver-demo for
+    /// the demo model).
+    #[arg(long, env = "QUIVER_SERVED_MODEL_NAME")]
+    pub served_model_name: Option<String>,
+
+    /// If set, requests must send `Authorization: Bearer <key>`. Passed to the router through its
+    /// environment, never on its command line.
+    #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
+    pub api_key: Option<String>,
+
+    /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before the router stops.
+    #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]
+    pub graceful_shutdown_secs: u64,
+}
