@@ -168,6 +168,44 @@ mod tests {
 
     use super::*;
 
+    /// A fifo a test child writes `ready` to once its SIGTERM trap is set: signalled before
+    /// that, the shell would die of the signal instead of showing how it handles it.
+    struct Ready {
+        _dir: tempfile::TempDir,
+        path: PathBuf,
+    }
+
+    impl Ready {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("ready");
+            nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+            Ready { _dir: dir, path }
+        }
+
+        /// `script` with `$READY` naming the fifo.
+        fn sh(&self, script: &str) -> CommandLine {
+            let mut cmd = sh(script);
+            cmd.env
+                .push(("READY".into(), self.path.display().to_string()));
+            cmd
+        }
+
+        /// Opening the fifo blocks until the child opens it to write, so this waits for the
+        /// child's word rather than for time to pass; the timeout only turns a hang into a
+        /// failure.
+        async fn wait(&self) {
+            let path = self.path.clone();
+            let read = tokio::task::spawn_blocking(move || std::fs::read_to_string(path));
+            let text = tokio::time::timeout(Duration::from_secs(30), read)
+                .await
+                .expect("the child never said it was ready")
+                .unwrap()
+                .unwrap();
+            assert_eq!(text.trim(), "ready");
+        }
+    }
+
     fn sh(script: &str) -> CommandLine {
         CommandLine {
             program: PathBuf::from("/bin/sh"),
@@ -189,9 +227,10 @@ mod tests {
 
     #[tokio::test]
     async fn terminate_escalates_to_sigkill_when_sigterm_is_ignored() {
-        let mut child =
-            ChildProcess::spawn("stubborn", &sh("trap '' TERM; echo ready; exec sleep 5")).unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let ready = Ready::new();
+        let script = "trap '' TERM; echo ready > \"$READY\"; exec sleep 5";
+        let mut child = ChildProcess::spawn("stubborn", &ready.sh(script)).unwrap();
+        ready.wait().await;
         assert!(!terminate_all(&mut [&mut child], Duration::from_millis(300)).await);
         let status = child.wait().await;
         assert_eq!(status.signal(), Some(Signal::SIGKILL as i32));
@@ -200,13 +239,12 @@ mod tests {
 
     #[tokio::test]
     async fn terminate_is_clean_for_children_that_obey_sigterm() {
+        // `a` stops by the signal itself, `b` by its trap, which must be set before the signal.
         let mut a = ChildProcess::spawn("a", &sh("exec sleep 5")).unwrap();
-        let mut b = ChildProcess::spawn(
-            "b",
-            &sh("sleep 5 & s=$!; trap 'kill $s; exit 0' TERM; wait"),
-        )
-        .unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        let ready = Ready::new();
+        let script = "sleep 5 & s=$!; trap 'kill $s; exit 0' TERM; echo ready > \"$READY\"; wait";
+        let mut b = ChildProcess::spawn("b", &ready.sh(script)).unwrap();
+        ready.wait().await;
         assert!(terminate_all(&mut [&mut a, &mut b], Duration::from_secs(5)).await);
         assert!(a.has_exited() && b.has_exited());
     }
