@@ -1,12 +1,15 @@
-"""The C++ paged decode attention (`kernels/cpu/paged_attention.cpp`) against the torch path
-(`attention_torch.decode_attention`: gather the blocks, SDPA with a mask), which itself is held to
-transformers by the model parity tests. Fragmented block tables, lengths on and off block
+"""The C++ paged decode attention (`kernels/cpu/paged_attention.cpp`) and the torch path
+(`attention_torch.decode_attention`: gather the blocks, SDPA with a mask) against float64 attention
+within a stated rounding bound; the torch path is also held to transformers by the model parity
+tests. Fragmented block tables, lengths on and off block
 boundaries, grouped-query heads, sliding windows and 16-bit caches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
 
 from quiver_server.forward_batch import build_decode
 from quiver_server.kernels import cpu_ops
@@ -16,7 +19,6 @@ from quiver_server.kernels.ops import select_ops
 CPU = torch.device("cpu")
 
 BLOCK = 16
-TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 def _case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
@@ -31,6 +33,37 @@ def _case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: t
     # build_decode takes the cached lengths before the new token (already written here).
     batch = build_decode([n - 1 for n in lengths], table, BLOCK, torch.device("cpu"))
     return q, k, v, batch
+
+
+def _exact_and_bound(q, k, v, batch, lengths: list[int], scale: float, window: int | None):
+    """float64 attention of each sequence's keys, and per output element a bound on the error of
+    a float32 computation of it in any summation order (then stored in q's dtype d):
+    - a score s_j = scale q.k_j is off by at most eps_s = gamma(d + 1) * scale * |q|.|k_j|;
+    - exp(s_j - max) then by a relative eps_s + u |s_j - max| + 4u (exp within 2 ulp; a common
+      error in the max cancels in the normalisation), at most eps over the keys;
+    - the normaliser and the weighted sum of L values add gamma(L) each, the division u,
+      so |error| <= (2 gamma(L) + 2 eps + u) * sum_j p_j |v_j|, plus 2 u_d |o| for the store."""
+    u = FLOAT32_UNIT_ROUNDOFF
+    num_seqs, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    exact = torch.zeros(q.shape, dtype=torch.float64)
+    bound = torch.zeros(q.shape, dtype=torch.float64)
+    for s, length in enumerate(lengths):
+        first = max(0, length - window) if window else 0
+        positions = torch.arange(first, length)
+        blocks = batch.block_tables[s, positions // BLOCK]
+        keys = k[blocks, positions % BLOCK].double()  # [L, kv_heads, d]
+        values = v[blocks, positions % BLOCK].double()
+        for head in range(heads):
+            qh, kh, vh = q[s, head].double(), keys[:, head // group], values[:, head // group]
+            scores = scale * (kh @ qh)
+            weights = torch.softmax(scores, dim=0)
+            exact[s, head] = weights @ vh
+            eps_scores = gamma(head_dim + 1) * scale * (kh.abs() @ qh.abs())
+            eps = (eps_scores + u * (scores.max() - scores) + 4 * u).max()
+            spread = weights @ vh.abs()
+            bound[s, head] = (2 * gamma(len(positions)) + 2 * eps + u) * spread
+    return exact, bound + 2 * UNIT_ROUNDOFF[q.dtype] * exact.abs()
 
 
 def test_kernels_are_built_and_chosen_on_cpu() -> None:
@@ -49,11 +82,13 @@ def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> Non
     lengths = [1, 15, 16, 17, 32, 33, 100, 257, 2, 64]
     q, k, v, batch = _case(lengths, heads, kv_heads, head_dim, dtype, seed=heads * 7 + head_dim)
     scale = head_dim**-0.5
-    want = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window)
+    exact, bound = _exact_and_bound(q, k, v, batch, lengths, scale, window)
+    torch_path = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window)
     got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, window)
     assert got.dtype == dtype and got.shape == q.shape
-    error = (got.float() - want).abs().max().item()
-    assert error <= TOLERANCE[dtype] * max(want.abs().max().item(), 1.0), error
+    for result in (got, torch_path):
+        error = (result.double() - exact).abs()
+        assert (error <= bound).all(), f"max error over bound {(error / bound).max():.3g}"
 
 
 def test_a_window_longer_than_the_sequence_sees_everything() -> None:
