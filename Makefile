@@ -30,10 +30,13 @@ $(PB_OUT)/shard_pb2.py: proto/quiver/v1/shard.proto $(VENV)/.installed
 
 python: $(VENV)/.installed proto-py cpu-kernels
 
-# The shard's C++ CPU kernels, compiled for this machine into .cache/cpu-kernels (torch's
-# cpp_extension rebuilds only when a source changes).
+# The shard's C++ CPU kernels, compiled for this machine into .cache/cpu-kernels, once per vector
+# ISA it runs (AVX-512 and AVX2 builds on an AVX-512 host); torch's cpp_extension rebuilds only
+# when a source changes.
+CPU_ISAS = $(shell $(VENV)/bin/quiver-server cpu-isas 2>/dev/null)
 cpu-kernels: $(VENV)/.installed
 	$(VENV)/bin/quiver-server build-kernels
+	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(VENV)/bin/quiver-server build-kernels || exit 1; done
 
 rust: | $(UV)
 	$(CARGO) build --release --workspace
@@ -47,8 +50,12 @@ test: install test-rust test-server test-integration
 test-rust:
 	$(CARGO) test --workspace
 
+# The whole shard suite on the widest kernels this CPU runs; the kernel tests again on each
+# narrower ISA (AVX2 on an AVX-512 host); everything but the kernel tests on the torch fallback.
 test-server: python
 	$(PY) -m pytest server/tests -q
+	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
+	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
 test-integration: install
 	$(PY) -m pytest integration-tests -q
@@ -56,9 +63,17 @@ test-integration: install
 bench: install
 	$(PY) bench/run.py
 
-lint:
+# ruff and mypy: pyproject's `lint` extra, pinned there; configured in pyproject.toml.
+$(VENV)/.lint-installed: pyproject.toml $(VENV)/.installed
+	$(UV) pip install --python $(PY) -e '.[test,lint]'
+	touch $@
+
+# mypy reads the generated gRPC stubs (proto-py) for the modules that import them.
+lint: $(VENV)/.lint-installed proto-py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) fmt --all -- --check
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf target $(VENV) .cache
