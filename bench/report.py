@@ -21,6 +21,24 @@ TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
 TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
 
 
+def cpu_description() -> dict:
+    """The CPU model, its vector flags, and the ISA the shard's C++ kernels are built for (the
+    figures depend on all three: QUIVER_CPU_ISA=avx2 runs the AVX2 build on an AVX-512 host)."""
+    from quiver_server.kernels import cpu_ops
+
+    info: dict = {"kernel_isa": cpu_ops.selected_isa(), "kernel_isas_runnable": cpu_ops.host_isas()}
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return info
+    fields = dict(line.split(":", 1) for line in lines if ":" in line and not line.startswith("processor"))
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    info["cpu_model"] = fields.get("model name", "")
+    flags = set(fields.get("flags", "").split())
+    info["cpu_vector_flags"] = sorted(f for f in flags if f.startswith(("avx", "fma", "amx")))
+    return info
+
+
 def machine(device: str) -> dict:
     info = {
         "platform": platform.platform(),
@@ -31,6 +49,8 @@ def machine(device: str) -> dict:
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name(0)
+    else:
+        info.update(cpu_description())
     try:
         info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
                                             capture_output=True, text=True).stdout.strip()

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 
 import adapters  # noqa: E402
 import bench_model  # noqa: E402
+import cpu_gemm  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import peft_baseline  # noqa: E402
@@ -197,6 +198,9 @@ def main() -> None:
         baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
                                                   texts)
     report = reports.build_report(args, shape, scenarios, quiver, baselines)
+    if args.device == "cpu":
+        log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
+        report["cpu_matmul"] = cpu_gemm.measure(shape, [1, 8, 32], repeats=3 if args.quick else 15)
 
     args.results_dir.mkdir(parents=True, exist_ok=True)
     kind = f"{args.device}-quick" if args.quick else args.device
