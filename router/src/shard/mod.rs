@@ -1,6 +1,7 @@
 //! Access to the model shards: the `ShardBackend` trait the scheduler drives, the gRPC
 //! `ShardClient` that talks to every tensor-parallel rank, and the in-memory `FakeShard` that
-//! router tests run against.
+//! router tests run against (only with the `test-support` feature, which the crate's own tests
+//! turn on: it is not in the release binary).
 //!
 //! The trait speaks the `crate::pb` messages of `proto/quiver/v1/shard.proto` directly, so the
 //! real client adds no conversion layer and the fake implements exactly the contract the Python
@@ -13,6 +14,7 @@ use futures::future::BoxFuture;
 use crate::pb;
 
 mod client;
+#[cfg(any(test, feature = "test-support"))]
 mod fake;
 
 #[cfg(test)]
@@ -23,6 +25,7 @@ mod fake_adapter_tests;
 mod fake_tests;
 
 pub use client::ShardClient;
+#[cfg(any(test, feature = "test-support"))]
 pub use fake::{
     fake_adapter_shift, fake_next_token, fake_next_token_for, FakeRpc, FakeShard, FakeShardStats,
 };
