@@ -9,7 +9,7 @@ use tokio::time::Instant;
 use tonic::transport::{Endpoint, Uri};
 
 use crate::pb::shard_client::ShardClient;
-use crate::pb::HealthRequest;
+use crate::pb::{ChannelLimit, HealthRequest};
 
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
 const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -73,7 +73,12 @@ pub async fn check(socket: &Path) -> Result<(), String> {
         }))
         .await
         .map_err(|e| format!("connect: {}", with_sources(&e)))?;
+    // Health messages are empty, but the launcher's channel follows the one limit both sides of
+    // the shard's channel use, so no client of the shard differs from the others.
+    let max_message_bytes = ChannelLimit::MaxMessageBytes as usize;
     ShardClient::new(channel)
+        .max_decoding_message_size(max_message_bytes)
+        .max_encoding_message_size(max_message_bytes)
         .health(HealthRequest {})
         .await
         .map(|_| ())

@@ -14,13 +14,13 @@ import torch
 from grpc import aio
 
 from quiver_server.interceptor import ErrorInterceptor, FatalHandler
-from quiver_server.pb import shard_pb2_grpc
+from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
 
 logger = logging.getLogger(__name__)
 
-# A prefill of many long prompts is one message; gRPC's 4 MiB default is too small for that.
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+# The router applies the same limit: both read it from the proto, where it is explained.
+MAX_MESSAGE_BYTES: int = shard_pb2.CHANNEL_LIMIT_MAX_MESSAGE_BYTES
 # sockaddr_un.sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_UDS_PATH_BYTES = 107
 # How long an RPC in flight at shutdown may take to finish (a CPU prefill can take seconds).

@@ -23,9 +23,8 @@ use super::{ShardBackend, ShardError, ShardResult};
 use crate::pb;
 use crate::pb::shard_client::ShardClient as RankClient;
 
-/// Prefill requests carry whole prompts and responses carry a batch's generations; the default
-/// 4 MiB decoding limit is too tight for large batches of long prompts.
-const MAX_MESSAGE_BYTES: usize = 512 * 1024 * 1024;
+/// The shard applies the same limit: both read it from the proto, where it is explained.
+const MAX_MESSAGE_BYTES: usize = pb::ChannelLimit::MaxMessageBytes as usize;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
