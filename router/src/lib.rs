@@ -2,7 +2,7 @@
 //!
 //! A request flows: `http` (axum handlers) → `validation` (OpenAI body → `GenerationRequest`)
 //! → `scheduler` (queues, KV blocks, continuous batching) → `shard` (gRPC client), and back as
-//! token events → `detokenizer` → `stop` → SSE or JSON.
+//! token events → `detokenizer` → `stop` → SSE or JSON. `startup` builds the state they share.
 
 pub mod adapters;
 pub mod config;
@@ -13,6 +13,7 @@ pub mod metrics;
 pub mod openai;
 pub mod scheduler;
 pub mod shard;
+pub mod startup;
 pub mod stop;
 pub mod template;
 pub mod tokenizer;

@@ -9,9 +9,10 @@ use std::time::Duration;
 
 use clap::Parser;
 use quiver_router::config::RouterArgs;
-use quiver_router::http::{self, AppState, Settings};
+use quiver_router::http;
 use quiver_router::scheduler::Scheduler;
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
+use quiver_router::startup::{self, Settings};
 use quiver_router::template::ChatTemplate;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::ModelAssets;
@@ -53,7 +54,7 @@ async fn run(args: RouterArgs) -> Result<(), BoxError> {
         "connected to the shards"
     );
     let assets = load_assets(Path::new(&info.model_path))?;
-    let state = AppState::start(shard, info, assets, Settings::from_args(&args)).await?;
+    let state = startup::start(shard, info, assets, Settings::from_args(&args)).await?;
     tracing::info!(limits = ?state.info.limits, "KV cache sized");
     tracing::info!(
         source = %args.adapter_source,

@@ -1,6 +1,7 @@
 //! The axum application: routes, authentication, and the fallbacks that keep every error in
-//! OpenAI's shape. A request flows handler (`chat`, `completions`) → `validation` →
-//! `generation` (scheduler, detokenizer, stop strings) → JSON or `sse`.
+//! OpenAI's shape. A generation request flows `endpoint` (with `chat` or `completions` saying
+//! how to build its prompts and shape its answer) → `validation` → `generation` (scheduler,
+//! detokenizer, stop strings) → JSON or `sse`.
 
 use axum::extract::Request;
 use axum::middleware;
@@ -13,6 +14,7 @@ mod adapters;
 mod auth;
 mod chat;
 mod completions;
+mod endpoint;
 mod generation;
 mod health;
 mod json;
@@ -21,13 +23,19 @@ mod models;
 mod sse;
 mod state;
 
-pub use state::{AdapterSettings, AppState, ServedModels, ServerInfo, Settings, StartupError};
+pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
-        .route("/v1/chat/completions", post(chat::chat_completions))
-        .route("/v1/completions", post(completions::completions))
+        .route(
+            "/v1/chat/completions",
+            post(endpoint::generate::<chat::Chat>),
+        )
+        .route(
+            "/v1/completions",
+            post(endpoint::generate::<completions::Completions>),
+        )
         .route("/v1/models", get(models::list_models))
         .route("/v1/models/{*id}", get(models::retrieve_model))
         .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))

@@ -17,18 +17,26 @@ use crate::openai::common::{FinishReason, Usage};
 /// How one endpoint spells its chunks.
 pub trait ChunkFormat: Send + 'static {
     type Chunk: Serialize + Send;
-    /// Sent once per choice before any text (chat: `delta: {role, content: ""}`).
-    fn opening(&mut self, index: u32) -> Option<Self::Chunk>;
-    /// `token_ids` is `Some` only when the client asked for them.
-    fn text(&mut self, index: u32, text: String, token_ids: Option<Vec<u32>>) -> Self::Chunk;
-    fn finish(
-        &mut self,
-        index: u32,
-        reason: FinishReason,
-        token_ids: Option<Vec<u32>>,
-    ) -> Self::Chunk;
+    /// The chunk for one step of choice `index`, if the endpoint sends one for it.
+    fn choice(&mut self, index: u32, step: ChoiceStep) -> Option<Self::Chunk>;
     /// The last chunk before `[DONE]` with `stream_options.include_usage`: no choices.
     fn usage(&mut self, usage: Usage) -> Self::Chunk;
+}
+
+/// What one chunk of a choice reports. `token_ids` is `Some` only when the client asked for
+/// them.
+pub enum ChoiceStep {
+    /// Once per choice, before any text (chat announces the role here).
+    Opening,
+    Text {
+        text: String,
+        token_ids: Option<Vec<u32>>,
+    },
+    /// The choice's last chunk.
+    Finish {
+        reason: FinishReason,
+        token_ids: Option<Vec<u32>>,
+    },
 }
 
 pub struct StreamPlan {
@@ -55,20 +63,20 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
     let ids = move |token_ids: Vec<u32>| return_token_ids.then_some(token_ids);
     async_stream::stream! {
         for index in 0..choices.len() as u32 {
-            if let Some(chunk) = format.opening(index) {
+            if let Some(chunk) = format.choice(index, ChoiceStep::Opening) {
                 yield json_event(&chunk);
             }
         }
         let mut events = stream::select_all(choices);
         let mut completion_tokens = 0u32;
         while let Some(event) = events.next().await {
-            match event {
+            let (index, step) = match event {
                 ChoiceEvent::Text { index, text, token_ids } => {
-                    yield json_event(&format.text(index, text, ids(token_ids)));
+                    (index, ChoiceStep::Text { text, token_ids: ids(token_ids) })
                 }
                 ChoiceEvent::Finish { index, reason, token_ids, completion_tokens: tokens } => {
                     completion_tokens += tokens;
-                    yield json_event(&format.finish(index, reason, ids(token_ids)));
+                    (index, ChoiceStep::Finish { reason, token_ids: ids(token_ids) })
                 }
                 ChoiceEvent::Failed(error) => {
                     // Cancel the other choices before telling the client.
@@ -78,6 +86,9 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                     yield done_event();
                     return;
                 }
+            };
+            if let Some(chunk) = format.choice(index, step) {
+                yield json_event(&chunk);
             }
         }
         if include_usage {

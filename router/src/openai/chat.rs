@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::common::{FinishReason, Usage};
+use super::common::{FinishReason, ObjectHeader, Usage};
 
 /// The chat-only request fields; the shared ones are in `GenerationParams`.
 ///
@@ -25,10 +25,8 @@ pub const ID_PREFIX: &str = "chatcmpl-";
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatCompletionResponse {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
+    #[serde(flatten)]
+    pub header: ObjectHeader,
     pub choices: Vec<ChatChoice>,
     pub usage: Usage,
     /// With `return_token_ids` (vLLM's extension).
@@ -66,10 +64,8 @@ impl AssistantMessage {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct ChatCompletionChunk {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
+    #[serde(flatten)]
+    pub header: ObjectHeader,
     /// Empty in the final usage chunk.
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -126,6 +126,36 @@ pub enum FinishReason {
     Length,
 }
 
+/// The fields every response and chunk object opens with, in OpenAI's order. The objects embed
+/// it with `#[serde(flatten)]`, which writes the same JSON as four fields of their own.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ObjectHeader {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+}
+
+impl ObjectHeader {
+    /// A new object: a fresh id with `id_prefix`, created now, reporting `model`.
+    pub fn new(id_prefix: &str, object: &'static str, model: String) -> Self {
+        Self {
+            id: random_id(id_prefix),
+            object,
+            created: unix_now(),
+            model,
+        }
+    }
+
+    /// The same id, time and model on another kind of object (a response's chunks).
+    pub fn with_object(&self, object: &'static str) -> Self {
+        Self {
+            object,
+            ..self.clone()
+        }
+    }
+}
+
 /// A response id: `prefix` + 24 random alphanumerics (`chatcmpl-…`, `cmpl-…`).
 pub fn random_id(prefix: &str) -> String {
     use rand::distr::{Alphanumeric, SampleString};

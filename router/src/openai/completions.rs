@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::common::{FinishReason, Usage};
+use super::common::{FinishReason, ObjectHeader, Usage};
 
 /// The completions-only request fields; the shared ones are in `GenerationParams`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -25,10 +25,8 @@ pub const ID_PREFIX: &str = "cmpl-";
 /// A whole response, or one streamed chunk (then `usage` is absent except on the last).
 #[derive(Debug, Clone, Serialize)]
 pub struct CompletionResponse {
-    pub id: String,
-    pub object: &'static str,
-    pub created: u64,
-    pub model: String,
+    #[serde(flatten)]
+    pub header: ObjectHeader,
     pub choices: Vec<CompletionChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<Usage>,

@@ -10,3 +10,6 @@ pub mod common;
 pub mod completions;
 pub mod error;
 pub mod models;
+
+#[cfg(test)]
+mod header_tests;

@@ -9,17 +9,15 @@ mod limits;
 mod messages;
 mod params;
 mod prompt;
+mod sources;
 
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
+pub use sources::PromptSource;
 
-use messages::normalize_messages;
 use params::{check_params, CheckedParams};
-use prompt::{parse_prompt, PromptInput};
 
-use crate::openai::chat::ChatFields;
 use crate::openai::common::GenerationParams;
-use crate::openai::completions::CompletionFields;
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
@@ -68,65 +66,18 @@ pub struct Validator {
 }
 
 impl Validator {
-    /// Chat: normalize messages → render the template with the generation prompt → tokenize
-    /// without special tokens (the template already wrote them).
-    pub async fn chat(
+    /// Checks the parameters, builds the prompts the way the endpoint's fields say, then checks
+    /// each prompt against the limits and the vocabulary.
+    pub async fn validate<F: PromptSource>(
         &self,
         assets: &ModelAssets,
         adapter_id: &str,
-        fields: ChatFields,
+        fields: F,
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let checked = check_params(params)?;
-        let messages = normalize_messages(
-            fields
-                .messages
-                .ok_or_else(|| ValidationError::missing("messages"))?,
-        )?;
-        let template = assets
-            .template
-            .as_ref()
-            .ok_or(ValidationError::NoChatTemplate)?;
-        let prompt = template.render(&messages, fields.tools.as_ref(), true)?;
-        let input_ids = assets.tokenizer.encode(prompt, false).await?;
-        self.build(vec![input_ids], "messages", checked, adapter_id, assets)
-    }
-
-    /// Completions: each prompt is tokenized with special tokens (BOS), or taken as ids.
-    pub async fn completion(
-        &self,
-        assets: &ModelAssets,
-        adapter_id: &str,
-        fields: CompletionFields,
-        params: &GenerationParams,
-    ) -> Result<ValidRequest, ValidationError> {
-        let checked = check_params(params)?;
-        if fields.echo == Some(true) {
-            return Err(ValidationError::invalid("echo", "`echo` is not supported"));
-        }
-        if fields
-            .suffix
-            .as_deref()
-            .is_some_and(|suffix| !suffix.is_empty())
-        {
-            return Err(ValidationError::invalid(
-                "suffix",
-                "`suffix` is not supported",
-            ));
-        }
-        let prompts = parse_prompt(
-            fields
-                .prompt
-                .ok_or_else(|| ValidationError::missing("prompt"))?,
-        )?;
-        let mut prompt_ids = Vec::with_capacity(prompts.len());
-        for prompt in prompts {
-            prompt_ids.push(match prompt {
-                PromptInput::Text(text) => assets.tokenizer.encode(text, true).await?,
-                PromptInput::Ids(ids) => ids,
-            });
-        }
-        self.build(prompt_ids, "prompt", checked, adapter_id, assets)
+        let prompt_ids = fields.prompt_ids(assets).await?;
+        self.build(prompt_ids, F::PARAM, checked, adapter_id, assets)
     }
 
     /// The model's EOS ids plus those of the tokenizer in use (an adapter's own tokenizer may

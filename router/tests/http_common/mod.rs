@@ -18,8 +18,9 @@ use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
 use quiver_router::adapters::AdapterSource;
-use quiver_router::http::{self, AdapterSettings, AppState, Settings, StartupError};
+use quiver_router::http::{self, AppState};
 use quiver_router::shard::{fake_next_token, fake_next_token_for, FakeShard, ShardBackend};
+use quiver_router::startup::{self, AdapterSettings, Settings, StartupError};
 use quiver_router::template::ChatTemplate;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::{ModelAssets, RequestedLimits};
@@ -244,7 +245,7 @@ impl TestApp {
                 max_lora_rank: 64,
             },
         };
-        let state = AppState::start(backend, info, assets, settings).await?;
+        let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {
             app: http::router(state.clone()),
             state,
