@@ -49,30 +49,33 @@ impl Deref for RouterArgs {
 mod tests {
     use super::*;
 
-    fn parse(argv: &[&str]) -> RouterArgs {
-        RouterArgs::try_parse_from(std::iter::once("quiver-router").chain(argv.iter().copied()))
-            .unwrap()
-    }
-
     #[test]
     fn shard_sockets_are_required_and_keep_rank_order() {
         assert!(RouterArgs::try_parse_from(["quiver-router"]).is_err());
-        let args = parse(&["--shard-uds", "/s0,/s1", "--shard-uds", "/s2"]);
+        let argv = [
+            "quiver-router",
+            "--shard-uds",
+            "/s0,/s1",
+            "--shard-uds",
+            "/s2",
+        ];
+        let args = RouterArgs::try_parse_from(argv).unwrap();
         let expected: Vec<PathBuf> = ["/s0", "/s1", "/s2"].iter().map(PathBuf::from).collect();
         assert_eq!(args.shard_uds, expected);
     }
 
     #[test]
     fn serving_flags_parse_beside_the_routers_own() {
-        let args = parse(&[
-            "--shard-uds",
-            "/s",
+        let argv = [
+            "quiver-router",
             "--port",
             "9000",
-            "--max-batch-size",
-            "8",
-        ]);
-        assert_eq!((args.port, args.max_batch_size), (9000, 8));
+            "--shard-uds",
+            "/s",
+            "--json-logs",
+        ];
+        let args = RouterArgs::try_parse_from(argv).unwrap();
+        assert_eq!((args.port, args.json_logs), (9000, true));
         assert_eq!(args.max_concurrent_requests, 512);
     }
 }
