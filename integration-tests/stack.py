@@ -22,6 +22,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
 LAUNCHER = VENV_BIN / "quiver-launcher"
 STARTUP_TIMEOUT_S = 60.0
+# How often /health is asked while the stack starts (shards take seconds to load).
+HEALTH_PROBE_INTERVAL_S = 0.2
 
 
 def free_port() -> int:
@@ -86,9 +88,16 @@ class Stack:
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
+    @property
+    def process(self) -> subprocess.Popen:
+        """The launcher's process, once `start()` has spawned it."""
+        if self.proc is None:
+            raise StackError("the stack has not been started")
+        return self.proc
+
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> "Stack":
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Stack:
         if not LAUNCHER.exists():
             raise StackError(f"{LAUNCHER} is missing: run `make install` (or `make rust`) first")
         env = dict(os.environ)
@@ -117,27 +126,33 @@ class Stack:
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
+        """Asks /health until it answers 200. Nothing announces readiness, so it is probed (as
+        Kubernetes would); between probes the wait is on the launcher's exit, so a launcher
+        that dies is reported at once, not at the deadline."""
+        proc = self.process
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise StackError(
-                    f"launcher exited with {self.proc.returncode} before /health answered\n"
-                    f"--- launcher log ---\n{self.log()}"
-                )
             try:
                 if self.get("/health", timeout=2)[0] == 200:
                     return
             except (OSError, urllib.error.URLError):
                 pass
-            time.sleep(0.2)
+            try:
+                code = proc.wait(timeout=HEALTH_PROBE_INTERVAL_S)
+            except subprocess.TimeoutExpired:
+                continue
+            raise StackError(
+                f"launcher exited with {code} before /health answered\n--- launcher log ---\n{self.log()}"
+            )
         raise StackError(f"/health not 200 after {timeout_s:.0f}s\n--- launcher log ---\n{self.log()}")
 
     def terminate(self, timeout_s: float = 60.0) -> int:
         """SIGTERM to the launcher (a graceful drain, as Kubernetes would ask); its exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        proc = self.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=timeout_s)
+            return proc.wait(timeout=timeout_s)
         finally:
             self.kill()
 
@@ -160,7 +175,7 @@ class Stack:
         else:
             self.kill()
 
-    def __enter__(self) -> "Stack":
+    def __enter__(self) -> Stack:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -206,11 +221,11 @@ class Stack:
 
     def descendants(self) -> list[tuple[int, str]]:
         """(pid, command line) of every process below the launcher."""
-        return descendants_of(self.proc.pid)
+        return descendants_of(self.process.pid)
 
     def group_alive(self) -> list[int]:
         """Live processes of the launcher's process group (children outlive a dead parent)."""
-        return group_members(self.proc.pid)
+        return group_members(self.process.pid)
 
 
 def parse_prometheus(text: str) -> dict[str, float]:

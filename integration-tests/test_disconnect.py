@@ -1,5 +1,5 @@
 """A client that disconnects mid-stream frees its KV blocks at once (issue 2, "Bad input"),
-observed through the router's Prometheus gauges."""
+observed through the router's Prometheus gauges and counters."""
 
 from __future__ import annotations
 
@@ -9,60 +9,61 @@ from conftest import MAX_TOTAL_TOKENS
 
 # Long enough that the request is certainly still generating when the client goes away.
 LONG = MAX_TOTAL_TOKENS - 32
-FREED_WITHIN_S = 2.0
+# Only a guard against a hang: the test waits for the router to report the blocks free, however
+# long that takes on a loaded machine, and judges "at once" by decode steps, not by the clock.
+GUARD_S = 60.0
 
 
-def _gauge(metrics: dict[str, float], name: str) -> float:
+def _series(metrics: dict[str, float], name: str) -> float:
     assert name in metrics, f"GET /metrics has no {name}: {sorted(metrics)}"
     return metrics[name]
 
 
-def _idle(stack) -> tuple[float, float, float]:
-    m = stack.metrics()
-    return (_gauge(m, "quiver_kv_blocks_free"), _gauge(m, "quiver_kv_blocks_total"),
-            _gauge(m, "quiver_requests_running"))
+def _wait_idle(stack, timeout_s: float) -> dict[str, float]:
+    """Scrapes /metrics until every KV block is free and nothing runs; the scrape that saw it.
 
-
-def _wait_idle(stack, timeout_s: float) -> tuple[float, float, float]:
+    Each scrape is a round trip to the router, which paces the loop; no sleep is needed."""
     deadline = time.monotonic() + timeout_s
     while True:
-        free, total, running = _idle(stack)
-        if (free == total and running == 0) or time.monotonic() > deadline:
-            return free, total, running
-        time.sleep(0.02)
+        metrics = stack.metrics()
+        free = _series(metrics, "quiver_kv_blocks_free")
+        total = _series(metrics, "quiver_kv_blocks_total")
+        running = _series(metrics, "quiver_requests_running")
+        if free == total and running == 0:
+            return metrics
+        assert time.monotonic() < deadline, (
+            f"not idle after {timeout_s:.0f}s: {free}/{total} blocks free, {running} running"
+        )
 
 
 def test_disconnect_mid_stream_frees_kv_blocks_at_once(client, llama):
     stack = llama.stack
-    free, total, running = _wait_idle(stack, 10)
-    assert total > 0 and free == total and running == 0, (free, total, running)
-    generated_before = stack.metrics().get("quiver_generated_tokens_total")
+    before = _wait_idle(stack, GUARD_S)
+    total = _series(before, "quiver_kv_blocks_total")
+    assert total > 0
 
     stream = client.chat.completions.create(
         model=llama.model, messages=[{"role": "user", "content": "Tell me a long story."}],
         max_tokens=LONG, stream=True, extra_body={"ignore_eos": True},
     )
-    received = 0
-    for chunk in stream:
-        received += 1
-        if received == 3:
-            break
-    free_mid, _, running_mid = _idle(stack)
-    assert free_mid < total, "a running request holds KV blocks"
-    assert running_mid == 1
+    # Three streamed chunks: the request is certainly admitted, prefilled and decoding.
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    mid = stack.metrics()
+    assert _series(mid, "quiver_kv_blocks_free") < total, "a running request holds KV blocks"
+    assert _series(mid, "quiver_requests_running") == 1
     stream.close()  # the client goes away; the request had ~LONG tokens left
-    closed_at = time.monotonic()
 
-    free, total, running = _wait_idle(stack, FREED_WITHIN_S)
-    elapsed = time.monotonic() - closed_at
-    assert (free, running) == (total, 0), (
-        f"{elapsed:.1f}s after the disconnect: {free}/{total} blocks free, {running} running"
-    )
-    if generated_before is not None:
-        # It was cancelled, not run to completion (a finished request frees its blocks too).
-        time.sleep(0.5)
-        generated = stack.metrics()["quiver_generated_tokens_total"] - generated_before
-        assert generated < LONG, f"{generated} tokens generated: the request was not cancelled"
+    after = _wait_idle(stack, GUARD_S)
+    # The scrape that saw the blocks free read the decode counter after the running gauge, so
+    # it counts every step the request took. Run to its end, the request would have taken
+    # LONG - 1 decode steps (prefill gives the first token); fewer means the scheduler cancelled
+    # it when the client left, rather than freeing it at completion.
+    decode_steps = _series(after, "quiver_decode_steps_total") - _series(before, "quiver_decode_steps_total")
+    assert decode_steps < LONG - 1, f"{decode_steps} decode steps: the request was not cancelled"
+    # A client going away is not a server-side failure.
+    assert _series(after, "quiver_requests_failed_total") == _series(before, "quiver_requests_failed_total")
 
     # And the server serves normally afterwards.
     response = client.chat.completions.create(model=llama.model, messages=[{"role": "user", "content": "Hi"}],

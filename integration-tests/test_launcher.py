@@ -4,6 +4,7 @@ whole stack down with a non-zero exit and a log line naming it. Each test owns i
 from __future__ import annotations
 
 import os
+import select
 import signal
 import threading
 import time
@@ -28,10 +29,20 @@ def _client(stack: Stack) -> openai.OpenAI:
 
 
 def _assert_group_gone(stack: Stack, timeout_s: float = 10) -> None:
+    """Waits for every process of the launcher's group to exit: on each one's pidfd, which
+    turns readable when the process exits (they are not our children, so no waitpid)."""
     deadline = time.monotonic() + timeout_s
-    while stack.group_alive() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert stack.group_alive() == [], f"children outlived the launcher\n{stack.log()}"
+    while alive := stack.group_alive():
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"children outlived the launcher: {alive}\n{stack.log()}"
+        try:
+            pidfd = os.pidfd_open(alive[0])
+        except ProcessLookupError:
+            continue  # gone between the listing and here
+        try:
+            select.select([pidfd], [], [], remaining)
+        finally:
+            os.close(pidfd)
 
 
 def _refused(client: openai.OpenAI) -> bool:
@@ -57,20 +68,20 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_work_then_exits_0(pool,
         chunks = iter(stream)
         first = next(chunks)
         assert first.choices, "the stream started"
-        stack.proc.send_signal(signal.SIGTERM)
+        stack.process.send_signal(signal.SIGTERM)
         signalled_at = time.monotonic()
         rest: list = []
         drain = threading.Thread(target=lambda: rest.extend(chunks))
         drain.start()
 
         # The router stops taking work as soon as it has the signal; requests that slip in
-        # before that are served normally, so ask until one is refused.
+        # before that are served normally, so ask until one is refused (each ask is a round
+        # trip, which paces the loop).
         refused_during_drain = False
         while drain.is_alive() and not refused_during_drain:
             with _client(stack) as fresh:
                 # Still streaming after the refusal came back: it was refused during the drain.
                 refused_during_drain = _refused(fresh) and drain.is_alive()
-            time.sleep(0.1)
         assert refused_during_drain, "no new request was refused while the stream drained"
         drain.join(timeout=60)
         assert not drain.is_alive(), "the stream did not finish within the grace period"
@@ -79,7 +90,7 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_work_then_exits_0(pool,
         assert reasons[-1] == "length", f"stream cut short: {reasons[-3:]}\n{stack.log()}"
         assert rest[-1].usage.completion_tokens == LONG
 
-        code = stack.proc.wait(timeout=60)
+        code = stack.process.wait(timeout=60)
         assert code == 0, f"launcher exited {code} after a graceful drain\n{stack.log()}"
         assert time.monotonic() - signalled_at < 60
         _assert_group_gone(stack)
@@ -96,7 +107,7 @@ def test_killed_shard_stops_everything_nonzero_and_is_named_in_the_log(pool, tmp
         log_before = len(stack.log())
         os.kill(shards[0][0], signal.SIGKILL)
 
-        code = stack.proc.wait(timeout=30)
+        code = stack.process.wait(timeout=30)
         assert code != 0, f"launcher exited 0 after its shard died\n{stack.log()}"
         after = stack.log()[log_before:].lower()
         assert "shard" in after, f"the log does not name the dead shard:\n{after}"
