@@ -25,10 +25,11 @@ def test_packing_is_available_on_this_torch() -> None:
     assert cpu_ops.available() and cpu_gemm.pack(torch.empty(4, 4)).kernel == "quiver"
 
 
-# Rows: every micro-kernel block (8, 4, 2, 1 rows) and the prefill chunking (over 256 rows).
+# Rows: every micro-kernel block (AVX-512: 8, 4, 2, 1 rows; AVX2: 6, 4, 2, 1) and the prefill
+# chunking (over 256 rows).
 # Shapes: whole panels, a last panel of a few columns, a single output, odd inner sizes.
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("rows", [1, 7, 15, 32, 33, 300])
+@pytest.mark.parametrize("rows", [1, 7, 11, 15, 32, 33, 300])
 @pytest.mark.parametrize("shape", [(96, 80), (100, 37), (1, 5), (530, 64)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_packed_linear_equals_f_linear(kernel, rows, shape, with_bias) -> None:

@@ -5,7 +5,7 @@
 // MR-row x PANEL-column block of y in MR * NV vector registers; per k it loads NV panel vectors
 // and broadcasts MR values of x, so from L2 it runs at the FMA units' rate. The block is sized to
 // the register file (vec_width.h): AVX-512 8 rows x 3 zmm (24 accumulators + 3 + 1 of 32), AVX2
-// 4 rows x 3 ymm (12 + 3 + 1 of 16; the AVX-512 block would spill there).
+// 6 rows x 2 ymm (12 + 2 + 1 of 16; the AVX-512 block would spill there).
 //
 // Why not oneDNN's packed sgemm, which the shard used before: in a decode step the weights come
 // from DRAM (the benchmark model's 168 MB of projections and LM head are more than this VM's
@@ -32,11 +32,13 @@ using quiver_vec::VL;
 using quiver_vec::vfloat;
 using quiver_vec::vload;
 using quiver_vec::vstore;
-constexpr int NV = 3;  // vectors per panel row
+// Vectors per panel row and rows per block. AVX-512: 3 x 8 (24 accumulators of 32 zmm). AVX2:
+// 2 x 6 (12 of 16 ymm), measured faster than 3 x 4 at 32-128 rows, and its panel row is one
+// 64-byte line.
+constexpr int NV = kVecRegs >= 32 ? 3 : 2;
+constexpr int MR = kVecRegs >= 32 ? 8 : 6;
 constexpr int64_t PANEL = NV * VL;
-// Rows per block: as many as leave room for the NV panel vectors and one broadcast of x.
-constexpr int MR = (kVecRegs - NV - 1) / NV >= 8 ? 8 : 4;
-static_assert(MR * NV + NV + 1 <= kVecRegs, "the micro-kernel's block must fit the register file");
+static_assert(MR * NV + NV + 1 <= kVecRegs, "the micro-kernel's block (and its operands) must fit the register file");
 // Rows per work item of a prefill-sized product: x's chunk stays in L2 while the panels stream.
 constexpr int64_t ROW_CHUNK = 128;
 
@@ -111,7 +113,8 @@ void panel_rows(const float* x, int64_t k_len, const float* panel, const float* 
 
 // How many micro-kernel calls panel_rows makes for `rows` rows.
 int64_t row_blocks(int64_t rows) {
-  return rows / MR + (MR > 4 && rows % MR >= 4) + (rows % 4 >= 2) + (rows % 2);
+  const int64_t rest = rows % MR;
+  return rows / MR + (MR > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
 }
 
 // Work items are (row chunk, panel) pairs, chunk-major, split into one contiguous range per
