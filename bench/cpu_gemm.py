@@ -54,8 +54,8 @@ def measure(shape: Shape, rows_list: list[int], repeats: int) -> dict:
         xs = {inp: torch.randn(rows, inp, generator=gen) for inp in {w.shape[1] for w in weights}}
         for name in names:  # warm-up, and a check that the kernels agree
             run(name, xs)
-        probe = xs[shape.hidden_size]
         for packed, w in zip(kernels["quiver"][:4], weights[:4], strict=True):
+            probe = xs[w.shape[1]]
             torch.testing.assert_close(cpu_gemm.linear(probe, packed, None), F.linear(probe, w), rtol=1e-4, atol=1e-4)
         times: dict[str, list[float]] = {name: [] for name in names}
         for _ in range(repeats):
