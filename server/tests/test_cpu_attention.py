@@ -91,6 +91,17 @@ def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> Non
         assert (error <= bound).all(), f"max error over bound {(error / bound).max():.3g}"
 
 
+@pytest.mark.parametrize("lengths,heads,kv_heads", [([300], 8, 2), ([1, 20, 33, 64, 100], 6, 3), ([17, 40], 4, 4)])
+def test_few_sequences_split_over_their_kv_heads(lengths, heads, kv_heads) -> None:
+    # Fewer sequences than the threads want items: the kernel splits each sequence's KV heads
+    # into runs (unevenly when the count does not divide them), which must not change a result.
+    q, k, v, batch = _case(lengths, heads, kv_heads, 64, torch.float32, seed=len(lengths))
+    scale = 64**-0.5
+    exact, bound = _exact_and_bound(q, k, v, batch, lengths, scale, None)
+    got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, None)
+    assert ((got.double() - exact).abs() <= bound).all()
+
+
 def test_a_window_longer_than_the_sequence_sees_everything() -> None:
     q, k, v, batch = _case([5, 40], 4, 2, 32, torch.float32, seed=1)
     full = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, 0.2, None)

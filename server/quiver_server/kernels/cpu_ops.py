@@ -41,8 +41,12 @@ SOURCES = [Path(__file__).parent / "cpu" / name
 # because at::parallel_for is inlined from ATen's headers (without it the kernels run on one
 # thread) and for the `omp simd` loops; it binds to the libgomp torch loaded. -ffp-contract=off: no
 # fused multiply-adds the source does not ask for, so the row ops round exactly as torch's do
-# (rotary is bit-identical to transformers' in float32).
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+# (rotary is bit-identical to transformers' in float32). -fno-trapping-math: nothing here unmasks
+# floating-point traps, and without it GCC keeps a select such as fast_exp's clamp as a branch
+# wherever it has no masked vector instructions (AVX2), which left every loop calling fast_exp
+# (greedy's sum, the attention softmax, SiLU) scalar there; results are unchanged (no
+# reassociation, no contraction).
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
 # The vector ISAs the kernels are tuned for (register blocking follows the width: vec_width.h).
 # QUIVER_CPU_ISA picks one (default `native`: the widest this CPU runs), so an AVX-512 host can
 # build and test the AVX2 code too. GCC keeps to 256-bit vectors on Intel server CPUs unless told.
