@@ -248,7 +248,7 @@ class Engine:
         batch.record(tokens, token_list, fed_last_token)
         generations = [
             TokenOut(request_id=r.id, token_id=t, logprob=lp)
-            for r, t, lp in zip(batch.requests, token_list, logprob_list)
+            for r, t, lp in zip(batch.requests, token_list, logprob_list, strict=True)
         ]
         return StepResult(
             generations=generations,

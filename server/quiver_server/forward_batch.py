@@ -60,7 +60,9 @@ class ForwardBatch:
         return mask
 
 
-def _slots(block_table: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+def _slots(
+    block_table: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
     return block_table[seq_index, positions // block_size] * block_size + positions % block_size
 
 

@@ -20,8 +20,6 @@ def pytest_collection_modifyitems(items: list) -> None:
     """Every test in a `test_cpu_*.py` module is about the C++ CPU kernels (the cpu_kernels marker:
     `make test` runs them once per vector ISA the host runs, and not in its QUIVER_CPU_KERNELS=0
     pass); other modules mark their kernel tests one by one."""
-    import pytest
-
     for item in items:
         if item.path.name.startswith("test_cpu_"):
             item.add_marker(pytest.mark.cpu_kernels)

@@ -28,6 +28,7 @@ from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEFAULT_LAUNCH = lora_triton.LaunchConfig()
 
 
 def test_triton_runs_interpreted_without_a_gpu() -> None:
@@ -89,7 +90,7 @@ def float64_expected(case: Case) -> torch.Tensor:
     """Independent of the reference: per request, in float64, from the request lists."""
     y = case.y.double().clone()
     start = 0
-    for slot, count in zip(case.slots_per_request, case.tokens_per_request):
+    for slot, count in zip(case.slots_per_request, case.tokens_per_request, strict=True):
         if slot >= 0:
             rows = slice(start, start + count)
             h = case.x[rows].double() @ case.lora_a[slot].double().T
@@ -105,7 +106,7 @@ def run(fn, case: Case) -> torch.Tensor:
     return y
 
 
-def run_triton(case: Case, config: lora_triton.LaunchConfig = lora_triton.LaunchConfig()) -> torch.Tensor:
+def run_triton(case: Case, config: lora_triton.LaunchConfig = DEFAULT_LAUNCH) -> torch.Tensor:
     """add_lora_triton on TRITON_DEVICE (the metadata rebuilt there); the result back on CPU."""
     device = torch.device(TRITON_DEVICE)
     meta = LoraBatchMeta.build(case.slots_per_request, case.tokens_per_request, case.meta.max_rank, device)
@@ -461,7 +462,7 @@ def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool, backend: str
 @pytest.mark.cpu_kernels
 def test_fused_parts_kernel_rejects_bad_input() -> None:
     y, x, parts, meta = _fused_parts(torch.float32, True, num_rows=4, seed=1)
-    a, b, s, _, r = zip(*parts)
+    a, b, s, _, r = zip(*parts, strict=True)
     a, b, r = list(a), list(b), list(r)
     slots = meta.token_slots
     with pytest.raises(RuntimeError, match="shapes do not fit"):  # a part past y's last column
@@ -522,7 +523,7 @@ def test_cpu_sgmv_matches_reference(dtype: torch.dtype, in_features: int, widths
     assert not meta.is_decode and all(cpu_ops.rank_major(part[1]) for part in parts)
     expected = _reference_per_part(y, x, parts, meta)
     actual = y.clone()
-    a, b, s, slices, r = zip(*parts)
+    a, b, s, slices, r = zip(*parts, strict=True)
     cpu_ops.lora_sgmv_parts(actual, x, list(a), list(b), list(r), [sl.start for sl in slices], s[0],
                             meta.seg_indptr, meta.seg_slots)
     assert torch.equal(actual[:, :2], y[:, :2]) and torch.equal(actual[:, -3:], y[:, -3:])

@@ -75,7 +75,8 @@ def test_draws_follow_the_filtered_distribution() -> None:
     rows = 4000
     logits = probs.log().expand(rows, 4)
     generators = [new_generator(seed) for seed in range(rows)]
-    tokens, logprobs = sample(logits, SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, CPU), generators)
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, CPU)
+    tokens, logprobs = sample(logits, batch, generators)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)
     torch.testing.assert_close(logprobs, probs.log()[tokens])
@@ -159,7 +160,8 @@ def test_greedy_with_repetition_penalty_equals_transformers(engine: Engine, mode
         )
         expected.append(out[0, len(prompt) :].tolist())
     # Mixed with a penalty-free request: rows without a penalty must be left alone.
-    ours = _generate(engine, [(p, SamplingParams(repetition_penalty=penalty)) for p in PROMPTS] + [(PROMPTS[0], SamplingParams())])
+    ours = _generate(engine, [(p, SamplingParams(repetition_penalty=penalty)) for p in PROMPTS]
+                     + [(PROMPTS[0], SamplingParams())])
     assert ours[:3] == expected
     assert ours[3] == _generate(engine, [(PROMPTS[0], SamplingParams())])[0]
 

@@ -31,7 +31,7 @@ __all__ = ["LoraBatchMeta", "LoraProjection", "add_lora", "add_lora_parts", "BAC
 
 def _check(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
+    scaling: torch.Tensor, meta: LoraBatchMeta | _NoTokens, out_slice: slice,
 ) -> None:
     """Shape and dtype checks on host metadata only (no device sync). Runs for every target
     module of every layer, so the passing case is one boolean expression."""
@@ -132,8 +132,8 @@ class LoraProjection:
         self.lora_a = [part[0] for part in self.parts]
         self.lora_b = [part[1] for part in self.parts]
         self.columns = [part[3].start for part in self.parts]
-        ranks = [part[4] for part in self.parts]
-        self.ranks = [] if any(r is None for r in ranks) else ranks
+        part_ranks = [part[4] for part in self.parts]
+        self.ranks = [r for r in part_ranks if r is not None] if all(r is not None for r in part_ranks) else []
         self.rank_major = all(cpu_ops.rank_major(b) for b in self.lora_b)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, *, backend: str | None = None) -> None:

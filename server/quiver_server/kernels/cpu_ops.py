@@ -33,8 +33,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp", "greedy.cpp",
-                        "build_info.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp",
+                        "greedy.cpp", "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp
@@ -101,7 +101,9 @@ def selected_isa() -> str:
     if wanted not in ISA_CFLAGS:
         raise ValueError(f"QUIVER_CPU_ISA={wanted!r}: expected one of native, {', '.join(ISA_CFLAGS)}")
     if wanted not in runnable:
-        raise ValueError(f"QUIVER_CPU_ISA={wanted}: this CPU cannot run it (it runs: {', '.join(runnable) or 'neither'})")
+        raise ValueError(
+            f"QUIVER_CPU_ISA={wanted}: this CPU cannot run it (it runs: {', '.join(runnable) or 'neither'})"
+        )
     return wanted
 
 

@@ -88,7 +88,7 @@ class Linear(nn.Module):
         if packed is None:
             return False
         self.packed_weight = packed
-        self.weight = None  # the packed copy is the only one kept
+        self.register_parameter("weight", None)  # the packed copy is the only one kept
         return True
 
     def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:

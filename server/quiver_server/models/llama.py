@@ -254,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_weight()
         self.lm_head_packed = self.ops.pack(self.lm_head.weight)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
-            self.lm_head.weight = None
+            self.lm_head.register_parameter("weight", None)
 
     def checkpoint_names(self) -> set[str]:
         """The tensor names a transformers checkpoint of this config must contain."""
