@@ -16,6 +16,7 @@ from quiver_server.layers.linear import Linear, LoraPart
 CPU = torch.device("cpu")
 
 
+@pytest.mark.cpu_kernels
 def test_a_cpu_shard_runs_the_cpp_kernels_where_they_are_built() -> None:
     assert cpu_ops.available()  # make install builds them
     ops = select_ops(CPU)
