@@ -1,7 +1,6 @@
 //! The router's command line: the serving flags it shares with the launcher (quiver-flags), plus
 //! what only the router takes. Every flag also reads an environment variable.
 
-use std::ops::Deref;
 use std::path::PathBuf;
 
 use clap::Parser;
@@ -36,15 +35,6 @@ pub struct RouterArgs {
     pub json_logs: bool,
 }
 
-/// `args.port` reads the same whether a flag is shared with the launcher or the router's own.
-impl Deref for RouterArgs {
-    type Target = ServingFlags;
-
-    fn deref(&self) -> &ServingFlags {
-        &self.serving
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,7 +65,7 @@ mod tests {
             "--json-logs",
         ];
         let args = RouterArgs::try_parse_from(argv).unwrap();
-        assert_eq!((args.port, args.json_logs), (9000, true));
-        assert_eq!(args.max_concurrent_requests, 512);
+        assert_eq!((args.serving.port, args.json_logs), (9000, true));
+        assert_eq!(args.serving.max_concurrent_requests, 512);
     }
 }

@@ -57,20 +57,25 @@ async fn run(args: RouterArgs) -> Result<(), BoxError> {
     let state = startup::start(shard, info, assets, Settings::from_args(&args)).await?;
     tracing::info!(limits = ?state.info.limits, "KV cache sized");
     tracing::info!(
-        source = %args.adapter_source,
-        root = ?args.adapter_root,
-        max_active_adapters = args.max_active_adapters,
-        max_lora_rank = args.max_lora_rank,
+        source = %args.serving.adapter_source,
+        root = ?args.serving.adapter_root,
+        max_active_adapters = args.serving.max_active_adapters,
+        max_lora_rank = args.serving.max_lora_rank,
         preloaded = ?state.adapters.list().iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(),
         "adapters"
     );
 
-    let listener = TcpListener::bind((args.hostname.as_str(), args.port))
+    let listener = TcpListener::bind((args.serving.hostname.as_str(), args.serving.port))
         .await
-        .map_err(|error| format!("cannot listen on {}:{}: {error}", args.hostname, args.port))?;
+        .map_err(|error| {
+            format!(
+                "cannot listen on {}:{}: {error}",
+                args.serving.hostname, args.serving.port
+            )
+        })?;
     tracing::info!(
         "router ready on http://{}:{}",
-        args.hostname,
+        args.serving.hostname,
         listener.local_addr()?.port()
     );
 
@@ -85,7 +90,7 @@ async fn run(args: RouterArgs) -> Result<(), BoxError> {
     let server = axum::serve(listener, http::router(state.clone()))
         .with_graceful_shutdown(shutdown)
         .into_future();
-    let grace = Duration::from_secs(args.graceful_shutdown_secs);
+    let grace = Duration::from_secs(args.serving.graceful_shutdown_secs);
     tokio::select! {
         result = server => result?,
         () = grace_expired(draining_rx, grace) => {

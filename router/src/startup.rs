@@ -45,22 +45,22 @@ impl Settings {
     pub fn from_args(args: &RouterArgs) -> Self {
         Self {
             model_id: args.model_id.clone(),
-            served_model_name: args.served_model_name.clone(),
+            served_model_name: args.serving.served_model_name.clone(),
             limits: RequestedLimits {
-                max_input_tokens: args.max_input_tokens,
-                max_total_tokens: args.max_total_tokens,
-                max_batch_prefill_tokens: args.max_batch_prefill_tokens,
+                max_input_tokens: args.serving.max_input_tokens,
+                max_total_tokens: args.serving.max_total_tokens,
+                max_batch_prefill_tokens: args.serving.max_batch_prefill_tokens,
             },
-            max_batch_total_tokens: args.max_batch_total_tokens,
-            max_batch_size: args.max_batch_size,
-            max_concurrent_requests: args.max_concurrent_requests,
-            api_key: args.api_key.clone().filter(|key| !key.is_empty()),
+            max_batch_total_tokens: args.serving.max_batch_total_tokens,
+            max_batch_size: args.serving.max_batch_size,
+            max_concurrent_requests: args.serving.max_concurrent_requests,
+            api_key: args.serving.api_key.clone().filter(|key| !key.is_empty()),
             adapters: AdapterSettings {
-                source: args.adapter_source,
-                root: args.adapter_root.clone(),
-                preload: args.preload_adapters.clone(),
-                max_active_adapters: args.max_active_adapters,
-                max_lora_rank: args.max_lora_rank,
+                source: args.serving.adapter_source,
+                root: args.serving.adapter_root.clone(),
+                preload: args.serving.preload_adapters.clone(),
+                max_active_adapters: args.serving.max_active_adapters,
+                max_lora_rank: args.serving.max_lora_rank,
             },
         }
     }
