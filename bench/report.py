@@ -26,17 +26,13 @@ def cpu_description() -> dict:
     figures depend on all three: QUIVER_CPU_ISA=avx2 runs the AVX2 build on an AVX-512 host)."""
     from quiver_server.kernels import cpu_ops
 
-    info: dict = {"kernel_isa": cpu_ops.selected_isa(), "kernel_isas_runnable": cpu_ops.host_isas()}
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return info
-    fields = dict(line.split(":", 1) for line in lines if ":" in line and not line.startswith("processor"))
-    fields = {key.strip(): value.strip() for key, value in fields.items()}
-    info["cpu_model"] = fields.get("model name", "")
-    flags = set(fields.get("flags", "").split())
-    info["cpu_vector_flags"] = sorted(f for f in flags if f.startswith(("avx", "fma", "amx")))
-    return info
+    model, flags = cpu_ops.cpu_model_and_flags()
+    return {
+        "kernel_isa": cpu_ops.selected_isa(),
+        "kernel_isas_runnable": cpu_ops.host_isas(),
+        "cpu_model": model,
+        "cpu_vector_flags": sorted(f for f in flags if f.startswith(("avx", "fma", "amx"))),
+    }
 
 
 def machine(device: str) -> dict:

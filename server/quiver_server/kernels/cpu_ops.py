@@ -71,23 +71,31 @@ def build_dir() -> Path:
     return Path.home() / ".cache" / "quiver" / "cpu-kernels"
 
 
-def cpu_fingerprint() -> str:
-    """A short name for this CPU's model and instruction-set flags (Linux's /proc/cpuinfo)."""
+def cpu_model_and_flags() -> tuple[str, set[str]]:
+    """The first CPU's model name and instruction-set flags from Linux's /proc/cpuinfo (empty
+    where there is none)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
+        return "", set()
+    fields: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    return fields.get("model name", ""), set(fields.get("flags", "").split())
+
+
+def cpu_fingerprint() -> str:
+    """A short name for this CPU's model and instruction-set flags."""
+    model, flags = cpu_model_and_flags()
+    if not model and not flags:
         return "unknown-cpu"
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
-    return "cpu-" + hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+    return "cpu-" + hashlib.sha256(f"{model}\n{' '.join(sorted(flags))}".encode()).hexdigest()[:12]
 
 
 def host_isas() -> list[str]:
     """The kernel ISAs this CPU can run, widest first (empty off x86-64 or without AVX2)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
-    flags = next((set(line.split(":", 1)[1].split()) for line in lines if line.startswith("flags")), set())
+    _, flags = cpu_model_and_flags()
     return [isa for isa, needed in ISA_CPU_FLAGS.items() if needed <= flags]
 
 
