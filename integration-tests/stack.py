@@ -20,7 +20,10 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO_ROOT / ".venv" / "bin"
-LAUNCHER = VENV_BIN / "quiver-launcher"
+# QUIVER_BIN_DIR tests another build of the Rust binaries (e.g. target/release of a work tree)
+# against this checkout's shard; by default the ones `make install` put in the venv.
+BIN_DIR = Path(os.environ.get("QUIVER_BIN_DIR") or VENV_BIN)
+LAUNCHER = BIN_DIR / "quiver-launcher"
 STARTUP_TIMEOUT_S = 60.0
 # How often /health is asked while the stack starts (shards take seconds to load).
 HEALTH_PROBE_INTERVAL_S = 0.2
@@ -102,7 +105,7 @@ class Stack:
             raise StackError(f"{LAUNCHER} is missing: run `make install` (or `make rust`) first")
         env = dict(os.environ)
         # The launcher finds quiver-server / quiver-router on PATH (or next to itself).
-        env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+        env["PATH"] = os.pathsep.join([str(BIN_DIR), str(VENV_BIN), env.get("PATH", "")])
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.update(self.config.extra_env)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
