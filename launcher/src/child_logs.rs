@@ -3,6 +3,8 @@
 //! `{"level","message","target"}`, the router tracing-subscriber's `{"level","fields":{"message"}}`.
 //! Anything else (a Python traceback, a progress bar) is forwarded as plain text.
 
+use std::borrow::Cow;
+
 use serde_json::{Map, Value};
 use tokio::io::{AsyncBufReadExt, AsyncRead, BufReader};
 use tracing::Level;
@@ -117,7 +119,28 @@ fn take_string(object: &mut Map<String, Value>, key: &str) -> Option<String> {
     }
 }
 
+/// `text` with every control character (C0 such as CR, LF, NUL, ESC; DEL; C1) written as an
+/// escape: a child's line may carry a client's string, which must not forge or garble lines of
+/// the launcher's log or drive the operator's terminal.
+pub fn escape_controls(text: &str) -> Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if c.is_control() {
+            out.extend(c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    Cow::Owned(out)
+}
+
 fn emit(child: &str, line: &ChildLine) {
+    let message = escape_controls(&line.message);
+    let source = line.source.as_deref().map(escape_controls);
+    let fields = line.fields.as_deref().map(escape_controls);
     // tracing needs the level as a constant at each call site, hence one arm per level.
     macro_rules! event_at {
         ($level:expr) => {
@@ -125,10 +148,10 @@ fn emit(child: &str, line: &ChildLine) {
                 target: "quiver_launcher::child",
                 $level,
                 child = child,
-                source = line.source.as_deref(),
-                fields = line.fields.as_deref(),
+                source = source.as_deref(),
+                fields = fields.as_deref(),
                 "{}",
-                line.message
+                message
             )
         };
     }
@@ -179,6 +202,19 @@ mod tests {
             assert_eq!(line.message, text);
         }
         assert_eq!(parse_level("critical"), Level::ERROR);
+    }
+
+    #[test]
+    fn control_characters_are_escaped() {
+        assert_eq!(
+            escape_controls("a\r\nINFO forged\0\u{1b}[31m\u{85}\u{7f}é\tb"),
+            "a\\r\\nINFO forged\\0\\u{1b}[31m\\u{85}\\u{7f}é\\tb"
+        );
+        assert!(matches!(escape_controls("plain"), Cow::Borrowed("plain")));
+        // A JSON line's message is unescaped by the parser: emit must escape it again.
+        let line = parse_line(r#"{"level":"INFO","message":"adapter a\nINFO forged"}"#);
+        assert_eq!(line.message, "adapter a\nINFO forged");
+        assert_eq!(escape_controls(&line.message), "adapter a\\nINFO forged");
     }
 
     #[tokio::test]

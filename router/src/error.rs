@@ -59,6 +59,7 @@ impl ApiError {
             Self::Validation(_) => StatusCode::INTERNAL_SERVER_ERROR,
             Self::ModelNotFound(_) | Self::NotFound(_) => StatusCode::NOT_FOUND,
             Self::Adapter { error, .. } if error.is_not_found() => StatusCode::NOT_FOUND,
+            Self::Adapter { error, .. } if error.is_conflict() => StatusCode::CONFLICT,
             Self::Adapter { error, .. } if error.is_client_error() => StatusCode::BAD_REQUEST,
             Self::Adapter { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,

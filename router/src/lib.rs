@@ -8,6 +8,7 @@ pub mod adapters;
 pub mod config;
 pub mod detokenizer;
 pub mod error;
+pub mod files;
 pub mod http;
 pub mod metrics;
 pub mod openai;

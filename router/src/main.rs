@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use quiver_router::config::RouterArgs;
+use quiver_router::files::ConfinedDir;
 use quiver_router::http;
 use quiver_router::scheduler::Scheduler;
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
@@ -141,8 +142,11 @@ async fn connect(paths: &[PathBuf]) -> Result<ShardClient, ShardError> {
 }
 
 fn load_assets(model_path: &Path) -> Result<ModelAssets, BoxError> {
-    let tokenizer = TextTokenizer::from_dir(model_path)?;
-    let template = ChatTemplate::from_dir(model_path)?;
+    // Start-up errors go to the operator's log, so they may name the directory.
+    let in_model = |error: &dyn std::fmt::Display| format!("{}: {error}", model_path.display());
+    let dir = ConfinedDir::model_dir(model_path).map_err(|error| in_model(&error))?;
+    let tokenizer = TextTokenizer::from_dir(&dir).map_err(|error| in_model(&error))?;
+    let template = ChatTemplate::from_dir(&dir).map_err(|error| in_model(&error))?;
     if template.is_none() {
         tracing::warn!(path = %model_path.display(), "the model has no chat template: /v1/chat/completions will answer 400");
     }

@@ -166,7 +166,11 @@ pub async fn start(
         shard: shard.clone(),
         scheduler: scheduler.clone(),
     });
-    let adapters = AdapterRegistry::new(backend, base.clone());
+    let adapters = AdapterRegistry::new(
+        backend,
+        base.clone(),
+        resolver.canonical_root().map(Into::into),
+    );
     preload(&adapters, &resolver, &settings.adapters.preload).await?;
     Ok(AppState {
         scheduler,

@@ -3,15 +3,17 @@
 //! Encoding a long prompt takes milliseconds of CPU, so `encode` runs on tokio's blocking pool
 //! and never stalls the async runtime that serves streams.
 
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use serde_json::Value as Json;
 
+use crate::files::{ConfinedDir, FileError};
+
 #[derive(Debug, thiserror::Error)]
 pub enum TokenizerError {
-    #[error("cannot load tokenizer from {}: {message}", path.display())]
-    Load { path: PathBuf, message: String },
+    /// Names the file within its directory only, never a server path.
+    #[error("cannot load tokenizer: {0}")]
+    Load(#[from] FileError),
     #[error("tokenization failed: {0}")]
     Encode(String),
     #[error("detokenization failed: {0}")]
@@ -32,10 +34,10 @@ impl SpecialTokens {
     /// Reads `bos_token`/`eos_token` from `tokenizer_config.json`, then fills what is missing
     /// from `special_tokens_map.json`. Each is a string or an AddedToken object
     /// (`{"content": "<s>", ...}`); `null` or absent means the model has none.
-    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
+    pub fn from_dir(dir: &ConfinedDir) -> Result<Self, TokenizerError> {
         let mut tokens = SpecialTokens::default();
         for file in ["tokenizer_config.json", "special_tokens_map.json"] {
-            let Some(config) = read_json_if_exists(&dir.join(file))? else {
+            let Some(config) = dir.read_json(file)? else {
                 continue;
             };
             tokens.bos = tokens
@@ -56,21 +58,6 @@ fn token_content(entry: Option<&Json>) -> Option<String> {
         Json::Object(fields) => fields.get("content")?.as_str().map(str::to_owned),
         _ => None,
     }
-}
-
-fn read_json_if_exists(path: &Path) -> Result<Option<Json>, TokenizerError> {
-    let load_error = |message: String| TokenizerError::Load {
-        path: path.to_path_buf(),
-        message,
-    };
-    let text = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(err) => return Err(load_error(err.to_string())),
-    };
-    serde_json::from_str(&text)
-        .map(Some)
-        .map_err(|err| load_error(err.to_string()))
 }
 
 /// A loaded tokenizer with its special tokens. Clone is cheap (shared).
@@ -100,15 +87,24 @@ impl TextTokenizer {
     /// Loads `tokenizer.json` and the special tokens of a model (or adapter) directory. Stop
     /// ids also include `generation_config.json`'s `eos_token_id` (an id or a list), which is
     /// what transformers' `generate` stops on (e.g. Llama 3's `<|eot_id|>`).
-    pub fn from_dir(dir: &Path) -> Result<Self, TokenizerError> {
-        let path = dir.join("tokenizer.json");
-        let tokenizer =
-            tokenizers::Tokenizer::from_file(&path).map_err(|err| TokenizerError::Load {
-                path: path.clone(),
-                message: err.to_string(),
-            })?;
+    pub fn from_dir(dir: &ConfinedDir) -> Result<Self, TokenizerError> {
+        const FILE: &str = "tokenizer.json";
+        let missing = || FileError::Unreadable {
+            file: FILE.to_owned(),
+            kind: "not found".to_owned(),
+        };
+        let bytes = dir.read(FILE)?.ok_or_else(missing)?;
+        // The parser's message can quote the file or give a position in it: logged, not shown.
+        let tokenizer = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|error| {
+            tracing::warn!(dir = ?dir.path(), %error, "invalid tokenizer.json");
+            FileError::Invalid {
+                file: FILE.to_owned(),
+                what: "tokenizer",
+            }
+        })?;
         let special = SpecialTokens::from_dir(dir)?;
-        let generation_eos = read_json_if_exists(&dir.join("generation_config.json"))?
+        let generation_eos = dir
+            .read_json("generation_config.json")?
             .and_then(|config| config.get("eos_token_id").cloned())
             .map(|ids| token_ids(&ids))
             .unwrap_or_default();
@@ -247,7 +243,7 @@ mod tests {
             r#"{"bos_token": "<ignored>", "eos_token": "</s>"}"#,
         )
         .unwrap();
-        let tokens = SpecialTokens::from_dir(dir.path()).unwrap();
+        let tokens = SpecialTokens::from_dir(&ConfinedDir::model_dir(dir.path()).unwrap()).unwrap();
         assert_eq!(tokens.bos.as_deref(), Some("<s>"));
         assert_eq!(tokens.eos.as_deref(), Some("</s>"));
     }
@@ -269,7 +265,7 @@ mod tests {
             r#"{"eos_token_id": [2, 1]}"#,
         )
         .unwrap();
-        let loaded = TextTokenizer::from_dir(dir.path()).unwrap();
+        let loaded = TextTokenizer::from_dir(&ConfinedDir::model_dir(dir.path()).unwrap()).unwrap();
         let eos = tokenizer.token_to_id("<|eos|>").unwrap();
         assert_eq!(loaded.eos_token(), Some("<|eos|>"));
         assert_eq!(loaded.eos_token_id(), Some(eos));

@@ -5,13 +5,15 @@
 use std::path::Path;
 
 use super::AdapterError;
-use crate::template::ChatTemplate;
+use crate::files::ConfinedDir;
+use crate::template::{ChatTemplate, TemplateError};
 use crate::tokenizer::{SpecialTokens, TextTokenizer};
 use crate::validation::ModelAssets;
 
 /// Reads the assets of the adapter `id` from `dir` (blocking file reads: call it off the async
 /// runtime). A directory this machine cannot see (a shard on another host) means the base
-/// model's assets.
+/// model's assets. Every file must resolve inside `root` (the adapter root of a local adapter;
+/// `None` for a hub download, whose root is its cache folder).
 ///
 /// * tokenizer: the adapter's `tokenizer.json` (with its special tokens and generation config),
 ///   else the base model's;
@@ -21,6 +23,7 @@ use crate::validation::ModelAssets;
 pub fn adapter_assets(
     id: &str,
     dir: &Path,
+    root: Option<&Path>,
     base: &ModelAssets,
 ) -> Result<ModelAssets, AdapterError> {
     if !dir.is_dir() {
@@ -31,15 +34,35 @@ pub fn adapter_assets(
         what,
         message,
     };
-    let tokenizer = if dir.join("tokenizer.json").is_file() {
+    let confined = match root {
+        Some(root) => ConfinedDir::new(dir, root),
+        None => ConfinedDir::model_dir(dir),
+    };
+    let dir = confined.map_err(|error| {
+        tracing::warn!(adapter = ?id, dir = ?dir, %error, "adapter directory refused");
+        unusable("directory", "it is outside the adapter root".to_owned())
+    })?;
+    let dir = &dir;
+    let template_error = |error: TemplateError| {
+        let message = match error {
+            TemplateError::File(file) => file.to_string(),
+            TemplateError::Config { .. } | TemplateError::Raised(_) => error.to_string(),
+            // The compiler's message gives positions in the file: logged, not shown.
+            TemplateError::Syntax(_) | TemplateError::Render(_) => {
+                tracing::warn!(adapter = ?id, %error, "adapter chat template does not compile");
+                "the template does not compile".to_owned()
+            }
+        };
+        unusable("chat template", message)
+    };
+    let tokenizer = if dir.has("tokenizer.json") {
         TextTokenizer::from_dir(dir).map_err(|error| unusable("tokenizer", error.to_string()))?
     } else {
         base.tokenizer.clone()
     };
     let own_tokens = SpecialTokens::from_dir(dir)
         .map_err(|error| unusable("tokenizer config", error.to_string()))?;
-    let own_template = ChatTemplate::from_dir(dir)
-        .map_err(|error| unusable("chat template", error.to_string()))?;
+    let own_template = ChatTemplate::from_dir(dir).map_err(template_error)?;
     let base_template = base.template.as_ref();
     let template = match own_template {
         Some(template) => Some(template),
@@ -47,7 +70,7 @@ pub fn adapter_assets(
         None if own_tokens != SpecialTokens::default() => base_template
             .map(|base| ChatTemplate::new(base.source().to_owned(), None, None))
             .transpose()
-            .map_err(|error| unusable("chat template", error.to_string()))?,
+            .map_err(template_error)?,
         None => {
             return Ok(ModelAssets {
                 tokenizer,
@@ -58,7 +81,7 @@ pub fn adapter_assets(
     let template = template
         .map(|template| with_token_fallback(template, &own_tokens, base))
         .transpose()
-        .map_err(|error| unusable("chat template", error.to_string()))?;
+        .map_err(template_error)?;
     Ok(ModelAssets {
         tokenizer,
         template,
@@ -135,9 +158,9 @@ mod tests {
     fn an_adapter_without_files_uses_the_base_assets() {
         let dir = tempfile::tempdir().unwrap();
         let base = base();
-        let assets = adapter_assets("a", dir.path(), &base).unwrap();
+        let assets = adapter_assets("a", dir.path(), None, &base).unwrap();
         assert_eq!(render(&assets), "<s><user>hi");
-        let missing = adapter_assets("a", &dir.path().join("elsewhere"), &base).unwrap();
+        let missing = adapter_assets("a", &dir.path().join("elsewhere"), None, &base).unwrap();
         assert_eq!(render(&missing), "<s><user>hi");
     }
 
@@ -149,7 +172,7 @@ mod tests {
             "{{ bos_token }}{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}{{ eos_token }}",
         )
         .unwrap();
-        let assets = adapter_assets("a", dir.path(), &base()).unwrap();
+        let assets = adapter_assets("a", dir.path(), None, &base()).unwrap();
         assert_eq!(render(&assets), "<s>[user] hi</s>");
     }
 
@@ -161,7 +184,7 @@ mod tests {
             r#"{"bos_token": "<|start|>"}"#,
         )
         .unwrap();
-        let assets = adapter_assets("a", dir.path(), &base()).unwrap();
+        let assets = adapter_assets("a", dir.path(), None, &base()).unwrap();
         assert_eq!(render(&assets), "<|start|><user>hi");
     }
 
@@ -169,8 +192,27 @@ mod tests {
     fn a_broken_template_is_the_adapter_s_fault() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("chat_template.jinja"), "{% for %}").unwrap();
-        let error = adapter_assets("a", dir.path(), &base()).unwrap_err();
+        let error = adapter_assets("a", dir.path(), None, &base()).unwrap_err();
         assert_eq!(error.code(), "invalid_adapter");
         assert!(error.to_string().contains("chat template"), "{error}");
+    }
+
+    #[test]
+    fn files_linked_out_of_the_root_are_refused_without_saying_where() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path().join("root");
+        std::fs::create_dir_all(root.join("a")).unwrap();
+        std::fs::write(tmp.path().join("secret.txt"), "SECRET {{ bos_token }}").unwrap();
+        std::os::unix::fs::symlink(
+            tmp.path().join("secret.txt"),
+            root.join("a/chat_template.jinja"),
+        )
+        .unwrap();
+        let error = adapter_assets("a", &root.join("a"), Some(&root), &base()).unwrap_err();
+        assert_eq!(error.code(), "invalid_adapter");
+        let message = error.to_string();
+        assert!(message.contains("chat_template.jinja"), "{message}");
+        assert!(!message.contains(tmp.path().to_str().unwrap()), "{message}");
+        assert!(!message.contains("SECRET"), "{message}");
     }
 }

@@ -31,6 +31,10 @@ pub enum AdapterError {
     /// `/v1/load_lora_adapter` for a name already loaded from somewhere else.
     #[error("The adapter `{id}` is already loaded from {loaded}; unload it first.")]
     AlreadyLoaded { id: String, loaded: String },
+    /// The name would make one adapter answer for another: it is another adapter's id or
+    /// directory, a hub id naming something else, or the adapter is loaded under another name.
+    #[error("`{id}` cannot be used as an adapter name: {reason}")]
+    Conflict { id: String, reason: String },
     /// The shard refused it: it does not fit the base model (architecture, shapes, target
     /// modules, rank over --max-lora-rank) or its files are malformed. The shard's message
     /// says what differs.
@@ -80,6 +84,11 @@ impl AdapterError {
         !matches!(self, Self::LoadFailed { .. })
     }
 
+    /// Whether the answer is 409.
+    pub fn is_conflict(&self) -> bool {
+        matches!(self, Self::Conflict { .. })
+    }
+
     /// Whether the answer is 404.
     pub fn is_not_found(&self) -> bool {
         matches!(self, Self::NotFound { .. } | Self::Unloading(_))
@@ -93,6 +102,7 @@ impl AdapterError {
             Self::InvalidSource(_) => "invalid_value",
             Self::NotFound { .. } | Self::Unloading(_) => "model_not_found",
             Self::AlreadyLoaded { .. } => "adapter_already_loaded",
+            Self::Conflict { .. } => "adapter_name_conflict",
             Self::Rejected { .. } | Self::Assets { .. } => "invalid_adapter",
             Self::LoadFailed { .. } => "adapter_load_failed",
         }

@@ -12,11 +12,13 @@
 mod assets;
 mod backend;
 mod error;
+mod names;
 mod registry;
 mod resolve;
 
 pub use assets::adapter_assets;
 pub use backend::{AdapterBackend, ServingBackend};
 pub use error::AdapterError;
+pub use names::{check_name, MAX_ADAPTER_NAME_BYTES};
 pub use registry::{AdapterEntry, AdapterRegistry};
 pub use resolve::{AdapterLocation, AdapterSource, AdapterSpec, Resolver};

@@ -37,6 +37,8 @@ pub struct AdapterEntry {
     pub created: u64,
     /// Its own tokenizer/template where it has them, the base model's otherwise.
     pub assets: Arc<ModelAssets>,
+    /// A local adapter's directory relative to the adapter root: what clients may see of it.
+    shown_root: String,
     /// When its load started, so `/v1/models` lists adapters in the order they arrived.
     order: u64,
 }
@@ -47,7 +49,8 @@ impl AdapterEntry {
     }
 
     /// What the adapter was loaded from, as `/v1/models` reports it in `root` (vLLM's
-    /// convention): the hub id, or the directory.
+    /// convention): the hub id, or the directory relative to the adapter root (server paths
+    /// are not the clients' business).
     pub fn root(&self) -> String {
         match &self.location {
             AdapterLocation::Hub {
@@ -55,7 +58,7 @@ impl AdapterEntry {
                 revision: Some(revision),
             } => format!("{repo}@{revision}"),
             AdapterLocation::Hub { repo, .. } => repo.clone(),
-            AdapterLocation::Local { path } => path.display().to_string(),
+            AdapterLocation::Local { .. } => self.shown_root.clone(),
         }
     }
 }
@@ -98,6 +101,8 @@ pub struct AdapterRegistry {
 struct Inner {
     backend: Arc<dyn AdapterBackend>,
     base: Arc<ModelAssets>,
+    /// Canonical `--adapter-root`: a local adapter's files must resolve inside it.
+    adapter_root: Option<PathBuf>,
     states: Mutex<HashMap<String, State>>,
     counter: AtomicU64,
 }
@@ -111,11 +116,16 @@ enum Next {
 }
 
 impl AdapterRegistry {
-    pub fn new(backend: Arc<dyn AdapterBackend>, base: Arc<ModelAssets>) -> Self {
+    pub fn new(
+        backend: Arc<dyn AdapterBackend>,
+        base: Arc<ModelAssets>,
+        adapter_root: Option<PathBuf>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 backend,
                 base,
+                adapter_root,
                 states: Mutex::new(HashMap::new()),
                 counter: AtomicU64::new(0),
             }),
@@ -139,6 +149,24 @@ impl AdapterRegistry {
         self.load_checked(spec, false).await
     }
 
+    /// The id and state of the adapter loaded (or loading) from `location`, under any id.
+    fn by_location<'a>(
+        states: &'a HashMap<String, State>,
+        location: &AdapterLocation,
+    ) -> Option<(&'a str, Next)> {
+        states.iter().find_map(|(id, state)| match state {
+            State::Ready(entry) if entry.location == *location => {
+                Some((id.as_str(), Next::Done(Ok(entry.clone()))))
+            }
+            State::Loading {
+                location: loading,
+                load,
+                ..
+            } if loading == location => Some((id.as_str(), Next::Wait(load.clone()))),
+            _ => None,
+        })
+    }
+
     /// Loads `spec` unless it is loaded already (then this is a no-op). An id that is loaded or
     /// loading from somewhere else is refused: ids must keep meaning one adapter.
     pub async fn load(&self, spec: AdapterSpec) -> LoadResult {
@@ -146,7 +174,9 @@ impl AdapterRegistry {
     }
 
     /// With `strict`, an id already taken by another location is refused; without, whatever
-    /// the id names is used (a request does not care where an adapter came from).
+    /// the id names is used (a request does not care where an adapter came from). A location
+    /// already loaded under another id is that adapter (`./x` and `x` are one load); an explicit
+    /// load of it under a second name is refused, so one directory is one adapter.
     async fn load_checked(&self, spec: AdapterSpec, strict: bool) -> LoadResult {
         let load = {
             let mut states = self.states();
@@ -154,7 +184,17 @@ impl AdapterRegistry {
             match Self::decide(&states, &spec.id, location) {
                 Next::Done(result) => return result,
                 Next::Wait(load) => load,
-                Next::Start => self.start_load(&mut states, spec),
+                Next::Start => match Self::by_location(&states, &spec.location) {
+                    Some((loaded_as, _)) if strict => {
+                        return Err(AdapterError::Conflict {
+                            id: spec.id,
+                            reason: format!("the same adapter is already loaded as `{loaded_as}`"),
+                        })
+                    }
+                    Some((_, Next::Done(result))) => return result,
+                    Some((_, Next::Wait(load))) => load,
+                    Some((_, Next::Start)) | None => self.start_load(&mut states, spec),
+                },
             }
         };
         load.await
@@ -211,7 +251,7 @@ impl AdapterRegistry {
             // Whatever the outcome, look again: ready → unload, failed → unknown.
             let _ = loading.await;
         }
-        tracing::info!(adapter = id, "unloading adapter");
+        tracing::info!(adapter = ?id, "unloading adapter");
         // Handed over before this returns, so the scheduler orders it after every request it
         // already has for the adapter.
         let unloading = self.inner.backend.unload(id.to_owned());
@@ -223,7 +263,7 @@ impl AdapterRegistry {
             if matches!(states.get(&id), Some(State::Unloading)) {
                 states.remove(&id);
             }
-            tracing::info!(adapter = %id, "adapter unloaded");
+            tracing::info!(adapter = ?id, "adapter unloaded");
         });
         Ok(())
     }
@@ -290,7 +330,7 @@ impl AdapterRegistry {
         }
         .boxed()
         .shared();
-        tracing::info!(adapter = %spec.id, from = %spec.location, "loading adapter");
+        tracing::info!(adapter = ?spec.id, from = ?spec.location, "loading adapter");
         states.insert(
             spec.id,
             State::Loading {
@@ -330,7 +370,20 @@ impl Inner {
         };
         let base = self.base.clone();
         let (id, dir) = (spec.id.clone(), path.clone());
-        let assets = tokio::task::spawn_blocking(move || adapter_assets(&id, &dir, &base))
+        let root = match &spec.location {
+            AdapterLocation::Local { .. } => self.adapter_root.clone(),
+            AdapterLocation::Hub { .. } => None,
+        };
+        let shown_root = match (&spec.location, &root) {
+            (AdapterLocation::Local { path }, Some(root)) => path
+                .strip_prefix(root)
+                .map(|relative| relative.display().to_string())
+                .unwrap_or_default(),
+            _ => String::new(),
+        };
+        let assets = tokio::task::spawn_blocking(move || {
+            adapter_assets(&id, &dir, root.as_deref(), &base)
+        })
             .await
             .unwrap_or_else(|error| {
                 Err(AdapterError::LoadFailed {
@@ -355,6 +408,7 @@ impl Inner {
             target_modules: loaded.target_modules,
             created: unix_now(),
             assets: Arc::new(assets),
+            shown_root,
             order,
         }))
     }
@@ -372,7 +426,7 @@ impl Inner {
         match result {
             Ok(entry) => {
                 tracing::info!(
-                    adapter = %entry.id,
+                    adapter = ?entry.id,
                     rank = entry.rank,
                     scaling = entry.scaling,
                     target_modules = ?entry.target_modules,
@@ -382,7 +436,7 @@ impl Inner {
                 states.insert(spec.id.clone(), State::Ready(entry.clone()));
             }
             Err(error) => {
-                tracing::warn!(adapter = %spec.id, %error, "adapter load failed");
+                tracing::warn!(adapter = ?spec.id, error = ?error.to_string(), "adapter load failed");
                 states.remove(&spec.id);
             }
         }

@@ -96,7 +96,7 @@ fn hub(id: &str) -> AdapterSpec {
 }
 
 fn registry(backend: &Arc<TestBackend>) -> AdapterRegistry {
-    AdapterRegistry::new(backend.clone(), base())
+    AdapterRegistry::new(backend.clone(), base(), None)
 }
 
 /// Polls until `condition` holds (loads run on their own tasks).

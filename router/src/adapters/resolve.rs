@@ -9,7 +9,7 @@
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
-use super::AdapterError;
+use super::{check_name, AdapterError};
 
 /// Where an adapter id is looked up; defined with the `--adapter-source` flag.
 pub use quiver_flags::AdapterSource;
@@ -96,6 +96,11 @@ impl Resolver {
         })
     }
 
+    /// The canonical `--adapter-root`, if the server has one.
+    pub fn canonical_root(&self) -> Option<&Path> {
+        self.root.as_deref()
+    }
+
     pub fn default_source(&self) -> AdapterSource {
         self.default_source
     }
@@ -106,6 +111,7 @@ impl Resolver {
         id: &str,
         source: Option<AdapterSource>,
     ) -> Result<AdapterSpec, AdapterError> {
+        check_name(id)?;
         let location = self.locate(id, source.unwrap_or(self.default_source))?;
         Ok(AdapterSpec {
             id: id.to_owned(),
@@ -121,10 +127,31 @@ impl Resolver {
         path: &str,
         source: Option<AdapterSource>,
     ) -> Result<AdapterLocation, AdapterError> {
+        check_name(path)?;
         match source {
             Some(source) => self.locate(path, source),
             None if Path::new(path).is_absolute() => self.local_absolute(path),
             None => self.locate(path, self.default_source),
+        }
+    }
+
+    /// Why `name` must not be the name of the adapter at `location`, if it must not: as a local
+    /// id (or an absolute path) it names another directory under the root, or it is a hub id
+    /// of another adapter. Otherwise requests for that directory or hub adapter would silently
+    /// get these weights.
+    pub fn name_conflict(&self, name: &str, location: &AdapterLocation) -> Option<&'static str> {
+        let as_local = if Path::new(name).is_absolute() {
+            self.local_absolute(name)
+        } else {
+            self.locate(name, AdapterSource::Local)
+        };
+        if let Ok(local) = as_local {
+            return (local != *location)
+                .then_some("it names another adapter directory under the adapter root");
+        }
+        match parse_hub_id(name) {
+            Ok(hub) if hub != *location => Some("it is the id of another (hub) adapter"),
+            _ => None,
         }
     }
 

@@ -7,7 +7,7 @@ use serde_json::Value;
 
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::state::AppState;
-use crate::adapters::{AdapterError, AdapterLocation, AdapterSource, AdapterSpec};
+use crate::adapters::{check_name, AdapterError, AdapterLocation, AdapterSource, AdapterSpec};
 use crate::error::ApiError;
 use crate::openai::adapters::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 
@@ -29,6 +29,7 @@ pub async fn load_lora_adapter(
 ) -> Result<String, ApiError> {
     let name = required(request.lora_name, "lora_name")?;
     let path = required(request.lora_path, "lora_path")?;
+    check_name(&name).map_err(|error| ApiError::adapter(error, "lora_name"))?;
     if state.models.is_base(&name) {
         return Err(ApiError::BadRequestBody {
             message: format!("`{name}` is the base model's name; choose another `lora_name`"),
@@ -59,6 +60,13 @@ pub async fn load_lora_adapter(
             });
         }
     }
+    if let Some(reason) = state.resolver.name_conflict(&name, &location) {
+        let error = AdapterError::Conflict {
+            id: name,
+            reason: reason.to_owned(),
+        };
+        return Err(ApiError::adapter(error, "lora_name"));
+    }
     state
         .adapters
         .load(AdapterSpec {
@@ -68,7 +76,7 @@ pub async fn load_lora_adapter(
         .await
         .map_err(|error| {
             let param = match error {
-                AdapterError::AlreadyLoaded { .. } => "lora_name",
+                AdapterError::AlreadyLoaded { .. } | AdapterError::Conflict { .. } => "lora_name",
                 _ => "lora_path",
             };
             ApiError::adapter(error, param)
@@ -83,6 +91,7 @@ pub async fn unload_lora_adapter(
     OpenAiJson(request): OpenAiJson<UnloadLoraAdapterRequest>,
 ) -> Result<String, ApiError> {
     let name = required(request.lora_name, "lora_name")?;
+    check_name(&name).map_err(|error| ApiError::adapter(error, "lora_name"))?;
     state
         .adapters
         .unload(&name)

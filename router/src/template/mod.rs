@@ -11,12 +11,13 @@ mod pyjson;
 mod python;
 mod source;
 
-use std::path::{Path, PathBuf};
 
 use minijinja::value::{Serde, Value};
 use serde_json::Value as Json;
 
 pub use environment::RaisedByTemplate;
+
+use crate::files::{ConfinedDir, FileError};
 
 /// What `strftime_now()` reads. Production uses the local wall clock; tests freeze it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,14 +38,12 @@ pub enum TemplateError {
     /// Rendering failed inside the template (e.g. it iterated over `tools` when there are none).
     #[error("chat template failed to render: {0}")]
     Render(String),
-    #[error("cannot read {}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    /// A file of the model's directory is unusable; names only the file.
+    #[error("{0}")]
+    File(#[from] FileError),
     /// A model file that should describe the template is malformed.
-    #[error("invalid {}: {message}", path.display())]
-    Config { path: PathBuf, message: String },
+    #[error("invalid {file}: {message}")]
+    Config { file: &'static str, message: String },
 }
 
 /// A compiled chat template plus the special tokens it may print. Cheap to share behind an
@@ -87,15 +86,16 @@ impl ChatTemplate {
 
     /// Loads the template of a model or adapter directory, or `Ok(None)` when it has none.
     /// `bos_token`/`eos_token` come from `tokenizer_config.json` (or `special_tokens_map.json`).
-    pub fn from_dir(dir: &Path) -> Result<Option<Self>, TemplateError> {
+    pub fn from_dir(dir: &ConfinedDir) -> Result<Option<Self>, TemplateError> {
         let Some(source) = load_source(dir)? else {
             return Ok(None);
         };
-        let tokens = crate::tokenizer::SpecialTokens::from_dir(dir).map_err(|err| {
-            TemplateError::Config {
-                path: dir.to_path_buf(),
-                message: err.to_string(),
-            }
+        let tokens = crate::tokenizer::SpecialTokens::from_dir(dir).map_err(|err| match err {
+            crate::tokenizer::TokenizerError::Load(file) => TemplateError::File(file),
+            other => TemplateError::Config {
+                file: "tokenizer_config.json",
+                message: other.to_string(),
+            },
         })?;
         Self::new(source, tokens.bos, tokens.eos).map(Some)
     }
@@ -197,24 +197,18 @@ fn raised_message(err: &minijinja::Error) -> Option<String> {
     None
 }
 
-fn load_source(dir: &Path) -> Result<Option<String>, TemplateError> {
-    let jinja = dir.join("chat_template.jinja");
-    if let Some(source) = read_if_exists(&jinja)? {
+fn load_source(dir: &ConfinedDir) -> Result<Option<String>, TemplateError> {
+    if let Some(source) = dir.read_text("chat_template.jinja")? {
         return Ok(Some(source));
     }
     for file in ["chat_template.json", "tokenizer_config.json"] {
-        let path = dir.join(file);
-        let Some(text) = read_if_exists(&path)? else {
+        let Some(config) = dir.read_json(file)? else {
             continue;
         };
-        let config: Json = serde_json::from_str(&text).map_err(|err| TemplateError::Config {
-            path: path.clone(),
-            message: err.to_string(),
-        })?;
         if let Some(entry) = config.get("chat_template").filter(|v| !v.is_null()) {
             return pick_template(entry)
                 .map(Some)
-                .map_err(|message| TemplateError::Config { path, message });
+                .map_err(|message| TemplateError::Config { file, message });
         }
     }
     Ok(None)
@@ -235,17 +229,6 @@ fn pick_template(entry: &Json) -> Result<String, String> {
         .and_then(Json::as_str)
         .map(str::to_owned)
         .ok_or_else(|| "several chat templates but none named `default`".into())
-}
-
-fn read_if_exists(path: &Path) -> Result<Option<String>, TemplateError> {
-    match std::fs::read_to_string(path) {
-        Ok(text) => Ok(Some(text)),
-        Err(err) if err.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(TemplateError::Io {
-            path: path.to_path_buf(),
-            source,
-        }),
-    }
 }
 
 #[cfg(test)]

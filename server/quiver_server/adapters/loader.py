@@ -9,17 +9,23 @@ so it is an error rather than ignored.
 
 from __future__ import annotations
 
+import io
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as safetensors_load
+
+from quiver_server.adapters.confined import read_confined
 
 from quiver_server.adapters.peft_config import LoraConfig, read_lora_config, resolve_targets
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.adapters.validation import check_adapter
 from quiver_server.batch_types import AdapterInfo
+
+log = logging.getLogger(__name__)
 
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
@@ -52,21 +58,27 @@ class LoadedAdapter:
         return AdapterInfo(path=self.path, rank=self.rank, scaling=self.scaling, target_modules=self.target_modules)
 
 
-def read_tensors(adapter_dir: Path) -> tuple[str, dict[str, torch.Tensor]]:
-    """(file name, tensors on the CPU) of the adapter's weight file."""
-    safetensors_path = adapter_dir / SAFETENSORS_FILE
-    if safetensors_path.is_file():
+def read_tensors(adapter_dir: Path, root: Path | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+    """(file name, tensors on the CPU) of the adapter's weight file, read only if it resolves inside `root`.
+
+    The bytes are parsed from the very file that was checked, never reopened by name.
+    """
+    root = root or adapter_dir.resolve()
+    data = read_confined(adapter_dir, SAFETENSORS_FILE, root)
+    if data is not None:
         try:
-            return SAFETENSORS_FILE, load_file(str(safetensors_path), device="cpu")
+            return SAFETENSORS_FILE, safetensors_load(data)
         except Exception as error:  # safetensors raises its own error types for corrupt files
-            raise ValueError(f"cannot read {SAFETENSORS_FILE}: {error}") from error
-    bin_path = adapter_dir / BIN_FILE
-    if bin_path.is_file():
+            log.warning("cannot parse %s in %s: %s", SAFETENSORS_FILE, adapter_dir, error)
+            raise ValueError(f"{SAFETENSORS_FILE} is not a valid safetensors file") from None
+    data = read_confined(adapter_dir, BIN_FILE, root)
+    if data is not None:
         try:
             # weights_only: a pickle from the internet must not run code.
-            tensors = torch.load(str(bin_path), map_location="cpu", weights_only=True)
+            tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as error:
-            raise ValueError(f"cannot read {BIN_FILE}: {error}") from error
+            log.warning("cannot parse %s in %s: %s", BIN_FILE, adapter_dir, error)
+            raise ValueError(f"{BIN_FILE} is not a valid PyTorch weights file") from None
         if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
             raise ValueError(f"{BIN_FILE} does not hold a dict of tensors")
         return BIN_FILE, tensors
@@ -110,11 +122,16 @@ def load_adapter_dir(
     max_rank: int,
     dtype: torch.dtype,
     pin_memory: bool = False,
+    root: Path | None = None,
 ) -> LoadedAdapter:
-    """Reads, checks (ValueError saying what differs from the base) and converts an adapter."""
-    config: LoraConfig = read_lora_config(adapter_dir)
+    """Reads, checks (ValueError saying what differs from the base) and converts an adapter.
+
+    Every file read must resolve inside `root` (canonical; default: the adapter directory).
+    """
+    root = root or adapter_dir.resolve()
+    config: LoraConfig = read_lora_config(adapter_dir, root)
     targets = resolve_targets(config, spec)
-    file_name, tensors = read_tensors(adapter_dir)
+    file_name, tensors = read_tensors(adapter_dir, root)
     pairs = lora_pairs(file_name, tensors, spec)
     check_adapter(config, targets, pairs, spec, max_rank, file_name)
 

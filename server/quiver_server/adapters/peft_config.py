@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quiver_server.adapters.confined import read_confined
 from quiver_server.adapters.spec import BaseModelSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -117,14 +118,17 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
     )
 
 
-def read_lora_config(adapter_dir: Path) -> LoraConfig:
-    path = Path(adapter_dir) / CONFIG_FILE
-    if not path.is_file():
+def read_lora_config(adapter_dir: Path, root: Path | None = None) -> LoraConfig:
+    """adapter_config.json of `adapter_dir`, read only if it resolves inside `root` (default: the directory)."""
+    adapter_dir = Path(adapter_dir)
+    text = read_confined(adapter_dir, CONFIG_FILE, root or adapter_dir.resolve())
+    if text is None:
         raise ValueError(f"the adapter directory has no {CONFIG_FILE}: it is not a PEFT adapter directory")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{CONFIG_FILE} is not valid JSON: {error}") from error
+        raw = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        # The decoder's line/column would be shown to the client: the file's name is enough.
+        raise ValueError(f"{CONFIG_FILE} is not valid JSON") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{CONFIG_FILE} must hold a JSON object")
     return parse_lora_config(raw)
