@@ -75,6 +75,11 @@ pub fn shard_command(
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
+        // The shards read local adapters' files only inside it, as the router does.
+        .flag_if_set(
+            "--adapter-root",
+            args.serving.adapter_root.as_deref().map(Path::display),
+        )
         // The launcher parses the shards' JSON lines and re-logs them in its own format.
         .arg("--json-logs");
     // A revision only means something for a hub id; the demo model is a local directory.

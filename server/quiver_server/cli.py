@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="share of GPU memory the weights, activations and KV cache may use")
     serve.add_argument("--max-cpu-adapters", type=int, default=64,
                        help="LoRA adapters kept in host memory (least recently used evicted first)")
+    serve.add_argument("--adapter-root",
+                       help="directory of local adapters: their files are read only if they resolve inside it")
 
     download = commands.add_parser("download", parents=[common],
                                    help="fetch a model from the hub and print its local path")
@@ -135,6 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
             gpu_memory_fraction=args.gpu_memory_fraction,
             max_cpu_adapters=args.max_cpu_adapters,
+            adapter_root=args.adapter_root,
         )
     except (ValueError, NotImplementedError, OSError) as error:
         # Unsupported model_type, missing or malformed files: the message says it all.

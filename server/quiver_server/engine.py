@@ -61,6 +61,7 @@ class Engine:
         cpu_kv_cache_gib: float = 1.0,
         gpu_memory_fraction: float = 0.9,
         max_cpu_adapters: int = 64,
+        adapter_root: str | None = None,
     ) -> None:
         path = Path(model_path)
         config = load_config(path)
@@ -89,7 +90,7 @@ class Engine:
         )
         self.kv_cache: PagedKVCache | None = None
         self.batches: dict[int, CachedBatch] = {}
-        self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters)
+        self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root)
 
     # ---- warmup -------------------------------------------------------------------------------
 

@@ -36,12 +36,13 @@ class AdapterManager:
         dtype: torch.dtype,
         ops: KernelOps,
         max_cpu_adapters: int,
+        adapter_root: str | None = None,
     ) -> None:
         self.model = model
         self.dtype = dtype
         self.ops = ops
         self.spec = BaseModelSpec.from_model(model, config)
-        self.registry = AdapterRegistry(self.spec, dtype, ops.device, max_cpu_adapters)
+        self.registry = AdapterRegistry(self.spec, dtype, ops.device, max_cpu_adapters, adapter_root)
         self.slots: AdapterSlots | None = None  # None: adapters disabled (or no warmup yet)
         self._warmed_up = False
 

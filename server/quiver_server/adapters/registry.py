@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from quiver_server.adapters.confined import hub_cache_repo, is_inside
 from quiver_server.adapters.errors import AdapterNotFoundError
 from quiver_server.adapters.host_cache import HostAdapterCache
 from quiver_server.adapters.loader import BIN_FILE, SAFETENSORS_FILE, LoadedAdapter, load_adapter_dir
@@ -36,7 +37,12 @@ ADAPTER_FILE_PATTERNS = (CONFIG_FILE, SAFETENSORS_FILE, BIN_FILE) + tuple(
 
 class AdapterRegistry:
     def __init__(
-        self, spec: BaseModelSpec, dtype: torch.dtype, device: torch.device, max_cpu_adapters: int
+        self,
+        spec: BaseModelSpec,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_cpu_adapters: int,
+        adapter_root: str | None = None,
     ) -> None:
         self.spec = spec
         self.dtype = dtype
@@ -44,6 +50,9 @@ class AdapterRegistry:
         self.host = HostAdapterCache(max_cpu_adapters)
         self.max_rank = 0  # the slots' capacity, set at warmup; loads are checked against it
         self._known: dict[str, AdapterInfo] = {}
+        # Canonical --adapter-root: a local adapter's files must resolve inside it. Without it,
+        # each local adapter is confined to its own directory.
+        self.adapter_root = Path(adapter_root).resolve() if adapter_root else None
         self._lock = threading.Lock()
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -62,10 +71,8 @@ class AdapterRegistry:
         known = self.info(adapter_id)
         if known is not None:
             if Path(known.path) != directory:
-                raise ValueError(
-                    f"adapter {adapter_id!r} is already loaded from {known.path}; unload it before loading "
-                    f"it from {directory}"
-                )
+                # No paths: the router shows the message to the client.
+                raise ValueError(f"adapter {adapter_id!r} is already loaded from another place; unload it first")
             return known
         started = time.monotonic()
         adapter = self._read(adapter_id, directory)
@@ -73,7 +80,7 @@ class AdapterRegistry:
             # Another thread may have loaded the same id meanwhile: the first one wins.
             known = self._known.setdefault(adapter_id, adapter.info())
         if known != adapter.info():
-            raise ValueError(f"adapter {adapter_id!r} was loaded from {known.path} meanwhile; unload it first")
+            raise ValueError(f"adapter {adapter_id!r} was loaded from another place meanwhile; unload it first")
         self.host.put(adapter)
         log.info(
             "loaded adapter %s from %s: rank %d, scaling %g, %s (%.1f MiB, %.2fs)",
@@ -102,18 +109,30 @@ class AdapterRegistry:
 
     def _read(self, adapter_id: str, directory: Path) -> LoadedAdapter:
         try:
-            return load_adapter_dir(adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory)
+            return load_adapter_dir(
+                adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory, self._root_of(directory)
+            )
         except ValueError as error:
             raise ValueError(f"adapter {adapter_id!r}: {error}") from error
+
+    def _root_of(self, directory: Path) -> Path:
+        """What the adapter's files must resolve inside: the adapter root, a hub download's cache folder,
+        else the directory itself."""
+        if self.adapter_root is not None and is_inside(directory, self.adapter_root):
+            return self.adapter_root
+        return hub_cache_repo(directory) or directory
 
     def _locate(self, adapter_id: str, source: str, path: str, revision: str) -> Path:
         if source not in SOURCES:
             raise ValueError(f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
         if path:
-            directory = Path(path).expanduser()
+            directory = Path(path).expanduser().resolve()
+            if self.adapter_root is not None and not is_inside(directory, self.adapter_root):
+                log.warning("refused adapter %r: %s is outside %s", adapter_id, directory, self.adapter_root)
+                raise ValueError("the adapter directory leads outside the adapter root")
             if not directory.is_dir():
-                raise AdapterNotFoundError(f"adapter directory {path} does not exist")
-            return directory.resolve()
+                raise AdapterNotFoundError("the adapter directory does not exist")
+            return directory
         if source == "local":
             raise ValueError(f"local adapter {adapter_id!r} needs the directory to read it from (path)")
         # A hub id may carry its revision as owner/name@revision.
