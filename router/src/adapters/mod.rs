@@ -19,6 +19,6 @@ mod resolve;
 pub use assets::adapter_assets;
 pub use backend::{AdapterBackend, ServingBackend};
 pub use error::AdapterError;
-pub use names::{check_name, MAX_ADAPTER_NAME_BYTES};
+pub use names::{check_name, check_path, MAX_ADAPTER_NAME_BYTES, MAX_ADAPTER_PATH_BYTES};
 pub use registry::{AdapterEntry, AdapterRegistry};
 pub use resolve::{AdapterLocation, AdapterSource, AdapterSpec, Resolver};

@@ -9,7 +9,7 @@
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
-use super::{check_name, AdapterError};
+use super::{check_name, check_path, AdapterError};
 
 /// Where an adapter id is looked up; defined with the `--adapter-source` flag.
 pub use quiver_flags::AdapterSource;
@@ -127,7 +127,7 @@ impl Resolver {
         path: &str,
         source: Option<AdapterSource>,
     ) -> Result<AdapterLocation, AdapterError> {
-        check_name(path)?;
+        check_path(path)?;
         match source {
             Some(source) => self.locate(path, source),
             None if Path::new(path).is_absolute() => self.local_absolute(path),
