@@ -60,7 +60,9 @@ impl ConfinedDir {
     /// `blobs/`: its root is the repository's cache folder.
     pub fn model_dir(dir: &Path) -> std::io::Result<Self> {
         let canonical = dir.canonicalize()?;
-        let root = hub_cache_repo(&canonical).unwrap_or(&canonical).to_path_buf();
+        let root = hub_cache_repo(&canonical)
+            .unwrap_or(&canonical)
+            .to_path_buf();
         Ok(Self {
             dir: canonical,
             root,
@@ -171,12 +173,7 @@ mod tests {
         let dir = ConfinedDir::new(&root.join("a"), &root).unwrap();
 
         let error = dir.read("out").unwrap_err();
-        assert_eq!(
-            error,
-            FileError::Outside {
-                file: "out".into()
-            }
-        );
+        assert_eq!(error, FileError::Outside { file: "out".into() });
         assert!(!error.to_string().contains(tmp.path().to_str().unwrap()));
         assert_eq!(
             dir.read_json("in.json").unwrap(),

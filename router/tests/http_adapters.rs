@@ -323,10 +323,8 @@ async fn models_lists_the_base_model_first_then_every_adapter() {
     assert!(list["data"][0].get("parent").is_none());
     let sql = &list["data"][1];
     assert_eq!(sql["parent"], SERVED_NAME);
-    assert_eq!(
-        sql["root"],
-        dirs.root.join("team/sql").display().to_string()
-    );
+    // Relative to the adapter root: server paths are not the clients' business.
+    assert_eq!(sql["root"], "team/sql");
 
     // Ids with a slash are retrievable; lookups never load anything.
     let (status, card) = app.get("/v1/models/team/sql").await;
@@ -440,10 +438,8 @@ async fn adapters_load_and_unload_at_run_time() {
         .iter()
         .find(|card| card["id"] == "sql")
         .expect("sql is listed");
-    assert_eq!(
-        sql["root"],
-        dirs.root.join("team/sql").display().to_string()
-    );
+    // Relative to the adapter root: server paths are not the clients' business.
+    assert_eq!(sql["root"], "team/sql");
 
     let (status, text) = app
         .post_text("/v1/unload_lora_adapter", &json!({"lora_name": "sql"}))
@@ -647,4 +643,40 @@ async fn unloading_lets_running_requests_finish() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("never unloaded: {:?}", app.shard.unloaded_adapters());
+}
+
+#[tokio::test]
+async fn one_directory_is_one_adapter_and_names_cannot_squat() {
+    let dirs = adapter_dirs();
+    let app = TestApp::with_options(local_options(&dirs)).await;
+    for spelling in ["plain", "./plain", "plain/", "././plain/."] {
+        let (status, body) = app
+            .post(
+                "/v1/chat/completions",
+                &chat_for(spelling, "hi", json!({"max_tokens": 2})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{spelling}: {body}");
+        assert_eq!(body["model"], spelling);
+    }
+    assert_eq!(app.shard.adapter_load_requests().len(), 1);
+    let load = |name: &str, path: &str| json!({"lora_name": name, "lora_path": path, "adapter_source": "local"});
+    // `chatty` is another directory's id; `org/x` a hub id; `plain` is loaded as `plain`.
+    for (name, path) in [
+        ("chatty", "team/sql"),
+        ("org/x", "team/sql"),
+        ("copy", "plain"),
+    ] {
+        let (status, body) = app.post("/v1/load_lora_adapter", &load(name, path)).await;
+        assert_error(status, &body, StatusCode::CONFLICT, "adapter_name_conflict");
+        assert_eq!(body["error"]["param"], "lora_name");
+    }
+    for name in ["a\r\nforged", "a\u{0}", &"n".repeat(257)] {
+        let (status, body) = app
+            .post("/v1/load_lora_adapter", &load(name, "team/sql"))
+            .await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, "invalid_adapter_id");
+        assert_eq!(body["error"]["param"], "lora_name");
+    }
+    assert_eq!(app.shard.adapter_load_requests().len(), 1);
 }

@@ -381,16 +381,15 @@ impl Inner {
                 .unwrap_or_default(),
             _ => String::new(),
         };
-        let assets = tokio::task::spawn_blocking(move || {
-            adapter_assets(&id, &dir, root.as_deref(), &base)
-        })
-            .await
-            .unwrap_or_else(|error| {
-                Err(AdapterError::LoadFailed {
-                    id: spec.id.clone(),
-                    message: format!("reading the adapter's tokenizer failed: {error}"),
-                })
-            });
+        let assets =
+            tokio::task::spawn_blocking(move || adapter_assets(&id, &dir, root.as_deref(), &base))
+                .await
+                .unwrap_or_else(|error| {
+                    Err(AdapterError::LoadFailed {
+                        id: spec.id.clone(),
+                        message: format!("reading the adapter's tokenizer failed: {error}"),
+                    })
+                });
         let assets = match assets {
             Ok(assets) => assets,
             Err(error) => {

@@ -11,7 +11,6 @@ mod pyjson;
 mod python;
 mod source;
 
-
 use minijinja::value::{Serde, Value};
 use serde_json::Value as Json;
 

@@ -97,7 +97,11 @@ fn strftime_now_uses_the_injected_clock() {
 #[test]
 fn from_dir_finds_the_template_where_transformers_does() {
     let dir = TempDir::new("template-dir");
-    assert!(ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap()).unwrap().is_none());
+    assert!(
+        ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap())
+            .unwrap()
+            .is_none()
+    );
 
     let config = |template: Json| json!({"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": template});
     let write = |name: &str, value: &Json| {
@@ -105,7 +109,10 @@ fn from_dir_finds_the_template_where_transformers_does() {
     };
     let source = "{{ bos_token }}{{ messages[0].content }}{{ eos_token }}";
     write("tokenizer_config.json", &config(json!(source)));
-    let template = ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap()).unwrap().unwrap();
+    let template =
+        ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap())
+            .unwrap()
+            .unwrap();
     assert_eq!(
         template.render(&messages(), None, false).unwrap(),
         "<s>a</s>"
@@ -116,7 +123,10 @@ fn from_dir_finds_the_template_where_transformers_does() {
         {"name": "default", "template": "default {{ eos_token }}"}
     ]);
     write("tokenizer_config.json", &config(named));
-    let template = ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap()).unwrap().unwrap();
+    let template =
+        ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap())
+            .unwrap()
+            .unwrap();
     assert_eq!(
         template.render(&messages(), None, false).unwrap(),
         "default </s>"
@@ -132,7 +142,10 @@ fn from_dir_finds_the_template_where_transformers_does() {
     ));
 
     std::fs::write(dir.path().join("chat_template.jinja"), "jinja file wins").unwrap();
-    let template = ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap()).unwrap().unwrap();
+    let template =
+        ChatTemplate::from_dir(&crate::files::ConfinedDir::model_dir(dir.path()).unwrap())
+            .unwrap()
+            .unwrap();
     assert_eq!(
         template.render(&messages(), None, false).unwrap(),
         "jinja file wins"
