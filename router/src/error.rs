@@ -168,9 +168,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         if status.is_server_error() {
-            tracing::error!(error = %self, "request failed");
+            tracing::error!(error = ?self.to_string(), "request failed");
         } else {
-            tracing::debug!(error = %self, status = status.as_u16(), "request refused");
+            tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
         }
         (status, Json(self.to_body())).into_response()
     }

@@ -145,7 +145,7 @@ impl AdapterSlots {
                 return;
             };
             tracing::debug!(
-                adapter = %adapter,
+                adapter = ?adapter,
                 holder = ?victim.adapter,
                 "adapter waits for a slot; its holder drains"
             );

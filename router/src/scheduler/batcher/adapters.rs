@@ -39,7 +39,7 @@ impl Batcher {
         match command {
             Command::Submit(entry) => self.queue.push(entry),
             Command::Unload { adapter_id, done } => {
-                tracing::info!(adapter = %adapter_id, "adapter unload requested");
+                tracing::info!(adapter = ?adapter_id, "adapter unload requested");
                 match self.unloads.iter_mut().find(|u| u.adapter_id == adapter_id) {
                     Some(pending) => pending.done.push(done),
                     None => self.unloads.push(PendingUnload {
@@ -70,12 +70,12 @@ impl Batcher {
             };
             let error = match self.shard.activate_adapter(request).await {
                 Ok(_) => {
-                    tracing::info!(adapter = %adapter, slot, ?evicted, "adapter activated");
+                    tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
                     continue;
                 }
                 Err(error) => error,
             };
-            tracing::error!(adapter = %adapter, slot, %error, "adapter activation failed; failing its requests");
+            tracing::error!(adapter = ?adapter, slot, %error, "adapter activation failed; failing its requests");
             self.resources.slots.activation_failed(slot);
             let message = error.to_string();
             let (failed, kept): (Vec<_>, Vec<_>) = admitted
@@ -109,11 +109,11 @@ impl Batcher {
             };
             let result = match self.shard.unload_adapter(request).await {
                 Ok(_) => {
-                    tracing::info!(adapter = %adapter_id, "adapter unloaded");
+                    tracing::info!(adapter = ?adapter_id, "adapter unloaded");
                     Ok(())
                 }
                 Err(error) => {
-                    tracing::error!(adapter = %adapter_id, %error, "UnloadAdapter failed");
+                    tracing::error!(adapter = ?adapter_id, %error, "UnloadAdapter failed");
                     Err(UnloadError::Shard(error))
                 }
             };
