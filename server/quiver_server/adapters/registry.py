@@ -50,6 +50,7 @@ class AdapterRegistry:
         self.host = HostAdapterCache(max_cpu_adapters)
         self.max_rank = 0  # the slots' capacity, set at warmup; loads are checked against it
         self._known: dict[str, AdapterInfo] = {}
+        self._roots: dict[str, Path] = {}  # adapter id -> what its files must resolve inside
         # Canonical --adapter-root: a local adapter's files must resolve inside it. Without it,
         # each local adapter is confined to its own directory.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root else None
@@ -67,7 +68,7 @@ class AdapterRegistry:
         """Idempotent: loading a known id again from the same place returns what it has."""
         if not adapter_id:
             raise ValueError("adapter_id is empty")
-        directory = self._locate(adapter_id, source, path, revision)
+        directory, root = self._locate(adapter_id, source, path, revision)
         known = self.info(adapter_id)
         if known is not None:
             if Path(known.path) != directory:
@@ -75,10 +76,11 @@ class AdapterRegistry:
                 raise ValueError(f"adapter {adapter_id!r} is already loaded from another place; unload it first")
             return known
         started = time.monotonic()
-        adapter = self._read(adapter_id, directory)
+        adapter = self._read(adapter_id, directory, root)
         with self._lock:
             # Another thread may have loaded the same id meanwhile: the first one wins.
             known = self._known.setdefault(adapter_id, adapter.info())
+            self._roots.setdefault(adapter_id, root)
         if known != adapter.info():
             raise ValueError(f"adapter {adapter_id!r} was loaded from another place meanwhile; unload it first")
         self.host.put(adapter)
@@ -94,35 +96,30 @@ class AdapterRegistry:
         adapter = self.host.get(adapter_id)
         if adapter is not None:
             return adapter
-        known = self.info(adapter_id)
-        if known is None:
+        with self._lock:
+            known, root = self._known.get(adapter_id), self._roots.get(adapter_id)
+        if known is None or root is None:
             raise ValueError(f"adapter {adapter_id!r} is not loaded")
         log.info("adapter %s was evicted from host memory; reading it from %s again", adapter_id, known.path)
-        adapter = self._read(adapter_id, Path(known.path))
+        adapter = self._read(adapter_id, Path(known.path), root)
         self.host.put(adapter)
         return adapter
 
     def forget(self, adapter_id: str) -> None:
         with self._lock:
             self._known.pop(adapter_id, None)
+            self._roots.pop(adapter_id, None)
         self.host.remove(adapter_id)
 
-    def _read(self, adapter_id: str, directory: Path) -> LoadedAdapter:
+    def _read(self, adapter_id: str, directory: Path, root: Path) -> LoadedAdapter:
         try:
-            return load_adapter_dir(
-                adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory, self._root_of(directory)
-            )
+            return load_adapter_dir(adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory, root)
         except ValueError as error:
             raise ValueError(f"adapter {adapter_id!r}: {error}") from error
 
-    def _root_of(self, directory: Path) -> Path:
-        """What the adapter's files must resolve inside: the adapter root, a hub download's cache folder,
-        else the directory itself."""
-        if self.adapter_root is not None and is_inside(directory, self.adapter_root):
-            return self.adapter_root
-        return hub_cache_repo(directory) or directory
-
-    def _locate(self, adapter_id: str, source: str, path: str, revision: str) -> Path:
+    def _locate(self, adapter_id: str, source: str, path: str, revision: str) -> tuple[Path, Path]:
+        """(directory, what its files must resolve inside): a local adapter's adapter root (else its own
+        directory), a hub download's repository folder in the cache (its snapshot links into `blobs/`)."""
         if source not in SOURCES:
             raise ValueError(f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
         if path:
@@ -132,7 +129,7 @@ class AdapterRegistry:
                 raise ValueError("the adapter directory leads outside the adapter root")
             if not directory.is_dir():
                 raise AdapterNotFoundError("the adapter directory does not exist")
-            return directory
+            return directory, self.adapter_root or directory
         if source == "local":
             raise ValueError(f"local adapter {adapter_id!r} needs the directory to read it from (path)")
         # A hub id may carry its revision as owner/name@revision.
@@ -143,4 +140,5 @@ class AdapterRegistry:
             )
         except ModelNotFoundError as error:
             raise AdapterNotFoundError(str(error)) from error
-        return Path(downloaded).resolve()
+        directory = Path(downloaded).resolve()
+        return directory, hub_cache_repo(directory) or directory
