@@ -347,3 +347,33 @@ async fn an_adapter_with_broken_assets_is_refused_and_unloaded_from_the_shards()
     assert_eq!(backend.unloads.lock().unwrap().as_slice(), ["org/broken"]);
     assert!(registry.get("org/broken").is_none());
 }
+
+#[tokio::test]
+async fn spellings_of_one_location_share_one_load_even_while_it_runs() {
+    let backend = TestBackend::new();
+    let registry = registry(&backend);
+    let local = |id: &str| AdapterSpec {
+        id: id.into(),
+        location: AdapterLocation::Local {
+            path: PathBuf::from("/adapters/a"),
+        },
+    };
+    let first = tokio::spawn({
+        let registry = registry.clone();
+        async move { registry.acquire("a", || Ok(local("a"))).await }
+    });
+    eventually(|| registry.is_loading("a")).await;
+    let alias = tokio::spawn({
+        let registry = registry.clone();
+        async move { registry.acquire("./a", || Ok(local("./a"))).await }
+    });
+    backend.open(1);
+    let (first, alias) = (first.await.unwrap().unwrap(), alias.await.unwrap().unwrap());
+    assert_eq!((first.id.as_str(), alias.id.as_str()), ("a", "a"));
+    assert_eq!(backend.loads(), 1);
+    // An explicit load of the same place under another name is refused, not a second copy.
+    let error = registry.load(local("copy")).await.unwrap_err();
+    assert_eq!(error.code(), "adapter_name_conflict");
+    assert_eq!(backend.loads(), 1);
+    assert_eq!(registry.list().len(), 1);
+}
