@@ -238,40 +238,52 @@ mod tests {
         keep_alive: Duration::from_secs(30),
     };
 
-    #[tokio::test(start_paused = true)]
-    async fn each_phase_gets_its_own_limit() {
-        let activity = Activity::new(LIMITS);
+    /// The limit the connection is under now: its deadline less the moment its phase began.
+    fn limit_since(activity: &Activity, start: Instant) -> Option<Duration> {
+        activity.deadline().map(|deadline| deadline - start)
+    }
+
+    #[test]
+    fn each_phase_gets_its_own_limit() {
         let opened = Instant::now();
-        assert_eq!(activity.deadline(), Some(opened + LIMITS.header_read));
+        let activity = Activity::new(LIMITS);
+        let fresh = limit_since(&activity, opened).expect("a new connection is timed");
+        assert!(fresh >= LIMITS.header_read && fresh < LIMITS.keep_alive, "{fresh:?}");
 
         let busy = activity.begin();
         assert_eq!(activity.deadline(), None, "a running request is never timed out");
-        tokio::time::advance(Duration::from_secs(100)).await;
-        drop(busy);
         let idle_since = Instant::now();
-        assert_eq!(activity.deadline(), Some(idle_since + LIMITS.keep_alive));
+        drop(busy);
+        let idle = limit_since(&activity, idle_since).expect("an idle connection is timed");
+        assert!(idle >= LIMITS.keep_alive, "{idle:?}");
 
-        tokio::time::advance(Duration::from_secs(5)).await;
-        activity.bytes_read();
         let first_byte = Instant::now();
-        assert_eq!(activity.deadline(), Some(first_byte + LIMITS.header_read));
         activity.bytes_read();
-        assert_eq!(activity.deadline(), Some(first_byte + LIMITS.header_read));
+        let header = limit_since(&activity, first_byte).expect("a started header is timed");
+        assert!(header >= LIMITS.header_read && header < LIMITS.keep_alive, "{header:?}");
+        let deadline = activity.deadline();
+        activity.bytes_read();
+        assert_eq!(activity.deadline(), deadline, "later bytes do not extend the header limit");
     }
 
-    #[tokio::test(start_paused = true)]
+    #[tokio::test]
     async fn expires_only_when_idle_past_the_limit() {
-        let activity = Activity::new(LIMITS);
+        let activity = Activity::new(IdleLimits {
+            header_read: Duration::from_millis(20),
+            keep_alive: Duration::from_millis(20),
+        });
         let busy = activity.begin();
-        let watch = tokio::spawn({
+        let mut watch = tokio::spawn({
             let activity = activity.clone();
             async move { activity.expired().await }
         });
-        tokio::time::advance(Duration::from_secs(300)).await;
-        tokio::task::yield_now().await;
-        assert!(!watch.is_finished(), "expired while a request ran");
+        // Several limits' worth with a request running: the watchdog must still be waiting.
+        let ran = tokio::time::timeout(Duration::from_millis(200), &mut watch).await;
+        assert!(ran.is_err(), "expired while a request ran");
         drop(busy);
-        tokio::time::advance(LIMITS.keep_alive).await;
-        watch.await.expect("the watchdog ends once the keep-alive limit passed");
+        tokio::time::timeout(Duration::from_secs(10), watch)
+            .await
+            .expect("the watchdog ends once the keep-alive limit passed")
+            .expect("the watchdog task did not panic");
     }
 }
