@@ -30,6 +30,8 @@ MAX_CONNECTIONS = 6
 MAX_BODY = 64 * 1024
 # Beyond each limit, how long the server may take to act on it (a loaded 2-core box).
 SLACK_S = 4.0
+# Shards load slowly on a shared 2-core box.
+STARTUP_TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +50,12 @@ def stack(pool, tmp_path_factory) -> Iterator[Stack]:
         ],
         extra_env=SHARD_ENV,
     )
-    with Stack(config, tmp_path_factory.mktemp("hardening") / "http.log") as running:
+    running = Stack(config, tmp_path_factory.mktemp("hardening") / "http.log")
+    running.start(timeout_s=STARTUP_TIMEOUT_S)
+    try:
         yield running
+    finally:
+        running.stop()
 
 
 def _connect(stack: Stack, timeout: float = 30) -> socket.socket:

@@ -18,12 +18,14 @@ from conftest import SHARD_ENV
 from stack import Stack, StackConfig, parse_prometheus
 
 PROMPT = "Once upon a time"
+# Shards load slowly on a shared 2-core box.
+STARTUP_TIMEOUT_S = 240
 
 
 def _own_stack(pool, tmp_path, name: str, **config) -> Stack:
     cfg = StackConfig(model_id=str(pool.model_dir("llama")), served_model_name="tiny",
                       max_total_tokens=1024, extra_env=SHARD_ENV, **config)
-    return Stack(cfg, tmp_path / f"{name}.log").start()
+    return Stack(cfg, tmp_path / f"{name}.log").start(timeout_s=STARTUP_TIMEOUT_S)
 
 
 def _post(stack: Stack, body: dict, timeout: float = 60) -> tuple[int, bytes]:
