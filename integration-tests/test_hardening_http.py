@@ -41,14 +41,16 @@ def stack(pool, tmp_path_factory) -> Iterator[Stack]:
         served_model_name="tiny",
         max_total_tokens=1024,
         max_concurrent_requests=1,
-        extra_args=[
-            "--api-key", KEY,
-            "--header-read-timeout-secs", str(HEADER_READ_S),
-            "--keep-alive-timeout-secs", str(KEEP_ALIVE_S),
-            "--max-connections", str(MAX_CONNECTIONS),
-            "--max-request-body-bytes", str(MAX_BODY),
-        ],
-        extra_env=SHARD_ENV,
+        extra_args=["--api-key", KEY],
+        # Through the variables, which the launcher reads like the flags: a build without
+        # these limits then starts all the same, and the tests show what it lacks.
+        extra_env={
+            **SHARD_ENV,
+            "QUIVER_HEADER_READ_TIMEOUT_SECS": str(HEADER_READ_S),
+            "QUIVER_KEEP_ALIVE_TIMEOUT_SECS": str(KEEP_ALIVE_S),
+            "QUIVER_MAX_CONNECTIONS": str(MAX_CONNECTIONS),
+            "QUIVER_MAX_REQUEST_BODY_BYTES": str(MAX_BODY),
+        },
     )
     running = Stack(config, tmp_path_factory.mktemp("hardening") / "http.log")
     running.start(timeout_s=STARTUP_TIMEOUT_S)
