@@ -109,7 +109,10 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
     drain_scheduler(&state.scheduler).await;
     let cut = state.cutoff.cut_requests();
     if cut > 0 {
-        tracing::warn!(cut, "router stopped; requests were cut at the end of the grace period");
+        tracing::warn!(
+            cut,
+            "router stopped; requests were cut at the end of the grace period"
+        );
         return Ok(Stopped::CutRequests);
     }
     tracing::info!("router stopped");

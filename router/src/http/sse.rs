@@ -10,8 +10,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::Serialize;
 
-use super::generation::ChoiceEvent;
 use super::cutoff::Cutoff;
+use super::generation::ChoiceEvent;
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, Usage};
 

@@ -61,7 +61,9 @@ impl Activity {
 
     fn state(&self) -> MutexGuard<'_, State> {
         // The state stays consistent even if a holder panicked: every update is one assignment.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// When the connection is to be closed if nothing changes; `None` while a request runs.
@@ -248,10 +250,17 @@ mod tests {
         let opened = Instant::now();
         let activity = Activity::new(LIMITS);
         let fresh = limit_since(&activity, opened).expect("a new connection is timed");
-        assert!(fresh >= LIMITS.header_read && fresh < LIMITS.keep_alive, "{fresh:?}");
+        assert!(
+            fresh >= LIMITS.header_read && fresh < LIMITS.keep_alive,
+            "{fresh:?}"
+        );
 
         let busy = activity.begin();
-        assert_eq!(activity.deadline(), None, "a running request is never timed out");
+        assert_eq!(
+            activity.deadline(),
+            None,
+            "a running request is never timed out"
+        );
         let idle_since = Instant::now();
         drop(busy);
         let idle = limit_since(&activity, idle_since).expect("an idle connection is timed");
@@ -260,10 +269,17 @@ mod tests {
         let first_byte = Instant::now();
         activity.bytes_read();
         let header = limit_since(&activity, first_byte).expect("a started header is timed");
-        assert!(header >= LIMITS.header_read && header < LIMITS.keep_alive, "{header:?}");
+        assert!(
+            header >= LIMITS.header_read && header < LIMITS.keep_alive,
+            "{header:?}"
+        );
         let deadline = activity.deadline();
         activity.bytes_read();
-        assert_eq!(activity.deadline(), deadline, "later bytes do not extend the header limit");
+        assert_eq!(
+            activity.deadline(),
+            deadline,
+            "later bytes do not extend the header limit"
+        );
     }
 
     #[tokio::test]

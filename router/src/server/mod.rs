@@ -46,7 +46,13 @@ impl Server {
         let max_connections = limits.max_connections.max(1);
         let slots = Arc::new(Semaphore::new(max_connections as usize));
         let (stop, stopped) = watch::channel(false);
-        tokio::spawn(accept_loop(listener, app, limits.idle, slots.clone(), stopped));
+        tokio::spawn(accept_loop(
+            listener,
+            app,
+            limits.idle,
+            slots.clone(),
+            stopped,
+        ));
         Self {
             slots,
             max_connections,
@@ -93,13 +99,7 @@ async fn accept_loop(
             },
             () = stop_requested(&mut stopped) => return,
         };
-        tokio::spawn(connection(
-            stream,
-            app.clone(),
-            idle,
-            stopped.clone(),
-            slot,
-        ));
+        tokio::spawn(connection(stream, app.clone(), idle, stopped.clone(), slot));
     }
 }
 

@@ -97,7 +97,9 @@ impl ShardClient {
         if !downloads || others.is_empty() {
             return self.fan_out(request, load).await;
         }
-        let response = self.on_rank(0, load(first.clone(), request.clone())).await?;
+        let response = self
+            .on_rank(0, load(first.clone(), request.clone()))
+            .await?;
         let local = pb::LoadAdapterRequest {
             path: response.path.clone(),
             ..request
