@@ -27,6 +27,10 @@ impl ServingFlags {
             served_model_name,
             api_key: _,
             graceful_shutdown_secs,
+            header_read_timeout_secs,
+            keep_alive_timeout_secs,
+            max_connections,
+            max_request_body_bytes,
         } = self;
         let mut argv = Argv::default();
         argv.flag("--port", port.to_string())
@@ -65,6 +69,19 @@ impl ServingFlags {
             .flag(
                 "--graceful-shutdown-secs",
                 graceful_shutdown_secs.to_string(),
+            )
+            .flag(
+                "--header-read-timeout-secs",
+                header_read_timeout_secs.to_string(),
+            )
+            .flag(
+                "--keep-alive-timeout-secs",
+                keep_alive_timeout_secs.to_string(),
+            )
+            .flag("--max-connections", max_connections.to_string())
+            .flag(
+                "--max-request-body-bytes",
+                max_request_body_bytes.to_string(),
             );
         argv.0
     }
@@ -130,6 +147,10 @@ mod tests {
             served_model_name: Some("my-model".into()),
             api_key: None,
             graceful_shutdown_secs: 7,
+            header_read_timeout_secs: 3,
+            keep_alive_timeout_secs: 9,
+            max_connections: 11,
+            max_request_body_bytes: 12345,
         }
     }
 

@@ -81,4 +81,22 @@ pub struct ServingFlags {
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before the router stops.
     #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]
     pub graceful_shutdown_secs: u64,
+
+    /// Seconds a client gets to send a request's complete headers, counted from its first byte
+    /// (or from the connection's opening); slower connections are closed (slowloris).
+    #[arg(long, env = "QUIVER_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
+    pub header_read_timeout_secs: u64,
+
+    /// Seconds a keep-alive connection may sit idle between requests before it is closed.
+    #[arg(long, env = "QUIVER_KEEP_ALIVE_TIMEOUT_SECS", default_value_t = 60)]
+    pub keep_alive_timeout_secs: u64,
+
+    /// Open HTTP connections at once; further connections wait in the listen backlog until one
+    /// closes.
+    #[arg(long, env = "QUIVER_MAX_CONNECTIONS", default_value_t = 4096)]
+    pub max_connections: u32,
+
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, env = "QUIVER_MAX_REQUEST_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
+    pub max_request_body_bytes: usize,
 }

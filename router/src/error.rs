@@ -2,7 +2,8 @@
 //! status and OpenAI's `{"error": {message, type, param, code}}` body (also used for the final
 //! `data: {"error": ...}` event of a stream that fails after it started).
 
-use axum::http::StatusCode;
+use axum::http::header::RETRY_AFTER;
+use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use quiver_flags::UnknownAdapterSource;
@@ -45,6 +46,12 @@ pub enum ApiError {
     Generation(#[from] GenerationError),
     #[error("the model shard is not available: {0}")]
     ShardUnavailable(String),
+    /// The body is larger than `--max-request-body-bytes`.
+    #[error("the request body is larger than this server accepts")]
+    PayloadTooLarge,
+    /// The server stopped before the request finished: its grace period ran out.
+    #[error("the server shut down before this request finished (its grace period ran out)")]
+    GracePeriodOver,
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
     #[error("{0}")]
@@ -64,6 +71,8 @@ impl ApiError {
             Self::Adapter { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
+            Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::GracePeriodOver => StatusCode::SERVICE_UNAVAILABLE,
             Self::Admission(AdmissionError::Overloaded) => StatusCode::TOO_MANY_REQUESTS,
             // It can never fit, however long the client waits.
             Self::Admission(AdmissionError::TooLarge { .. }) => StatusCode::BAD_REQUEST,
@@ -107,6 +116,8 @@ impl ApiError {
                 ("server_error", "service_unavailable")
             }
             Self::ShardUnavailable(_) => ("server_error", "shard_unavailable"),
+            Self::PayloadTooLarge => ("invalid_request_error", "request_too_large"),
+            Self::GracePeriodOver => ("server_error", "shutdown_grace_expired"),
             Self::Generation(GenerationError::Shard(_)) => ("server_error", "shard_error"),
             Self::Tokenizer(_) => ("server_error", "tokenizer_error"),
             Self::Internal(_) => ("server_error", "internal_error"),
@@ -139,6 +150,11 @@ impl ApiError {
 }
 
 impl ApiError {
+    /// A shard process is gone: every request is refused until the launcher restarts the stack.
+    pub fn shard_gone() -> Self {
+        Self::ShardUnavailable("a model shard stopped responding".to_owned())
+    }
+
     /// An adapter error about the request field `param`.
     pub fn adapter(error: impl Into<AdapterError>, param: &'static str) -> Self {
         let error = error.into();
@@ -164,6 +180,17 @@ impl From<UnknownAdapterSource> for ApiError {
     }
 }
 
+/// Seconds a client is asked to wait before retrying a 429 (requests finish and free their
+/// slot within seconds) or a 503 (a shard or the whole server is going away: by then another
+/// replica, or this one restarted, can take it).
+fn retry_after(status: StatusCode) -> Option<HeaderValue> {
+    match status {
+        StatusCode::TOO_MANY_REQUESTS => Some(HeaderValue::from_static("1")),
+        StatusCode::SERVICE_UNAVAILABLE => Some(HeaderValue::from_static("5")),
+        _ => None,
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
@@ -172,6 +199,34 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
         }
-        (status, Json(self.to_body())).into_response()
+        let mut response = (status, Json(self.to_body())).into_response();
+        if let Some(seconds) = retry_after(status) {
+            response.headers_mut().insert(RETRY_AFTER, seconds);
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_429_and_503_says_when_to_retry() {
+        for error in [
+            ApiError::Admission(AdmissionError::Overloaded),
+            ApiError::Admission(AdmissionError::ShuttingDown),
+            ApiError::ShardUnavailable("gone".to_owned()),
+            ApiError::GracePeriodOver,
+        ] {
+            let response = error.into_response();
+            assert!(
+                response.headers().contains_key(RETRY_AFTER),
+                "{} without Retry-After",
+                response.status()
+            );
+        }
+        let response = ApiError::NotFound("x".to_owned()).into_response();
+        assert!(!response.headers().contains_key(RETRY_AFTER));
     }
 }

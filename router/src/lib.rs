@@ -13,6 +13,7 @@ pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod scheduler;
+pub mod server;
 pub mod shard;
 pub mod startup;
 pub mod stop;

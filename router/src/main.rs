@@ -1,7 +1,6 @@
 //! `quiver-router`: connect to the shards, size the KV cache, load the tokenizer and chat
 //! template, serve the OpenAI API, and drain gracefully on SIGTERM/SIGINT.
 
-use std::future::IntoFuture;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -12,6 +11,7 @@ use quiver_router::config::RouterArgs;
 use quiver_router::files::ConfinedDir;
 use quiver_router::http;
 use quiver_router::scheduler::Scheduler;
+use quiver_router::server::{ConnectionLimits, IdleLimits, Server};
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
 use quiver_router::startup::{self, Settings};
 use quiver_router::template::ChatTemplate;
@@ -25,6 +25,12 @@ use tracing_subscriber::EnvFilter;
 const CONNECT_ATTEMPTS: u32 = 60;
 const CONNECT_BACKOFF: Duration = Duration::from_millis(500);
 
+/// Exit code after a shutdown whose grace period ran out with requests still running (1 is
+/// a failure to start or serve).
+const EXIT_CUT_REQUESTS: u8 = 3;
+/// After the cutoff, how long the cut requests' error events and bodies get to be sent.
+const CUT_FLUSH_TIME: Duration = Duration::from_secs(2);
+
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 #[tokio::main]
@@ -32,7 +38,8 @@ async fn main() -> ExitCode {
     let args = RouterArgs::parse();
     init_tracing(args.json_logs);
     match run(args).await {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Stopped::Clean) => ExitCode::SUCCESS,
+        Ok(Stopped::CutRequests) => ExitCode::from(EXIT_CUT_REQUESTS),
         Err(error) => {
             tracing::error!("quiver-router failed: {error}");
             ExitCode::FAILURE
@@ -40,7 +47,7 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn run(args: RouterArgs) -> Result<(), BoxError> {
+async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
     let shard: Arc<dyn ShardBackend> = Arc::new(connect(&args.shard_uds).await?);
     let info = shard
         .info()
@@ -80,39 +87,54 @@ async fn run(args: RouterArgs) -> Result<(), BoxError> {
         listener.local_addr()?.port()
     );
 
-    let scheduler = state.scheduler.clone();
-    let (draining_tx, draining_rx) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        shutdown_signal().await;
-        tracing::info!("shutdown requested: no new requests, draining those in flight");
-        scheduler.shutdown();
-        let _ = draining_tx.send(());
-    };
-    let server = axum::serve(listener, http::router(state.clone()))
-        .with_graceful_shutdown(shutdown)
-        .into_future();
+    let app = http::limit_bodies(
+        http::router(state.clone()),
+        args.serving.max_request_body_bytes,
+    );
+    let server = Server::spawn(listener, app, connection_limits(&args));
+    shutdown_signal().await;
+    tracing::info!("shutdown requested: no new requests, draining those in flight");
+    state.scheduler.shutdown();
+    server.stop_accepting();
     let grace = Duration::from_secs(args.serving.graceful_shutdown_secs);
-    tokio::select! {
-        result = server => result?,
-        () = grace_expired(draining_rx, grace) => {
-            tracing::warn!(
-                in_flight = state.scheduler.in_flight(),
-                "grace period of {}s over; stopping with requests still in flight",
-                grace.as_secs()
-            );
-        }
+    if tokio::time::timeout(grace, server.closed()).await.is_err() {
+        tracing::warn!(
+            in_flight = state.scheduler.in_flight(),
+            "grace period of {}s over; ending the requests still in flight with an error",
+            grace.as_secs()
+        );
+        state.cutoff.fire();
+        // The cut requests answer at once; this only bounds how long their last bytes take.
+        let _ = tokio::time::timeout(CUT_FLUSH_TIME, server.closed()).await;
     }
     drain_scheduler(&state.scheduler).await;
+    let cut = state.cutoff.cut_requests();
+    if cut > 0 {
+        tracing::warn!(
+            cut,
+            "router stopped; requests were cut at the end of the grace period"
+        );
+        return Ok(Stopped::CutRequests);
+    }
     tracing::info!("router stopped");
-    Ok(())
+    Ok(Stopped::Clean)
 }
 
-/// Resolves `grace` after draining started; never if it did not.
-async fn grace_expired(draining: tokio::sync::oneshot::Receiver<()>, grace: Duration) {
-    if draining.await.is_ok() {
-        tokio::time::sleep(grace).await;
-    } else {
-        std::future::pending::<()>().await;
+/// How the router ended after a shutdown signal.
+enum Stopped {
+    /// Every request finished within the grace period.
+    Clean,
+    /// Some were ended with an error when it ran out.
+    CutRequests,
+}
+
+fn connection_limits(args: &RouterArgs) -> ConnectionLimits {
+    ConnectionLimits {
+        idle: IdleLimits {
+            header_read: Duration::from_secs(args.serving.header_read_timeout_secs),
+            keep_alive: Duration::from_secs(args.serving.keep_alive_timeout_secs),
+        },
+        max_connections: args.serving.max_connections,
     }
 }
 

@@ -9,7 +9,7 @@ use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
 };
 use crate::config::RouterArgs;
-use crate::http::{AppState, ServedLimits, ServedModels, ServerInfo};
+use crate::http::{AppState, Cutoff, ServedLimits, ServedModels, ServerInfo};
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -191,6 +191,7 @@ pub async fn start(
         api_key: settings.api_key.map(Arc::from),
         adapters,
         resolver: Arc::new(resolver),
+        cutoff: Cutoff::default(),
     })
 }
 

@@ -64,6 +64,9 @@ pub async fn generate<E: Endpoint>(
     State(state): State<AppState>,
     OpenAiJson(body): OpenAiJson<GenerationBody<E::Fields>>,
 ) -> Result<Response, ApiError> {
+    if state.shard.is_unavailable() {
+        return Err(ApiError::shard_gone());
+    }
     let GenerationBody { fields, params } = body;
     let (adapter_id, assets) = state
         .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
@@ -82,6 +85,7 @@ pub async fn generate<E: Endpoint>(
     });
     let choices = start_choices(
         &state.scheduler,
+        &state.shard,
         &state.metrics,
         &assets.tokenizer,
         valid.choices,
@@ -97,10 +101,17 @@ pub async fn generate<E: Endpoint>(
             prompt_tokens: valid.prompt_tokens,
             include_usage: options.include_usage,
             return_token_ids: options.return_token_ids,
+            cutoff: state.cutoff.clone(),
         };
         return Ok(sse_response(format, plan).into_response());
     }
-    let outputs = collect_choices(choices).await?;
+    let outputs = tokio::select! {
+        outputs = collect_choices(choices) => outputs?,
+        () = state.cutoff.fired() => {
+            state.cutoff.record_cut();
+            return Err(ApiError::GracePeriodOver);
+        }
+    };
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
     let finished = outputs
         .into_iter()

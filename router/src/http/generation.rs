@@ -10,7 +10,8 @@ use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::common::FinishReason;
-use crate::scheduler::{self, EventReceiver, GenerationRequest, Scheduler};
+use crate::scheduler::{self, EventReceiver, GenerationError, GenerationRequest, Scheduler};
+use crate::shard::ShardBackend;
 use crate::stop::StopMatcher;
 use crate::tokenizer::TextTokenizer;
 
@@ -39,6 +40,7 @@ pub enum ChoiceEvent {
 /// those already admitted are dropped, which cancels them.
 pub fn start_choices(
     scheduler: &Scheduler,
+    shard: &Arc<dyn ShardBackend>,
     metrics: &Arc<Metrics>,
     tokenizer: &TextTokenizer,
     choices: Vec<GenerationRequest>,
@@ -54,10 +56,37 @@ pub fn start_choices(
         .into_iter()
         .zip(0..)
         .map(|(receiver, index)| {
-            let metrics = metrics.clone();
-            choice_events(index, receiver, tokenizer.clone(), stop.to_vec(), metrics)
+            let outcome = Outcome {
+                metrics: metrics.clone(),
+                shard: shard.clone(),
+            };
+            choice_events(index, receiver, tokenizer.clone(), stop.to_vec(), outcome)
         })
         .collect())
+}
+
+/// Where a choice reports how it ended: the metrics, and the shard whose state says what a
+/// failure was.
+pub struct Outcome {
+    pub metrics: Arc<Metrics>,
+    pub shard: Arc<dyn ShardBackend>,
+}
+
+impl Outcome {
+    /// A failed choice. While the shard is known gone, its failure is the shard being
+    /// unavailable (503), not an error of this request (500).
+    fn failed(&self, error: ApiError) -> ChoiceEvent {
+        Metrics::add(&self.metrics.requests_failed_total, 1);
+        let error = match error {
+            ApiError::Generation(GenerationError::Shard(_)) | ApiError::Internal(_)
+                if self.shard.is_unavailable() =>
+            {
+                ApiError::shard_gone()
+            }
+            error => error,
+        };
+        ChoiceEvent::Failed(error)
+    }
 }
 
 /// The events of one choice. The receiver is dropped as soon as the choice ends (stop string,
@@ -67,8 +96,9 @@ pub fn choice_events(
     mut receiver: EventReceiver,
     tokenizer: TextTokenizer,
     stop: Vec<String>,
-    metrics: Arc<Metrics>,
+    outcome: Outcome,
 ) -> BoxStream<'static, ChoiceEvent> {
+    let metrics = outcome.metrics.clone();
     // The EOS token's text is never shown (skip_special_tokens), even for tokenizers that do
     // not mark it special: an EOS event is not fed to the detokenizer at all.
     let mut detokenizer = IncrementalDetokenizer::new(tokenizer, true);
@@ -80,13 +110,11 @@ pub fn choice_events(
             let event = match receiver.recv().await {
                 Some(Ok(event)) => event,
                 Some(Err(error)) => {
-                    Metrics::add(&metrics.requests_failed_total, 1);
-                    yield ChoiceEvent::Failed(error.into());
+                    yield outcome.failed(error.into());
                     return;
                 }
                 None => {
-                    Metrics::add(&metrics.requests_failed_total, 1);
-                    yield ChoiceEvent::Failed(ApiError::Internal(
+                    yield outcome.failed(ApiError::Internal(
                         "the scheduler ended the request without a finish event".to_owned(),
                     ));
                     return;
@@ -100,8 +128,7 @@ pub fn choice_events(
                 match detokenizer.push(event.token_id) {
                     Ok(new_text) => text = new_text,
                     Err(error) => {
-                        Metrics::add(&metrics.requests_failed_total, 1);
-                        yield ChoiceEvent::Failed(error.into());
+                        yield outcome.failed(error.into());
                         return;
                     }
                 }

@@ -11,7 +11,13 @@ use crate::error::ApiError;
 pub async fn health(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
     match state.shard.health().await {
         Ok(_) => Ok(StatusCode::OK),
-        Err(error) => Err(ApiError::ShardUnavailable(error.to_string())),
+        Err(error) => {
+            // The detail can name the shard's socket path: it goes to the log, not the client.
+            tracing::warn!(%error, "shard health check failed");
+            Err(ApiError::ShardUnavailable(
+                "it did not answer its health check".to_owned(),
+            ))
+        }
     }
 }
 

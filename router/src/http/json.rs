@@ -4,6 +4,7 @@
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -42,10 +43,15 @@ impl<S: Send + Sync, T: RequestBody> FromRequest<S> for OpenAiJson<T> {
     async fn from_request(request: Request, state: &S) -> Result<Self, ApiError> {
         let bytes = Bytes::from_request(request, state)
             .await
-            .map_err(|rejection| ApiError::BadRequestBody {
-                message: format!("cannot read the request body: {}", rejection.body_text()),
-                param: None,
-                code: "invalid_body",
+            .map_err(|rejection| {
+                if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                    return ApiError::PayloadTooLarge;
+                }
+                ApiError::BadRequestBody {
+                    message: format!("cannot read the request body: {}", rejection.body_text()),
+                    param: None,
+                    code: "invalid_body",
+                }
             })?;
         let value: Value =
             serde_json::from_slice(&bytes).map_err(|error| ApiError::BadRequestBody {

@@ -12,8 +12,10 @@ use crate::error::ApiError;
 
 mod adapters;
 mod auth;
+mod body_guard;
 mod chat;
 mod completions;
+mod cutoff;
 mod endpoint;
 mod generation;
 mod health;
@@ -23,6 +25,8 @@ mod models;
 mod sse;
 mod state;
 
+pub use body_guard::limit_bodies;
+pub use cutoff::Cutoff;
 pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`.

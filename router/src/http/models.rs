@@ -1,7 +1,9 @@
 //! `GET /v1/models` and `GET /v1/models/{id}`: the base model first, then every loaded
 //! adapter (its `parent` is the base model's served name, its `root` what it was loaded from).
 
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, State};
+use axum::http::Uri;
 use axum::Json;
 
 use super::state::AppState;
@@ -22,11 +24,17 @@ pub async fn list_models(State(state): State<AppState>) -> Json<ModelList> {
 }
 
 /// A model is retrievable exactly when it is listed: looking an id up never loads an adapter.
-/// The route captures the rest of the path: hub ids contain a slash.
+/// The route captures the rest of the path: hub ids contain a slash. An id that does not
+/// decode to UTF-8 (`%ff`) names no model either.
 pub async fn retrieve_model(
     State(state): State<AppState>,
-    Path(id): Path<String>,
+    id: Result<Path<String>, PathRejection>,
+    uri: Uri,
 ) -> Result<Json<ModelCard>, ApiError> {
+    let Ok(Path(id)) = id else {
+        let raw = uri.path().strip_prefix("/v1/models/").unwrap_or(uri.path());
+        return Err(ApiError::ModelNotFound(raw.to_owned()));
+    };
     let base = state.models.base_card();
     if base.id == id {
         return Ok(Json(base));

@@ -10,6 +10,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::Serialize;
 
+use super::cutoff::Cutoff;
 use super::generation::ChoiceEvent;
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, Usage};
@@ -44,6 +45,8 @@ pub struct StreamPlan {
     pub prompt_tokens: u32,
     pub include_usage: bool,
     pub return_token_ids: bool,
+    /// Ends the stream with an error event when the grace period runs out.
+    pub cutoff: Cutoff,
 }
 
 pub fn sse_response<F: ChunkFormat>(
@@ -59,6 +62,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         prompt_tokens,
         include_usage,
         return_token_ids,
+        cutoff,
     } = plan;
     let ids = move |token_ids: Vec<u32>| return_token_ids.then_some(token_ids);
     async_stream::stream! {
@@ -69,7 +73,23 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         }
         let mut events = stream::select_all(choices);
         let mut completion_tokens = 0u32;
-        while let Some(event) = events.next().await {
+        loop {
+            let next = tokio::select! {
+                event = events.next() => Next::Event(event),
+                () = cutoff.fired() => Next::Cut,
+            };
+            let event = match next {
+                Next::Event(Some(event)) => event,
+                Next::Event(None) => break,
+                Next::Cut => {
+                    // Cancel the choices, then end the stream so that the client can tell.
+                    drop(events);
+                    cutoff.record_cut();
+                    yield json_event(&ApiError::GracePeriodOver.to_body());
+                    yield done_event();
+                    return;
+                }
+            };
             let (index, step) = match event {
                 ChoiceEvent::Text { index, text, token_ids } => {
                     (index, ChoiceStep::Text { text, token_ids: ids(token_ids) })
@@ -96,6 +116,11 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         }
         yield done_event();
     }
+}
+
+enum Next {
+    Event(Option<ChoiceEvent>),
+    Cut,
 }
 
 fn json_event<T: Serialize>(chunk: &T) -> Event {

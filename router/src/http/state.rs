@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use serde::Serialize;
 
+use super::cutoff::Cutoff;
 use crate::adapters::{AdapterRegistry, AdapterSource, Resolver};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -29,6 +30,8 @@ pub struct AppState {
     /// Loaded adapters, and where ids not loaded yet are looked up.
     pub adapters: AdapterRegistry,
     pub resolver: Arc<Resolver>,
+    /// Fired when the grace period of a shutdown runs out.
+    pub cutoff: Cutoff,
 }
 
 /// The names the base model answers to, and the cards `/v1/models` lists.

@@ -11,6 +11,8 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::{try_join_all, BoxFuture};
@@ -32,6 +34,8 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct ShardClient {
     ranks: Vec<RankClient<Channel>>,
+    /// Set by the first call that fails at the transport (see `is_transport_failure`).
+    unavailable: Arc<AtomicBool>,
 }
 
 impl ShardClient {
@@ -44,7 +48,10 @@ impl ShardClient {
             });
         }
         let ranks = try_join_all(paths.iter().map(|path| connect_rank(path))).await?;
-        Ok(Self { ranks })
+        Ok(Self {
+            ranks,
+            unavailable: Arc::new(AtomicBool::new(false)),
+        })
     }
 
     /// Number of ranks this client talks to.
@@ -67,10 +74,10 @@ impl ShardClient {
         };
         let mut calls = Vec::with_capacity(self.ranks.len());
         for (rank, client) in others.iter().enumerate() {
-            calls.push(on_rank(rank, call(client.clone(), request.clone())));
+            calls.push(self.on_rank(rank, call(client.clone(), request.clone())));
         }
         // The last rank takes the original request; the others got copies.
-        calls.push(on_rank(others.len(), call(last.clone(), request)));
+        calls.push(self.on_rank(others.len(), call(last.clone(), request)));
         let mut responses = try_join_all(calls).await?;
         Ok(responses.swap_remove(0))
     }
@@ -90,7 +97,9 @@ impl ShardClient {
         if !downloads || others.is_empty() {
             return self.fan_out(request, load).await;
         }
-        let response = on_rank(0, load(first.clone(), request.clone())).await?;
+        let response = self
+            .on_rank(0, load(first.clone(), request.clone()))
+            .await?;
         let local = pb::LoadAdapterRequest {
             path: response.path.clone(),
             ..request
@@ -98,21 +107,33 @@ impl ShardClient {
         let calls = others
             .iter()
             .enumerate()
-            .map(|(i, client)| on_rank(i + 1, load(client.clone(), local.clone())));
+            .map(|(i, client)| self.on_rank(i + 1, load(client.clone(), local.clone())));
         try_join_all(calls).await?;
         Ok(response)
     }
+
+    /// Awaits one rank's answer, naming the rank in its error.
+    async fn on_rank<Resp>(
+        &self,
+        rank: usize,
+        call: impl Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
+    ) -> ShardResult<Resp> {
+        match call.await {
+            Ok(response) => Ok(response.into_inner()),
+            Err(status) => {
+                if is_transport_failure(&status) && !self.unavailable.swap(true, Ordering::AcqRel) {
+                    tracing::error!(rank, %status, "shard unreachable; refusing new requests with 503");
+                }
+                Err(ShardError::from_status(rank, &status))
+            }
+        }
+    }
 }
 
-/// Awaits one rank's answer, naming the rank in its error.
-async fn on_rank<Resp>(
-    rank: usize,
-    call: impl Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
-) -> ShardResult<Resp> {
-    match call.await {
-        Ok(response) => Ok(response.into_inner()),
-        Err(status) => Err(ShardError::from_status(rank, &status)),
-    }
+/// A status the shard did not send: tonic made it from a broken connection, so it carries the
+/// transport error as its source (a status the shard sent has none), or says `Unavailable`.
+fn is_transport_failure(status: &tonic::Status) -> bool {
+    status.code() == tonic::Code::Unavailable || std::error::Error::source(status).is_some()
 }
 
 async fn connect_rank(path: &Path) -> Result<RankClient<Channel>, ShardError> {
@@ -148,6 +169,10 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 }
 
 impl ShardBackend for ShardClient {
+    fn is_unavailable(&self) -> bool {
+        self.unavailable.load(Ordering::Acquire)
+    }
+
     fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
         self.fan_out(
             pb::InfoRequest {},

@@ -442,3 +442,31 @@ async fn local_loads_activation_and_unload_reach_every_rank_at_once() {
         assert_eq!(shard.loaded_adapters(), vec!["owner/b".to_string()]);
     }
 }
+
+#[tokio::test]
+async fn a_shard_that_goes_away_is_unavailable_one_that_refuses_is_not() {
+    let dir = SocketDir::new();
+    let shard = Arc::new(FakeShard::new(256).with_eos(1));
+    let path = dir.socket(0);
+    let listener = UnixListener::bind(&path).unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(ShardServer::new(Served(shard.clone())))
+            .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                let _ = stopped.await;
+            }),
+    );
+    let client = ShardClient::connect(&[path]).await.unwrap();
+
+    // An error the shard sends is about the call, not the shard.
+    shard.fail_next(FakeRpc::Health);
+    assert!(client.health().await.is_err());
+    assert!(!client.is_unavailable());
+
+    // The shard goes away: its connections close and its socket refuses new ones.
+    let _ = stop.send(());
+    let _ = server.await;
+    assert!(client.health().await.is_err());
+    assert!(client.is_unavailable());
+}

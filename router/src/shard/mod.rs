@@ -89,6 +89,11 @@ impl ShardError {
 /// Object-safe (methods return boxed futures) so the scheduler holds an
 /// `Arc<dyn ShardBackend>` and tests swap in `FakeShard`.
 pub trait ShardBackend: Send + Sync {
+    /// The shard is known to be gone (a call failed at the transport: its process died or its
+    /// socket closed). It does not come back: the launcher restarts the whole stack.
+    fn is_unavailable(&self) -> bool {
+        false
+    }
     fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>>;
     fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>>;
     fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>>;
