@@ -256,15 +256,15 @@ fn max_bytes_per_token(tokenizer: &tokenizers::Tokenizer) -> Option<usize> {
         let mut found = false;
         visit_steps(step, &mut |step| {
             let kind = step.get("type").and_then(Json::as_str).unwrap_or_default();
-            let empty_replace = kind == "Replace"
-                && step.get("content").and_then(Json::as_str) == Some("");
+            let empty_replace =
+                kind == "Replace" && step.get("content").and_then(Json::as_str) == Some("");
             found |= DROPPING_STEPS.contains(&kind) || empty_replace;
         });
         found
     };
     let model = &config["model"];
-    let fuses_unknown = model["fuse_unk"].as_bool() == Some(true)
-        && model["byte_fallback"].as_bool() != Some(true);
+    let fuses_unknown =
+        model["fuse_unk"].as_bool() == Some(true) && model["byte_fallback"].as_bool() != Some(true);
     if drops(&config["normalizer"]) || drops(&config["pre_tokenizer"]) || fuses_unknown {
         return None;
     }
@@ -347,14 +347,28 @@ mod tests {
     #[test]
     fn a_text_has_at_least_its_bytes_over_the_bound_tokens() {
         let tokenizer = TextTokenizer::from_tokenizer(test_support::byte_level_bpe());
-        let bound = tokenizer.max_bytes_per_token().expect("byte-level BPE keeps every byte");
-        for text in ["héllo 世界 👋🏽 <|eos|>", "aaaaaaaaaaaaaaaaaaaaaaaaa", " \n\n\t  x"] {
+        let bound = tokenizer
+            .max_bytes_per_token()
+            .expect("byte-level BPE keeps every byte");
+        for text in [
+            "héllo 世界 👋🏽 <|eos|>",
+            "aaaaaaaaaaaaaaaaaaaaaaaaa",
+            " \n\n\t  x",
+        ] {
             let tokens = tokenizer.encode_blocking(text, false).unwrap().len();
-            assert!(tokens >= text.len().div_ceil(bound), "{text:?}: {tokens} tokens");
+            assert!(
+                tokens >= text.len().div_ceil(bound),
+                "{text:?}: {tokens} tokens"
+            );
         }
         let mut bert = test_support::byte_level_bpe();
-        bert.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::WhitespaceSplit));
-        assert_eq!(TextTokenizer::from_tokenizer(bert).max_bytes_per_token(), None);
+        bert.with_pre_tokenizer(Some(
+            tokenizers::pre_tokenizers::whitespace::WhitespaceSplit,
+        ));
+        assert_eq!(
+            TextTokenizer::from_tokenizer(bert).max_bytes_per_token(),
+            None
+        );
     }
 
     #[tokio::test]

@@ -516,7 +516,12 @@ impl Batcher {
     }
 
     /// Fails the listed requests of one batch and drops the batch on the shard.
-    pub(super) async fn fail_batch(&mut self, batch_id: u64, request_ids: &[u64], error: &ShardError) {
+    pub(super) async fn fail_batch(
+        &mut self,
+        batch_id: u64,
+        request_ids: &[u64],
+        error: &ShardError,
+    ) {
         tracing::error!(batch_id, size = request_ids.len(), %error, "shard call failed; failing its batch");
         let message = error.to_string();
         for id in request_ids {

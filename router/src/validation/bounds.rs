@@ -152,7 +152,10 @@ mod tests {
         let error = bounds.check_choices(3, 3, "prompt").unwrap_err();
         assert_eq!(error.param(), Some("prompt"));
         assert!(error.to_string().contains("--max-choices-per-request"));
-        assert_eq!(bounds.check_choices(1, 9, "prompt").unwrap_err().param(), Some("n"));
+        assert_eq!(
+            bounds.check_choices(1, 9, "prompt").unwrap_err().param(),
+            Some("n")
+        );
         let many = RequestBounds::new(u32::MAX, 0.5, 4, 100);
         assert!(many.check_choices(MAX_PROMPTS + 1, 1, "prompt").is_err());
     }
@@ -161,7 +164,9 @@ mod tests {
     fn kv_demand_counts_every_choice_of_every_prompt() {
         let bounds = RequestBounds::new(512, 0.5, 4, 100);
         // (8 + 8) tokens = 4 blocks; 2 prompts × n = 6 → 48 blocks, under 50.
-        assert!(bounds.check_kv_demand([16u64, 16].into_iter(), 6, "prompt").is_ok());
+        assert!(bounds
+            .check_kv_demand([16u64, 16].into_iter(), 6, "prompt")
+            .is_ok());
         // n = 7 → 56 blocks.
         let error = bounds
             .check_kv_demand([16u64, 16].into_iter(), 7, "prompt")

@@ -106,14 +106,28 @@ mod tests {
     #[test]
     fn counts_and_id_lengths_are_refused_before_conversion() {
         let many = Value::Array(vec![json!("a"); MAX_PROMPTS + 1]);
-        assert!(parse(many).unwrap_err().to_string().contains("at most 2048"));
+        assert!(parse(many)
+            .unwrap_err()
+            .to_string()
+            .contains("at most 2048"));
         let n = PromptLimits { n: 3, ..LIMITS };
         let error = parse_prompt(Value::Array(vec![json!([1]); 1366]), &n).unwrap_err();
-        assert!(error.to_string().contains("--max-choices-per-request"), "{error}");
+        assert!(
+            error.to_string().contains("--max-choices-per-request"),
+            "{error}"
+        );
         let long = parse(json!([[1], [1, 2, 3, 4, 5, 6, 7, 8, 9]])).unwrap_err();
-        assert_eq!((long.code(), long.param()), ("context_length_exceeded", Some("prompt[1]")));
+        assert_eq!(
+            (long.code(), long.param()),
+            ("context_length_exceeded", Some("prompt[1]"))
+        );
         assert!(long.to_string().contains("--max-input-tokens"));
-        assert_eq!(parse(json!([1; 9])).unwrap_err().code(), "context_length_exceeded");
+        assert_eq!(
+            parse(json!([1, 1, 1, 1, 1, 1, 1, 1, 1]))
+                .unwrap_err()
+                .code(),
+            "context_length_exceeded"
+        );
     }
 
     #[test]
@@ -143,10 +157,7 @@ mod tests {
             json!({"a": 1}),
         ] {
             assert_eq!(
-                parse(bad.clone())
-                    .unwrap_err()
-                    .param()
-                    .map(|p| &p[..6]),
+                parse(bad.clone()).unwrap_err().param().map(|p| &p[..6]),
                 Some("prompt"),
                 "{bad}"
             );

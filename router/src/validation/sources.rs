@@ -84,7 +84,12 @@ impl PromptSource for CompletionFields {
         // Every text first: a long one late in the list is refused before any is tokenized.
         for prompt in &prompts {
             if let PromptInput::Text(text) = prompt {
-                check_text_length(&assets.tokenizer, text, limits.max_input_tokens, Self::PARAM)?;
+                check_text_length(
+                    &assets.tokenizer,
+                    text,
+                    limits.max_input_tokens,
+                    Self::PARAM,
+                )?;
             }
         }
         let mut prompt_ids = Vec::with_capacity(prompts.len());
