@@ -99,7 +99,10 @@ pub enum GenerationError {
 /// Why a request was not admitted.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum AdmissionError {
-    #[error("the server is overloaded: too many concurrent requests")]
+    #[error(
+        "the server is overloaded: it already has --max-concurrent-requests requests running \
+         or queued; retry later"
+    )]
     Overloaded,
     #[error("request needs {needed} KV blocks but the cache holds only {total}")]
     TooLarge { needed: u32, total: u32 },
