@@ -198,6 +198,7 @@ def _prompt_tokens(served: Served, prompt: str) -> int:
     with served.client() as client:
         response = client.completions.create(model=served.model, prompt=prompt, max_tokens=1,
                                              extra_body=RETURN_TOKEN_IDS)
+    assert response.usage is not None
     return response.usage.prompt_tokens
 
 
@@ -239,7 +240,7 @@ def test_a_short_request_is_not_starved_by_long_streams_that_fill_the_cache(smal
     # The preempted streams resumed by recomputation: each choice has exactly the tokens the
     # same request gets alone (greedy, no preemption).
     with small.client() as client:
-        for prompt, (streamed, _) in zip(prompts, longs):
+        for prompt, (streamed, _) in zip(prompts, longs, strict=True):
             alone = client.completions.create(
                 model=small.model, prompt=prompt, n=LONG_N, max_tokens=max_tokens,
                 temperature=0, extra_body={"ignore_eos": True, **RETURN_TOKEN_IDS})
