@@ -26,7 +26,9 @@ from conftest import SHARD_ENV, Served
 from served import RETURN_TOKEN_IDS, stream_token_ids, token_ids
 from stack import Stack, StackConfig
 
-MAX_CONCURRENT_REQUESTS = 4
+# Above the 17 choices of the preemption scenario, so an older build that counted choices
+# shows its head-of-line blocking there rather than a 429.
+MAX_CONCURRENT_REQUESTS = 24
 MAX_CHOICES = 16
 # KV cache the scheduler may hand out: two of the long requests below fill it, with ~1000 tokens
 # per choice, so they run for many decode steps.
@@ -171,12 +173,16 @@ def test_concurrency_counts_requests_not_choices(small):
     asyncio.run(scenario())
 
 
-async def _long_stream(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int
-                       ) -> tuple[dict[int, list[int]], float]:
-    """Reads a greedy n=LONG_N stream to its end: (token ids per choice, when it ended)."""
+# The long requests: one greedy, one sampled with a seed (each choice gets seed + its index).
+LONG_SAMPLING: tuple[dict, ...] = ({"temperature": 0}, {"temperature": 0.9, "seed": 1234})
+
+
+async def _long_stream(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int,
+                       sampling: dict) -> tuple[dict[int, list[int]], float]:
+    """Reads an n=LONG_N stream to its end: (token ids per choice, when it ended)."""
     tokens: dict[int, list[int]] = {i: [] for i in range(LONG_N)}
     stream = await client.completions.create(
-        model=model, prompt=prompt, n=LONG_N, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model, prompt=prompt, n=LONG_N, max_tokens=max_tokens, stream=True, **sampling,
         extra_body={"ignore_eos": True, **RETURN_TOKEN_IDS})
     async for chunk in stream:
         for choice in chunk.choices:
@@ -220,8 +226,8 @@ def test_a_short_request_is_not_starved_by_long_streams_that_fill_the_cache(smal
 
     async def scenario():
         async with small.async_client() as client:
-            longs = [asyncio.create_task(_long_stream(client, small.model, p, max_tokens))
-                     for p in prompts]
+            longs = [asyncio.create_task(_long_stream(client, small.model, p, max_tokens, s))
+                     for p, s in zip(prompts, LONG_SAMPLING, strict=True)]
             await _wait_until_cache_full(small)
             started = time.monotonic()
             short = await client.completions.create(model=small.model, prompt="Hi", max_tokens=4,
@@ -238,12 +244,13 @@ def test_a_short_request_is_not_starved_by_long_streams_that_fill_the_cache(smal
     assert small.stack.metrics().get("quiver_preemptions_total", 0.0) > preemptions_before
 
     # The preempted streams resumed by recomputation: each choice has exactly the tokens the
-    # same request gets alone (greedy, no preemption).
+    # same request gets alone, without preemption (greedy, and seeded sampling whose generator
+    # skips the draws already made).
     with small.client() as client:
-        for prompt, (streamed, _) in zip(prompts, longs, strict=True):
+        for prompt, sampling, (streamed, _) in zip(prompts, LONG_SAMPLING, longs, strict=True):
             alone = client.completions.create(
-                model=small.model, prompt=prompt, n=LONG_N, max_tokens=max_tokens,
-                temperature=0, extra_body={"ignore_eos": True, **RETURN_TOKEN_IDS})
+                model=small.model, prompt=prompt, n=LONG_N, max_tokens=max_tokens, **sampling,
+                extra_body={"ignore_eos": True, **RETURN_TOKEN_IDS})
             for index in range(LONG_N):
                 assert streamed[index] == token_ids(alone, index), (prompt, index)
                 assert len(streamed[index]) == max_tokens
@@ -255,8 +262,8 @@ def test_a_request_that_cannot_start_in_time_gets_503_queue_timeout(patient):
 
     async def scenario():
         async with patient.async_client() as client:
-            longs = [asyncio.create_task(_long_stream(client, patient.model, p, max_tokens))
-                     for p in prompts]
+            longs = [asyncio.create_task(_long_stream(client, patient.model, p, max_tokens, s))
+                     for p, s in zip(prompts, LONG_SAMPLING, strict=True)]
             await _wait_until_cache_full(patient)
             refused = await asyncio.to_thread(
                 patient.stack.post_json, "/v1/completions",

@@ -157,7 +157,8 @@ impl Resources {
     }
 }
 
-fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
+/// `draws_done`: tokens generated before a preemption, whose draws the shard's generator skips.
+fn sampling_to_pb(request: &GenerationRequest, draws_done: u32) -> pb::SamplingParams {
     let s = &request.sampling;
     pb::SamplingParams {
         temperature: s.temperature,
@@ -166,6 +167,7 @@ fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
         min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
         seed: s.seed,
+        draws_done,
     }
 }
 
@@ -371,7 +373,7 @@ impl Batcher {
                 id,
                 input_ids: request.input_ids.clone(),
                 blocks: blocks.ids().to_vec(),
-                sampling: Some(sampling_to_pb(&request)),
+                sampling: Some(sampling_to_pb(&request, resumed_after)),
                 max_new_tokens: request.max_new_tokens,
                 adapter_id: request.adapter_id.clone(),
             });
