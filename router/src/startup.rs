@@ -191,6 +191,13 @@ pub async fn start(
             max_batch_total_tokens: cache.max_batch_total_tokens,
             max_batch_size: settings.max_batch_size,
             max_concurrent_requests: settings.max_concurrent_requests,
+            max_choices_per_request: settings.admission.max_choices_per_request,
+            max_request_kv_share: settings.admission.max_request_kv_share,
+            preemption_wait_ms: settings.admission.preemption_wait.as_millis() as u64,
+            max_queue_wait_secs: settings
+                .admission
+                .max_queue_wait
+                .map_or(0, |wait| wait.as_secs()),
             block_size: cache.block_size,
             num_blocks: cache.num_blocks,
         },
