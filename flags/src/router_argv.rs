@@ -19,6 +19,10 @@ impl ServingFlags {
             max_batch_total_tokens,
             max_batch_size,
             max_concurrent_requests,
+            max_choices_per_request,
+            max_request_kv_share,
+            preemption_wait_ms,
+            max_queue_wait_secs,
             adapter_source,
             adapter_root,
             preload_adapters,
@@ -56,6 +60,13 @@ impl ServingFlags {
                 "--max-concurrent-requests",
                 max_concurrent_requests.to_string(),
             )
+            .flag(
+                "--max-choices-per-request",
+                max_choices_per_request.to_string(),
+            )
+            .flag("--max-request-kv-share", max_request_kv_share.to_string())
+            .flag("--preemption-wait-ms", preemption_wait_ms.to_string())
+            .flag("--max-queue-wait-secs", max_queue_wait_secs.to_string())
             .flag("--adapter-source", adapter_source.as_str())
             .flag_if_set("--adapter-root", adapter_root.as_deref())
             // The flag splits on commas, so ids never contain one and the join is lossless.
@@ -139,6 +150,10 @@ mod tests {
             max_batch_total_tokens: Some(100_000),
             max_batch_size: 32,
             max_concurrent_requests: 64,
+            max_choices_per_request: 100,
+            max_request_kv_share: 0.25,
+            preemption_wait_ms: 20,
+            max_queue_wait_secs: 9,
             adapter_source: AdapterSource::Local,
             adapter_root: Some(PathBuf::from("/adapters")),
             preload_adapters: vec!["a".into(), "org/b@v1".into()],

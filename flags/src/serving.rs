@@ -43,9 +43,31 @@ pub struct ServingFlags {
     #[arg(long, env = "QUIVER_MAX_BATCH_SIZE", default_value_t = 256)]
     pub max_batch_size: u32,
 
-    /// Requests admitted at once, running + queued; beyond it, 429.
+    /// Requests admitted at once, running + queued; beyond it, 429. One request counts once,
+    /// whatever its `n` and number of prompts.
     #[arg(long, env = "QUIVER_MAX_CONCURRENT_REQUESTS", default_value_t = 512)]
     pub max_concurrent_requests: u32,
+
+    /// Most choices (`n` × prompts) one request may ask for; more is refused with 400 before
+    /// any prompt is tokenized.
+    #[arg(long, env = "QUIVER_MAX_CHOICES_PER_REQUEST", default_value_t = 512)]
+    pub max_choices_per_request: u32,
+
+    /// Largest share of the KV cache one request's choices may reserve together
+    /// (n × prompts × blocks of prompt + max_tokens); more is refused with 400.
+    #[arg(long, env = "QUIVER_MAX_REQUEST_KV_SHARE", default_value_t = 0.5,
+          value_parser = parse_share)]
+    pub max_request_kv_share: f64,
+
+    /// How long the request at the head of a queue may wait for KV blocks or a batch slot
+    /// before running requests are preempted (and later resumed) to make room.
+    #[arg(long, env = "QUIVER_PREEMPTION_WAIT_MS", default_value_t = 500)]
+    pub preemption_wait_ms: u64,
+
+    /// Seconds a request may wait in the queue before it is refused with 503 `queue_timeout`;
+    /// 0 waits without limit (preemption still bounds the wait of a request at a queue head).
+    #[arg(long, env = "QUIVER_MAX_QUEUE_WAIT_SECS", default_value_t = 0)]
+    pub max_queue_wait_secs: u64,
 
     /// Where adapter ids are looked up when a request does not say.
     #[arg(long, env = "QUIVER_ADAPTER_SOURCE", value_enum, default_value_t = AdapterSource::Hub)]
@@ -99,4 +121,14 @@ pub struct ServingFlags {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "QUIVER_MAX_REQUEST_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_request_body_bytes: usize,
+}
+
+/// A share of the KV cache: more than 0, at most 1.
+fn parse_share(text: &str) -> Result<f64, String> {
+    let share: f64 = text.parse().map_err(|error| format!("{error}"))?;
+    if share > 0.0 && share <= 1.0 {
+        Ok(share)
+    } else {
+        Err(format!("must be more than 0 and at most 1, got {text}"))
+    }
 }

@@ -79,6 +79,8 @@ impl ApiError {
             Self::Admission(AdmissionError::AdaptersDisabled { .. }) => StatusCode::BAD_REQUEST,
             Self::Admission(AdmissionError::ShuttingDown)
             | Self::Generation(GenerationError::ShuttingDown)
+            // Busy for longer than the operator lets a request wait: retry later.
+            | Self::Generation(GenerationError::QueueTimeout { .. })
             | Self::ShardUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             Self::Generation(GenerationError::Shard(_))
             | Self::Tokenizer(_)
@@ -114,6 +116,9 @@ impl ApiError {
             Self::Admission(AdmissionError::ShuttingDown)
             | Self::Generation(GenerationError::ShuttingDown) => {
                 ("server_error", "service_unavailable")
+            }
+            Self::Generation(GenerationError::QueueTimeout { .. }) => {
+                ("server_error", "queue_timeout")
             }
             Self::ShardUnavailable(_) => ("server_error", "shard_unavailable"),
             Self::PayloadTooLarge => ("invalid_request_error", "request_too_large"),

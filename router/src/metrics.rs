@@ -18,6 +18,7 @@ pub struct Metrics {
     pub generated_tokens_total: AtomicU64,
     pub prefill_steps_total: AtomicU64,
     pub decode_steps_total: AtomicU64,
+    pub preemptions_total: AtomicU64,
     pub adapters_active: AtomicU64,
     pub adapter_slots: AtomicU64,
 }
@@ -37,7 +38,7 @@ impl Metrics {
         counter.fetch_add(value, Ordering::Relaxed);
     }
 
-    fn series(&self) -> [(Series, &AtomicU64); 12] {
+    fn series(&self) -> [(Series, &AtomicU64); 13] {
         let s = |name, kind, help| Series { name, kind, help };
         [
             (
@@ -122,6 +123,14 @@ impl Metrics {
             ),
             (
                 s(
+                    "quiver_preemptions_total",
+                    "counter",
+                    "Running requests preempted to make room for a request that waited too long.",
+                ),
+                &self.preemptions_total,
+            ),
+            (
+                s(
                     "quiver_adapters_active",
                     "gauge",
                     "Adapter device slots holding an adapter.",
@@ -164,7 +173,7 @@ mod tests {
         let text = m.render();
         assert!(text.contains("# TYPE quiver_kv_blocks_free gauge\nquiver_kv_blocks_free 7\n"));
         assert!(text.contains("quiver_generated_tokens_total 5\n"));
-        assert_eq!(text.matches("# HELP ").count(), 12);
-        assert_eq!(text.matches("# TYPE ").count(), 12);
+        assert_eq!(text.matches("# HELP ").count(), 13);
+        assert_eq!(text.matches("# TYPE ").count(), 13);
     }
 }

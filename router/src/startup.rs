@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
@@ -14,7 +15,7 @@ use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::shard::{ShardBackend, ShardError};
-use crate::validation::{Limits, ModelAssets, RequestedLimits, Validator};
+use crate::validation::{Limits, ModelAssets, RequestBounds, RequestedLimits, Validator};
 
 /// The serving settings from the command line that shape the state.
 #[derive(Debug, Clone, Default)]
@@ -27,6 +28,30 @@ pub struct Settings {
     pub max_concurrent_requests: u32,
     pub api_key: Option<String>,
     pub adapters: AdapterSettings,
+    pub admission: AdmissionSettings,
+}
+
+/// `--max-choices-per-request`, `--max-request-kv-share`, `--preemption-wait-ms`,
+/// `--max-queue-wait-secs`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdmissionSettings {
+    pub max_choices_per_request: u32,
+    pub max_request_kv_share: f64,
+    pub preemption_wait: Duration,
+    /// `None`: queued requests wait without a deadline.
+    pub max_queue_wait: Option<Duration>,
+}
+
+/// The flags' defaults.
+impl Default for AdmissionSettings {
+    fn default() -> Self {
+        Self {
+            max_choices_per_request: 512,
+            max_request_kv_share: 0.5,
+            preemption_wait: Duration::from_millis(500),
+            max_queue_wait: None,
+        }
+    }
 }
 
 /// `--adapter-source`, `--adapter-root`, `--preload-adapters`, `--max-active-adapters`,
@@ -61,6 +86,13 @@ impl Settings {
                 preload: args.serving.preload_adapters.clone(),
                 max_active_adapters: args.serving.max_active_adapters,
                 max_lora_rank: args.serving.max_lora_rank,
+            },
+            admission: AdmissionSettings {
+                max_choices_per_request: args.serving.max_choices_per_request,
+                max_request_kv_share: args.serving.max_request_kv_share,
+                preemption_wait: Duration::from_millis(args.serving.preemption_wait_ms),
+                max_queue_wait: (args.serving.max_queue_wait_secs > 0)
+                    .then(|| Duration::from_secs(args.serving.max_queue_wait_secs)),
             },
         }
     }
@@ -121,9 +153,12 @@ pub async fn start(
             max_concurrent_requests: settings.max_concurrent_requests,
             max_total_tokens: limits.max_total_tokens,
             max_active_adapters: settings.adapters.max_active_adapters,
+            preemption_wait: settings.admission.preemption_wait,
+            max_queue_wait: settings.admission.max_queue_wait,
         },
     );
 
+    let usable_blocks = scheduler.stats().total_blocks;
     // EOS: what the model's generation config says, plus the tokenizer's own.
     let mut eos_token_ids = info.eos_token_ids.clone();
     eos_token_ids.extend_from_slice(base.tokenizer.stop_token_ids());
@@ -156,6 +191,13 @@ pub async fn start(
             max_batch_total_tokens: cache.max_batch_total_tokens,
             max_batch_size: settings.max_batch_size,
             max_concurrent_requests: settings.max_concurrent_requests,
+            max_choices_per_request: settings.admission.max_choices_per_request,
+            max_request_kv_share: settings.admission.max_request_kv_share,
+            preemption_wait_ms: settings.admission.preemption_wait.as_millis() as u64,
+            max_queue_wait_secs: settings
+                .admission
+                .max_queue_wait
+                .map_or(0, |wait| wait.as_secs()),
             block_size: cache.block_size,
             num_blocks: cache.num_blocks,
         },
@@ -179,6 +221,12 @@ pub async fn start(
             limits,
             vocab_size: info.vocab_size,
             eos_token_ids,
+            bounds: RequestBounds::new(
+                settings.admission.max_choices_per_request,
+                settings.admission.max_request_kv_share,
+                cache.block_size,
+                usable_blocks,
+            ),
         }),
         base,
         models: Arc::new(ServedModels {

@@ -72,6 +72,8 @@ struct Inner {
     bos_token_id: Option<u32>,
     eos_token_id: Option<u32>,
     stop_token_ids: Vec<u32>,
+    /// See [`TextTokenizer::max_bytes_per_token`].
+    max_bytes_per_token: Option<usize>,
 }
 
 impl std::fmt::Debug for TextTokenizer {
@@ -137,6 +139,7 @@ impl TextTokenizer {
                 stop_token_ids.push(id);
             }
         }
+        let max_bytes_per_token = max_bytes_per_token(&tokenizer);
         Self {
             inner: Arc::new(Inner {
                 tokenizer,
@@ -144,8 +147,16 @@ impl TextTokenizer {
                 bos_token_id,
                 eos_token_id,
                 stop_token_ids,
+                max_bytes_per_token,
             }),
         }
+    }
+
+    /// The most bytes of input text one token can stand for, so that a text of B bytes has at
+    /// least B / this many tokens and can be refused as too long without tokenizing it.
+    /// `None` when this tokenizer can drop input text (then no such bound holds).
+    pub fn max_bytes_per_token(&self) -> Option<usize> {
+        self.inner.max_bytes_per_token
     }
 
     /// Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor adds what
@@ -214,6 +225,61 @@ impl TextTokenizer {
     }
 }
 
+/// Normalizers such as NFC can merge a few input bytes into fewer (three Hangul jamo, 9 bytes,
+/// into one 3-byte syllable), so a token may stand for up to this many times its own length.
+const NORMALIZATION_SLACK: usize = 4;
+
+/// Pipeline steps that drop input text, so a long text can be few tokens: whitespace splitters
+/// (BERT-style), stripping and cleaning normalizers.
+const DROPPING_STEPS: [&str; 7] = [
+    "Strip",
+    "StripAccents",
+    "BertNormalizer",
+    "Nmt",
+    "Whitespace",
+    "WhitespaceSplit",
+    "BertPreTokenizer",
+];
+
+/// The longest vocabulary entry in bytes, times [`NORMALIZATION_SLACK`]. A vocabulary entry's
+/// text is never shorter than the input it covers: byte-level BPE spells each byte as one
+/// character of one or two bytes, Metaspace's `▁` (3 bytes) stands for one space, and a
+/// byte-fallback token (`<0x0A>`) for one byte. `None` for tokenizers that drop input
+/// (`DROPPING_STEPS`, an empty `Replace`, or unknown characters fused into one token).
+fn max_bytes_per_token(tokenizer: &tokenizers::Tokenizer) -> Option<usize> {
+    let config: Json = serde_json::from_str(&tokenizer.to_string(false).ok()?).ok()?;
+    let drops = |step: &Json| {
+        let mut found = false;
+        visit_steps(step, &mut |step| {
+            let kind = step.get("type").and_then(Json::as_str).unwrap_or_default();
+            let empty_replace =
+                kind == "Replace" && step.get("content").and_then(Json::as_str) == Some("");
+            found |= DROPPING_STEPS.contains(&kind) || empty_replace;
+        });
+        found
+    };
+    let model = &config["model"];
+    let fuses_unknown =
+        model["fuse_unk"].as_bool() == Some(true) && model["byte_fallback"].as_bool() != Some(true);
+    if drops(&config["normalizer"]) || drops(&config["pre_tokenizer"]) || fuses_unknown {
+        return None;
+    }
+    let longest = tokenizer.get_vocab(true).keys().map(String::len).max()?;
+    Some(longest.max(1) * NORMALIZATION_SLACK)
+}
+
+/// Calls `visit` on every object of a normalizer or pre-tokenizer tree (sequences nest).
+fn visit_steps(value: &Json, visit: &mut impl FnMut(&Json)) {
+    match value {
+        Json::Object(fields) => {
+            visit(value);
+            fields.values().for_each(|field| visit_steps(field, visit));
+        }
+        Json::Array(items) => items.iter().for_each(|item| visit_steps(item, visit)),
+        _ => {}
+    }
+}
+
 /// `eos_token_id` as generation_config.json writes it: one id or a list of ids.
 fn token_ids(value: &Json) -> Vec<u32> {
     let as_id = |v: &Json| v.as_u64().and_then(|id| u32::try_from(id).ok());
@@ -272,6 +338,33 @@ mod tests {
         assert_eq!(loaded.bos_token_id(), tokenizer.token_to_id("<|bos|>"));
         assert_eq!(loaded.stop_token_ids()[0], eos);
         assert!(loaded.stop_token_ids().contains(&2) && loaded.stop_token_ids().contains(&1));
+    }
+
+    #[test]
+    fn a_text_has_at_least_its_bytes_over_the_bound_tokens() {
+        let tokenizer = TextTokenizer::from_tokenizer(test_support::byte_level_bpe());
+        let bound = tokenizer
+            .max_bytes_per_token()
+            .expect("byte-level BPE keeps every byte");
+        for text in [
+            "héllo 世界 👋🏽 <|eos|>",
+            "aaaaaaaaaaaaaaaaaaaaaaaaa",
+            " \n\n\t  x",
+        ] {
+            let tokens = tokenizer.encode_blocking(text, false).unwrap().len();
+            assert!(
+                tokens >= text.len().div_ceil(bound),
+                "{text:?}: {tokens} tokens"
+            );
+        }
+        let mut bert = test_support::byte_level_bpe();
+        bert.with_pre_tokenizer(Some(
+            tokenizers::pre_tokenizers::whitespace::WhitespaceSplit,
+        ));
+        assert_eq!(
+            TextTokenizer::from_tokenizer(bert).max_bytes_per_token(),
+            None
+        );
     }
 
     #[tokio::test]

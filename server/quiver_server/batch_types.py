@@ -13,6 +13,8 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    # Draws the generator made before a preemption (see shard.proto); skipped when resuming.
+    draws_done: int = 0
 
 
 @dataclass(frozen=True)

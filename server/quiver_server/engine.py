@@ -332,7 +332,10 @@ class Engine:
             length=len(request.input_ids),
             last_token=-1,
             sampling=request.sampling,
-            generator=sampling.new_generator(request.sampling.seed),
+            generator=sampling.new_generator(
+                request.sampling.seed,
+                request.sampling.draws_done if request.sampling.temperature > 0 else 0,
+            ),
             seen=seen,
             adapter_id=request.adapter_id,
             lora_slot=self.lora.slot_for(request.id, request.adapter_id),

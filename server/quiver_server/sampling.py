@@ -33,9 +33,14 @@ def validate(params: SamplingParams) -> None:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
 
 
-def new_generator(seed: int) -> torch.Generator:
+def new_generator(seed: int, draws_done: int = 0) -> torch.Generator:
+    """The request's generator, past the `draws_done` draws a preempted request already made
+    (each one as `_draw` makes it, so the state is the same as if it had never stopped)."""
     # Host generators: the draws (and so the tokens) for a seed are the same on CPU and CUDA.
-    return torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(draws_done):
+        torch.rand((), generator=generator, dtype=torch.float64)
+    return generator
 
 
 @dataclass

@@ -42,6 +42,7 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
             min_p=sampling.min_p,
             repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed,
+            draws_done=sampling.draws_done,
         ),
         max_new_tokens=request.max_new_tokens,
         adapter_id=request.adapter_id,

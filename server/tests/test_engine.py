@@ -219,3 +219,30 @@ def test_bad_batch_operations_are_value_errors(llama_engine: Engine) -> None:
     llama_engine.clear_cache(5)
     llama_engine.clear_cache(5)  # idempotent
     assert llama_engine.batches == {}
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),
+    SamplingParams(temperature=0.9, top_p=0.95, seed=4321, repetition_penalty=1.3),
+], ids=["greedy", "seeded-sampling-with-penalty"])
+def test_a_preempted_request_resumes_with_the_same_tokens(llama_engine: Engine, sampling: SamplingParams) -> None:
+    """The router's recomputation: prompt + the tokens so far, draws_done = their count. The
+    resumed run continues exactly where the undisturbed one went."""
+    prompt, total, stop = PROMPTS[10], 16, 6
+
+    def run(input_ids: list[int], new_tokens: int, params: SamplingParams, batch_id: int) -> list[int]:
+        blocks = -(-(len(input_ids) + new_tokens) // 16)
+        spec = RequestSpec(id=1, input_ids=input_ids, blocks=list(range(blocks)), sampling=params,
+                           max_new_tokens=new_tokens)
+        outputs: dict[int, list[int]] = {}
+        _collect(outputs, llama_engine.prefill(batch_id, [spec]))
+        for _ in range(new_tokens - 1):
+            _collect(outputs, llama_engine.decode([batch_id]))
+        llama_engine.clear_cache(batch_id)
+        return outputs[1]
+
+    straight = run(prompt, total, sampling, batch_id=1)
+    first = run(prompt, stop, sampling, batch_id=2)
+    assert first == straight[:stop]
+    resumed = SamplingParams(**{**sampling.__dict__, "draws_done": stop})
+    assert run(prompt + first, total - stop, resumed, batch_id=3) == straight[stop:]

@@ -87,6 +87,22 @@ def test_draws_follow_the_filtered_distribution() -> None:
     torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]), atol=0.03, rtol=0)
 
 
+def test_a_resumed_generator_continues_the_same_draws() -> None:
+    """A preempted request resumes with `draws_done` = the tokens it had: sampling from the new
+    generator gives the tokens the old one would have given next."""
+    rows, steps, stop = 64, 12, 5
+    logits = torch.randn(steps, rows, 50, generator=torch.Generator().manual_seed(0))
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9)] * rows, CPU)
+    straight = [new_generator(seed) for seed in range(rows)]
+    expected = [sample(logits[step], batch, straight)[0] for step in range(steps)]
+    first = [new_generator(seed) for seed in range(rows)]
+    got = [sample(logits[step], batch, first)[0] for step in range(stop)]
+    resumed = [new_generator(seed, draws_done=stop) for seed in range(rows)]
+    got += [sample(logits[step], batch, resumed)[0] for step in range(stop, steps)]
+    for step in range(steps):
+        torch.testing.assert_close(got[step], expected[step], rtol=0, atol=0)
+
+
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("sampling"), "qwen2", seed=3)

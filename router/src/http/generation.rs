@@ -36,8 +36,8 @@ pub enum ChoiceEvent {
     Failed(ApiError),
 }
 
-/// Submits every choice and returns their event streams, in choice order. If one is refused,
-/// those already admitted are dropped, which cancels them.
+/// Submits every choice, as one request for admission, and returns their event streams, in
+/// choice order.
 pub fn start_choices(
     scheduler: &Scheduler,
     shard: &Arc<dyn ShardBackend>,
@@ -47,10 +47,7 @@ pub fn start_choices(
     stop: &[String],
 ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
     let prompt_tokens: usize = choices.iter().map(|choice| choice.input_ids.len()).sum();
-    let receivers = choices
-        .into_iter()
-        .map(|request| scheduler.submit(request))
-        .collect::<Result<Vec<_>, _>>()?;
+    let receivers = scheduler.submit_all(choices)?;
     Metrics::add(&metrics.prompt_tokens_total, prompt_tokens as u64);
     Ok(receivers
         .into_iter()

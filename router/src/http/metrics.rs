@@ -19,6 +19,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.adapter_slots, u64::from(stats.adapter_slots));
     Metrics::set(&metrics.prefill_steps_total, stats.prefill_steps);
     Metrics::set(&metrics.decode_steps_total, stats.decode_steps);
+    Metrics::set(&metrics.preemptions_total, stats.preemptions);
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         metrics.render(),

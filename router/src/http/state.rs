@@ -84,6 +84,11 @@ pub struct ServedLimits {
     pub max_batch_total_tokens: u32,
     pub max_batch_size: u32,
     pub max_concurrent_requests: u32,
+    pub max_choices_per_request: u32,
+    pub max_request_kv_share: f64,
+    pub preemption_wait_ms: u64,
+    /// 0: off.
+    pub max_queue_wait_secs: u64,
     pub block_size: u32,
     pub num_blocks: u32,
 }

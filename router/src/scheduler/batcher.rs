@@ -8,16 +8,18 @@
 //! (EOS, length) or whose client left give their blocks back at once and leave the shard's batch
 //! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
 //! state on the shard, and the loop carries on with the rest. Adapter activation and unloading
-//! are in `batcher/adapters.rs`.
+//! are in `batcher/adapters.rs`; preempting running requests for a starved queue head, and the
+//! queue deadline, in `../preemption.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
 
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::time::Instant;
 
 use super::blocks::{BlockAllocation, BlockAllocator};
+use super::preemption::Starved;
 use super::queue::{Admit, Keyed, Queue};
 use super::slots::AdapterSlots;
 use super::{
@@ -32,6 +34,8 @@ mod adapters;
 use adapters::{Activation, PendingUnload};
 
 type EventSender = mpsc::UnboundedSender<Result<TokenEvent, GenerationError>>;
+/// The `--max-concurrent-requests` permit of one HTTP request, shared by its choices.
+pub(super) type Permit = Arc<OwnedSemaphorePermit>;
 
 /// What the `Scheduler` handles send to the loop. One channel for both keeps them in order: a
 /// request submitted before an unload is queued before the unload is looked at.
@@ -46,12 +50,16 @@ pub(super) enum Command {
 
 /// An admitted request waiting in the queue.
 pub(super) struct Entry {
-    id: u64,
-    request: GenerationRequest,
-    blocks_needed: u32,
-    events: EventSender,
-    queued_at: Instant,
-    permit: OwnedSemaphorePermit,
+    pub(super) id: u64,
+    pub(super) request: GenerationRequest,
+    pub(super) blocks_needed: u32,
+    pub(super) events: EventSender,
+    /// When it joined the queue (again, for a preempted request).
+    pub(super) queued_at: Instant,
+    pub(super) permit: Permit,
+    /// Tokens generated before it was preempted: it resumes, and has streamed already, so the
+    /// queue deadline no longer applies to it.
+    pub(super) resumed_after: u32,
 }
 
 impl Entry {
@@ -60,7 +68,7 @@ impl Entry {
         request: GenerationRequest,
         blocks_needed: u32,
         events: EventSender,
-        permit: OwnedSemaphorePermit,
+        permit: Permit,
     ) -> Self {
         Self {
             id,
@@ -69,6 +77,7 @@ impl Entry {
             events,
             queued_at: Instant::now(),
             permit,
+            resumed_after: 0,
         }
     }
 
@@ -94,28 +103,33 @@ struct Admission {
 }
 
 /// A request whose KV lives in the shard.
-struct Running {
-    events: EventSender,
-    blocks: BlockAllocation,
+pub(super) struct Running {
+    pub(super) events: EventSender,
+    pub(super) blocks: BlockAllocation,
     /// Its adapter's device slot, held until the request ends.
-    slot: Option<usize>,
-    permit: OwnedSemaphorePermit,
-    generated: u32,
-    max_new_tokens: u32,
-    min_tokens: u32,
-    ignore_eos: bool,
-    eos_token_ids: Vec<u32>,
+    pub(super) slot: Option<usize>,
+    pub(super) permit: Permit,
+    /// What was prefilled (`input_ids` is the prompt, plus the tokens of earlier runs for a
+    /// resumed request); kept so a preempted request can be queued again.
+    pub(super) request: GenerationRequest,
+    /// Tokens generated since this prefill.
+    pub(super) tokens: Vec<u32>,
+    pub(super) admitted_at: Instant,
+    /// Tokens generated before this prefill (see `Entry::resumed_after`).
+    pub(super) resumed_after: u32,
 }
 
 impl Running {
-    /// Whether `token`, the request's `generated`-th token, ends it. EOS counts only once at
+    /// Whether `token`, the request's latest token, ends it. EOS counts only once at
     /// least `min_tokens` tokens came before it (as vLLM's `min_tokens`); an EOS that is also
     /// the last allowed token reports `Eos`, the more specific reason.
     fn finish_reason(&self, token: u32) -> Option<FinishReason> {
-        let eos_allowed = !self.ignore_eos && self.generated > self.min_tokens;
-        if eos_allowed && self.eos_token_ids.contains(&token) {
+        let generated = self.tokens.len() as u32;
+        let request = &self.request;
+        let eos_allowed = !request.ignore_eos && generated > request.min_tokens;
+        if eos_allowed && request.eos_token_ids.contains(&token) {
             Some(FinishReason::Eos)
-        } else if self.generated >= self.max_new_tokens {
+        } else if generated >= request.max_new_tokens {
             Some(FinishReason::Length)
         } else {
             None
@@ -124,9 +138,9 @@ impl Running {
 }
 
 /// What requests hold while they run: KV blocks and adapter slots.
-struct Resources {
-    allocator: BlockAllocator,
-    slots: AdapterSlots,
+pub(super) struct Resources {
+    pub(super) allocator: BlockAllocator,
+    pub(super) slots: AdapterSlots,
 }
 
 impl Resources {
@@ -143,7 +157,8 @@ impl Resources {
     }
 }
 
-fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
+/// `draws_done`: tokens generated before a preemption, whose draws the shard's generator skips.
+fn sampling_to_pb(request: &GenerationRequest, draws_done: u32) -> pb::SamplingParams {
     let s = &request.sampling;
     pb::SamplingParams {
         temperature: s.temperature,
@@ -152,23 +167,27 @@ fn sampling_to_pb(request: &GenerationRequest) -> pb::SamplingParams {
         min_p: s.min_p,
         repetition_penalty: s.repetition_penalty,
         seed: s.seed,
+        draws_done,
     }
 }
 
 pub(super) struct Batcher {
-    shard: Arc<dyn ShardBackend>,
-    config: SchedulerConfig,
+    pub(super) shard: Arc<dyn ShardBackend>,
+    pub(super) config: SchedulerConfig,
     incoming: mpsc::UnboundedReceiver<Command>,
-    queue: Queue<Entry>,
-    resources: Resources,
+    pub(super) queue: Queue<Entry>,
+    pub(super) resources: Resources,
     /// Adapters to unload once their requests are done.
     unloads: Vec<PendingUnload>,
     /// Every request the shard holds KV for, by id.
-    active: HashMap<u64, Running>,
+    pub(super) active: HashMap<u64, Running>,
     /// The shard's running batch (all of `active` between steps).
-    running: Option<pb::CachedBatch>,
+    pub(super) running: Option<pb::CachedBatch>,
     next_batch_id: u64,
-    gauges: Arc<Gauges>,
+    pub(super) gauges: Arc<Gauges>,
+    /// A queue head that waited past `preemption_wait` for blocks or a batch slot in the last
+    /// step: room is made for it before the next one.
+    pub(super) starved: Option<Starved>,
 }
 
 impl Batcher {
@@ -192,6 +211,7 @@ impl Batcher {
             running: None,
             next_batch_id: 0,
             gauges,
+            starved: None,
         }
     }
 
@@ -263,6 +283,10 @@ impl Batcher {
         }
         // A client that left while queued never reaches the shard.
         self.queue.retain(|entry| !entry.events.is_closed());
+        self.expire_queued();
+        if let Some(starved) = self.starved.take() {
+            self.preempt_for(starved).await;
+        }
         let queue = &self.queue;
         let slots = &mut self.resources.slots;
         slots.drop_reservations_unless(|adapter| queue.has_waiting(adapter));
@@ -273,9 +297,16 @@ impl Batcher {
         let mut admitted_count = 0usize;
         let mut activations = Vec::new();
         let mut waiting_for_slot = Vec::new();
+        let mut starved = None;
+        let patience = self.config.preemption_wait;
+        let now = Instant::now();
         let Resources { allocator, slots } = &mut self.resources;
         let admitted = self.queue.next_batch(|entry| {
+            let waited_too_long = now.duration_since(entry.queued_at) >= patience;
             if room == 0 {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, true));
+                }
                 return Admit::Stop;
             }
             let prompt = entry.request.input_ids.len() as u64;
@@ -293,6 +324,9 @@ impl Batcher {
                 return Admit::Skip;
             };
             let Some(blocks) = allocator.allocate(entry.blocks_needed) else {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, false));
+                }
                 return Admit::Stop;
             };
             if let Some(slot) = slot {
@@ -308,6 +342,7 @@ impl Batcher {
         if !waiting_for_slot.is_empty() {
             slots.reserve(&waiting_for_slot);
         }
+        self.starved = starved;
         let admitted = self.activate(activations, admitted).await;
         if admitted.is_empty() {
             return None;
@@ -320,25 +355,27 @@ impl Batcher {
         for (entry, Admission { blocks, slot }) in admitted {
             let Entry {
                 id,
-                mut request,
+                request,
                 events,
                 queued_at,
                 permit,
+                resumed_after,
                 ..
             } = entry;
             tracing::debug!(
                 request_id = id,
                 batch_id,
                 queue_ms = queued_at.elapsed().as_millis() as u64,
+                resumed_after,
                 "request admitted"
             );
             requests.push(pb::Request {
                 id,
-                input_ids: std::mem::take(&mut request.input_ids),
+                input_ids: request.input_ids.clone(),
                 blocks: blocks.ids().to_vec(),
-                sampling: Some(sampling_to_pb(&request)),
+                sampling: Some(sampling_to_pb(&request, resumed_after)),
                 max_new_tokens: request.max_new_tokens,
-                adapter_id: std::mem::take(&mut request.adapter_id),
+                adapter_id: request.adapter_id.clone(),
             });
             ids.push(id);
             self.active.insert(
@@ -348,11 +385,10 @@ impl Batcher {
                     blocks,
                     slot,
                     permit,
-                    generated: 0,
-                    max_new_tokens: request.max_new_tokens,
-                    min_tokens: request.min_tokens,
-                    ignore_eos: request.ignore_eos,
-                    eos_token_ids: request.eos_token_ids,
+                    request,
+                    tokens: Vec::new(),
+                    admitted_at: Instant::now(),
+                    resumed_after,
                 },
             );
         }
@@ -423,7 +459,7 @@ impl Batcher {
                 );
                 continue;
             };
-            running.generated += 1;
+            running.tokens.push(generation.token_id);
             let finish = running.finish_reason(generation.token_id);
             let event = TokenEvent {
                 token_id: generation.token_id,
@@ -482,7 +518,12 @@ impl Batcher {
     }
 
     /// Fails the listed requests of one batch and drops the batch on the shard.
-    async fn fail_batch(&mut self, batch_id: u64, request_ids: &[u64], error: &ShardError) {
+    pub(super) async fn fail_batch(
+        &mut self,
+        batch_id: u64,
+        request_ids: &[u64],
+        error: &ShardError,
+    ) {
         tracing::error!(batch_id, size = request_ids.len(), %error, "shard call failed; failing its batch");
         let message = error.to_string();
         for id in request_ids {
@@ -507,7 +548,7 @@ impl Batcher {
     }
 
     /// Best effort: after a failure the batch may not exist on the shard any more.
-    async fn clear_cache(&self, batch_id: Option<u64>) {
+    pub(super) async fn clear_cache(&self, batch_id: Option<u64>) {
         let request = pb::ClearCacheRequest { batch_id };
         if let Err(error) = self.shard.clear_cache(request).await {
             tracing::warn!(?batch_id, %error, "ClearCache failed");

@@ -12,6 +12,7 @@
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -19,11 +20,14 @@ use crate::shard::{ShardBackend, ShardError};
 
 mod batcher;
 mod blocks;
+mod preemption;
 mod queue;
 mod slots;
 
 #[cfg(test)]
 mod adapter_tests;
+#[cfg(test)]
+mod preemption_tests;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -84,12 +88,21 @@ pub enum GenerationError {
     Shard(String),
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// Waited in the queue longer than `--max-queue-wait-secs` without starting.
+    #[error(
+        "the request waited {waited_secs} s in the queue without starting \
+         (--max-queue-wait-secs is {limit_secs}); retry later"
+    )]
+    QueueTimeout { waited_secs: u64, limit_secs: u64 },
 }
 
 /// Why a request was not admitted.
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum AdmissionError {
-    #[error("the server is overloaded: too many concurrent requests")]
+    #[error(
+        "the server is overloaded: it already has --max-concurrent-requests requests running \
+         or queued; retry later"
+    )]
     Overloaded,
     #[error("request needs {needed} KV blocks but the cache holds only {total}")]
     TooLarge { needed: u32, total: u32 },
@@ -134,6 +147,11 @@ pub struct SchedulerConfig {
     pub max_total_tokens: u32,
     /// Adapter device slots on the shard (Warmup's `max_active_adapters`); 0 disables adapters.
     pub max_active_adapters: u32,
+    /// How long the request at a queue head waits for blocks or a batch slot before running
+    /// requests are preempted for it; also how long a request runs before it may be preempted.
+    pub preemption_wait: Duration,
+    /// Queued requests that have not started after this long fail with `QueueTimeout`.
+    pub max_queue_wait: Option<Duration>,
 }
 
 impl SchedulerConfig {
@@ -165,6 +183,8 @@ pub struct SchedulerStats {
     /// Prefill and Decode calls made to the shards since start.
     pub prefill_steps: u64,
     pub decode_steps: u64,
+    /// Running requests taken out of the batch to make room, since start.
+    pub preemptions: u64,
 }
 
 /// Load figures the batcher publishes after every step (read without asking the loop).
@@ -176,6 +196,7 @@ struct Gauges {
     active_adapters: AtomicUsize,
     prefill_steps: AtomicU64,
     decode_steps: AtomicU64,
+    preemptions: AtomicU64,
 }
 
 /// Cheap, cloneable handle to the batching loop. The loop runs until every handle is dropped
@@ -237,40 +258,61 @@ impl Scheduler {
         }
     }
 
-    /// Admits a request, or says at once why not. Dropping the receiver cancels the request.
+    /// Admits a request of one choice; see [`Scheduler::submit_all`].
     pub fn submit(&self, request: GenerationRequest) -> Result<EventReceiver, AdmissionError> {
+        let mut receivers = self.submit_all(vec![request])?;
+        receivers.pop().ok_or(AdmissionError::ShuttingDown)
+    }
+
+    /// Admits the choices of one HTTP request together, or says at once why not. They share one
+    /// `--max-concurrent-requests` permit, which comes back when the last of them ends.
+    /// Dropping a receiver cancels that choice.
+    pub fn submit_all(
+        &self,
+        requests: Vec<GenerationRequest>,
+    ) -> Result<Vec<EventReceiver>, AdmissionError> {
         let inner = &self.inner;
         if inner.shutting_down.load(Ordering::Acquire) {
             return Err(AdmissionError::ShuttingDown);
         }
-        if !request.adapter_id.is_empty() && inner.config.max_active_adapters == 0 {
-            return Err(AdmissionError::AdaptersDisabled {
-                adapter_id: request.adapter_id,
-            });
+        let mut blocks = Vec::with_capacity(requests.len());
+        for request in &requests {
+            if !request.adapter_id.is_empty() && inner.config.max_active_adapters == 0 {
+                return Err(AdmissionError::AdaptersDisabled {
+                    adapter_id: request.adapter_id.clone(),
+                });
+            }
+            let tokens = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
+            let needed = blocks_for_tokens(tokens, inner.config.block_size);
+            if needed > u64::from(inner.usable_blocks) {
+                return Err(AdmissionError::TooLarge {
+                    needed: u32::try_from(needed).unwrap_or(u32::MAX),
+                    total: inner.usable_blocks,
+                });
+            }
+            blocks.push(needed as u32);
         }
-        let tokens = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
-        let needed = blocks_for_tokens(tokens, inner.config.block_size);
-        if needed > u64::from(inner.usable_blocks) {
-            return Err(AdmissionError::TooLarge {
-                needed: u32::try_from(needed).unwrap_or(u32::MAX),
-                total: inner.usable_blocks,
-            });
+        let permit = Arc::new(
+            inner
+                .permits
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| AdmissionError::Overloaded)?,
+        );
+        let mut receivers = Vec::with_capacity(requests.len());
+        for (request, needed) in requests.into_iter().zip(blocks) {
+            let (events, receiver) = mpsc::unbounded_channel();
+            let id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
+            let entry = Entry::new(id, request, needed, events, permit.clone());
+            // Fails only if the loop is gone; the entries (and the permit) go with the error.
+            inner
+                .commands
+                .send(Command::Submit(entry))
+                .map_err(|_| AdmissionError::ShuttingDown)?;
+            tracing::debug!(request_id = id, blocks = needed, "request queued");
+            receivers.push(receiver);
         }
-        let permit = inner
-            .permits
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| AdmissionError::Overloaded)?;
-        let (events, receiver) = mpsc::unbounded_channel();
-        let id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
-        let entry = Entry::new(id, request, needed as u32, events, permit);
-        // Fails only if the loop is gone; the entry (and its permit) is dropped with the error.
-        inner
-            .commands
-            .send(Command::Submit(entry))
-            .map_err(|_| AdmissionError::ShuttingDown)?;
-        tracing::debug!(request_id = id, blocks = needed, "request queued");
-        Ok(receiver)
+        Ok(receivers)
     }
 
     /// Stops admitting new requests; those already admitted run to completion.
@@ -329,6 +371,7 @@ impl Scheduler {
             adapter_slots: self.inner.config.max_active_adapters,
             prefill_steps: gauges.prefill_steps.load(Ordering::Relaxed),
             decode_steps: gauges.decode_steps.load(Ordering::Relaxed),
+            preemptions: gauges.preemptions.load(Ordering::Relaxed),
         }
     }
 }

@@ -22,6 +22,8 @@ pub(super) fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
         max_concurrent_requests: 128,
         max_total_tokens: 4096,
         max_active_adapters: 0,
+        preemption_wait: Duration::from_secs(3600),
+        max_queue_wait: None,
     }
 }
 

@@ -297,6 +297,8 @@ async fn the_scheduler_runs_over_grpc() {
         max_concurrent_requests: 8,
         max_total_tokens: 64,
         max_active_adapters: 0,
+        preemption_wait: std::time::Duration::from_millis(500),
+        max_queue_wait: None,
     };
     let scheduler = Scheduler::start(Arc::new(client), config);
     let mut events = scheduler

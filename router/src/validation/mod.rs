@@ -4,6 +4,7 @@
 //! reaches the scheduler: parameter ranges, message shapes, the chat template raising, prompt
 //! and completion lengths against the served limits, token ids against the vocabulary.
 
+mod bounds;
 mod error;
 mod limits;
 mod messages;
@@ -11,6 +12,7 @@ mod params;
 mod prompt;
 mod sources;
 
+pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
 pub use sources::PromptSource;
@@ -63,6 +65,8 @@ pub struct Validator {
     /// Token ids that end a choice with `finish_reason: "stop"`: the model's and its
     /// tokenizer's. An adapter's own tokenizer adds its stop ids to these.
     pub eos_token_ids: Vec<u32>,
+    /// Choices per request and the share of the KV cache one request may reserve.
+    pub bounds: RequestBounds,
 }
 
 impl Validator {
@@ -76,7 +80,12 @@ impl Validator {
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let checked = check_params(params)?;
-        let prompt_ids = fields.prompt_ids(assets).await?;
+        let limits = PromptLimits {
+            request: self.bounds,
+            n: checked.n,
+            max_input_tokens: self.limits.max_input_tokens,
+        };
+        let prompt_ids = fields.prompt_ids(assets, &limits).await?;
         self.build(prompt_ids, F::PARAM, checked, adapter_id, assets)
     }
 
@@ -99,65 +108,22 @@ impl Validator {
         adapter_id: &str,
         assets: &ModelAssets,
     ) -> Result<ValidRequest, ValidationError> {
-        let limits = self.limits;
+        // Every per-prompt check, then the whole request's KV demand, before any choice is built.
+        let mut max_new_tokens = Vec::with_capacity(prompts.len());
+        for input_ids in &prompts {
+            max_new_tokens.push(self.check_prompt(input_ids, prompt_param, &checked)?);
+        }
+        let demand = prompts
+            .iter()
+            .zip(&max_new_tokens)
+            .map(|(ids, &new)| ids.len() as u64 + u64::from(new));
+        self.bounds
+            .check_kv_demand(demand, checked.n, prompt_param)?;
         let eos_token_ids = self.eos_token_ids_for(assets);
         let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
         let mut prompt_tokens = 0u32;
-        for input_ids in prompts {
-            let length = input_ids.len() as u32;
-            if length == 0 {
-                return Err(ValidationError::invalid(
-                    prompt_param,
-                    "the prompt is empty (0 tokens)",
-                ));
-            }
-            if length > limits.max_input_tokens {
-                return Err(ValidationError::Invalid {
-                    param: prompt_param.to_owned(),
-                    code: "context_length_exceeded",
-                    message: format!(
-                        "the prompt has {length} tokens, but this server accepts at most {} \
-                         input tokens (--max-input-tokens)",
-                        limits.max_input_tokens
-                    ),
-                });
-            }
-            if let Some(&bad) = input_ids.iter().find(|&&id| id >= self.vocab_size) {
-                return Err(ValidationError::invalid(
-                    prompt_param,
-                    format!(
-                        "token id {bad} is out of range: the vocabulary has {} tokens",
-                        self.vocab_size
-                    ),
-                ));
-            }
-            let available = limits.max_total_tokens - length;
-            let max_new_tokens = match checked.max_tokens {
-                Some((requested, field)) if requested > available => {
-                    return Err(ValidationError::Invalid {
-                        param: field.to_owned(),
-                        code: "context_length_exceeded",
-                        message: format!(
-                            "`{field}` is {requested}, but the prompt has {length} tokens, which \
-                             leaves {available} of the {} total tokens this server allows \
-                             (--max-total-tokens)",
-                            limits.max_total_tokens
-                        ),
-                    });
-                }
-                Some((requested, _)) => requested,
-                None => available,
-            };
-            if checked.min_tokens > max_new_tokens {
-                return Err(ValidationError::invalid(
-                    "min_tokens",
-                    format!(
-                        "`min_tokens` ({}) exceeds max_tokens ({max_new_tokens})",
-                        checked.min_tokens
-                    ),
-                ));
-            }
-            prompt_tokens += length;
+        for (input_ids, max_new_tokens) in prompts.into_iter().zip(max_new_tokens) {
+            prompt_tokens += input_ids.len() as u32;
             for choice in 0..checked.n {
                 let seed = match checked.seed {
                     // Distinct seeds per choice, or all `n` choices would be identical.
@@ -183,5 +149,65 @@ impl Validator {
             prompt_tokens,
             options: checked.options,
         })
+    }
+
+    /// Length, vocabulary and `max_tokens` checks of one prompt; returns its `max_new_tokens`.
+    fn check_prompt(
+        &self,
+        input_ids: &[u32],
+        prompt_param: &str,
+        checked: &CheckedParams,
+    ) -> Result<u32, ValidationError> {
+        let limits = self.limits;
+        let length = input_ids.len() as u32;
+        if length == 0 {
+            return Err(ValidationError::invalid(
+                prompt_param,
+                "the prompt is empty (0 tokens)",
+            ));
+        }
+        if length > limits.max_input_tokens {
+            return Err(bounds::too_long(
+                prompt_param,
+                &length.to_string(),
+                limits.max_input_tokens,
+            ));
+        }
+        if let Some(&bad) = input_ids.iter().find(|&&id| id >= self.vocab_size) {
+            return Err(ValidationError::invalid(
+                prompt_param,
+                format!(
+                    "token id {bad} is out of range: the vocabulary has {} tokens",
+                    self.vocab_size
+                ),
+            ));
+        }
+        let available = limits.max_total_tokens - length;
+        let max_new_tokens = match checked.max_tokens {
+            Some((requested, field)) if requested > available => {
+                return Err(ValidationError::Invalid {
+                    param: field.to_owned(),
+                    code: "context_length_exceeded",
+                    message: format!(
+                        "`{field}` is {requested}, but the prompt has {length} tokens, which \
+                         leaves {available} of the {} total tokens this server allows \
+                         (--max-total-tokens)",
+                        limits.max_total_tokens
+                    ),
+                });
+            }
+            Some((requested, _)) => requested,
+            None => available,
+        };
+        if checked.min_tokens > max_new_tokens {
+            return Err(ValidationError::invalid(
+                "min_tokens",
+                format!(
+                    "`min_tokens` ({}) exceeds max_tokens ({max_new_tokens})",
+                    checked.min_tokens
+                ),
+            ));
+        }
+        Ok(max_new_tokens)
     }
 }

@@ -20,7 +20,7 @@ use http_body_util::BodyExt;
 use quiver_router::adapters::AdapterSource;
 use quiver_router::http::{self, AppState};
 use quiver_router::shard::{fake_next_token, fake_next_token_for, FakeShard, ShardBackend};
-use quiver_router::startup::{self, AdapterSettings, Settings, StartupError};
+use quiver_router::startup::{self, AdapterSettings, AdmissionSettings, Settings, StartupError};
 use quiver_router::template::ChatTemplate;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::{ModelAssets, RequestedLimits};
@@ -244,6 +244,7 @@ impl TestApp {
                 max_active_adapters: options.max_active_adapters,
                 max_lora_rank: 64,
             },
+            admission: AdmissionSettings::default(),
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {
