@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -280,3 +281,25 @@ def descendants_of(root_pid: int) -> list[tuple[int, str]]:
         found.append((pid, cmdline.decode(errors="replace").strip()))
         todo.extend(children.get(pid, []))
     return found
+
+
+def wait_processes_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Waits until every process of `pids` has exited; those still alive at the deadline. Waits
+    on each one's pidfd, which turns readable when the process exits (they need not be our
+    children, so no waitpid)."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(pidfd)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat_fields(Path("/proc") / str(pid))
+    return fields is not None and fields[0] != "Z"
