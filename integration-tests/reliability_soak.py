@@ -1,8 +1,8 @@
 """How hard the reliability tests push, and what they sent.
 
 `make test` runs them at scale 1 (bounded: a few minutes on 2 cores). `make soak` sets
-QUIVER_SOAK=1 and runs the same scenarios at SOAK_FACTOR times the examples, streams and rounds,
-then reports the tally below as JSON (integration-tests/soak.py).
+QUIVER_SOAK=1 and runs the same scenarios at SOAK_FACTOR times the examples and rounds
+(QUIVER_SOAK_FACTOR overrides it), then reports the tally below as JSON (integration-tests/soak.py).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import os
 import threading
 from collections import Counter
 
-SOAK_FACTOR = 10
 SOAK = os.environ.get("QUIVER_SOAK", "") not in ("", "0")
+SOAK_FACTOR = int(os.environ.get("QUIVER_SOAK_FACTOR") or 10)
 
 
 def scaled(n: int) -> int:
