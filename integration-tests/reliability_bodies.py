@@ -9,6 +9,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from conftest import MAX_TOTAL_TOKENS
 from reliability_checks import CHAT_PATH, COMPLETIONS_PATH
 
 MAX_NEW_TOKENS = 8
@@ -33,9 +34,10 @@ NASTY_TEXT = st.one_of(
 )
 
 
-def _either(valid: st.SearchStrategy[Any], *invalid: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """Half the time a valid value, else one of the invalid kinds."""
-    return st.one_of(valid, st.one_of(EDGE_NUMBERS, JSON_VALUES, NASTY_TEXT, *invalid))
+def _either(valid: st.SearchStrategy[Any], *others: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Half the time `valid`, else a value of another kind (an edge number, any JSON value, nasty
+    text, or one of `others`): mostly the wrong type or out of range, sometimes valid by chance."""
+    return st.one_of(valid, st.one_of(EDGE_NUMBERS, JSON_VALUES, NASTY_TEXT, *others))
 
 
 def _cheap(strategy: st.SearchStrategy[Any], most: int) -> st.SearchStrategy[Any]:
@@ -46,7 +48,7 @@ def _cheap(strategy: st.SearchStrategy[Any], most: int) -> st.SearchStrategy[Any
     def cheap(value: Any) -> bool:
         if value is None:
             return False
-        return not (isinstance(value, int) and not isinstance(value, bool) and most < value <= 1024)
+        return not (isinstance(value, int) and not isinstance(value, bool) and most < value <= MAX_TOTAL_TOKENS)
 
     return strategy.filter(cheap)
 
