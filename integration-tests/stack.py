@@ -7,6 +7,7 @@ sys.path). Nothing here is mocked: the launcher spawns `quiver-server` and `quiv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -161,13 +162,18 @@ class Stack:
             self.kill()
 
     def kill(self) -> None:
-        """Last resort: SIGKILL the whole process group."""
+        """Last resort: SIGKILL the whole process group, and every process below the launcher.
+
+        The launcher gives each child a process group of its own, so the group alone would miss
+        a shard (and what it runs, e.g. a kernel build) when the launcher cannot clean up."""
         if self.proc is None:
             return
-        try:
+        below = [pid for pid, _ in self.descendants()] if self.proc.poll() is None else []
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:

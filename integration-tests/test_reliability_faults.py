@@ -52,7 +52,8 @@ def _open_streams(stack: Stack) -> list[RawStream]:
 
 
 def _assert_nothing_left(stack: Stack, spawned: list[tuple[int, str]]) -> None:
-    """Every process the launcher had spawned has exited, and its process group is empty."""
+    """Every process the launcher had spawned has exited (by pid: the launcher gives each child a
+    process group of its own), and nothing is left in the launcher's group either."""
     left = wait_processes_gone([pid for pid, _ in spawned], GONE_TIMEOUT_S)
     assert not left, f"outlived the launcher: {[cmd for pid, cmd in spawned if pid in left]}\n{stack.log()}"
     assert not stack.group_alive(), f"processes left in the launcher's group\n{stack.log()}"
