@@ -19,6 +19,7 @@ class Case:
     path: str
     body: bytes
     content_type: str | None
+    may_close_early: bool = False
 
 
 def minimal_body(path: str, model: str) -> dict[str, Any]:
@@ -71,5 +72,6 @@ def load_cases(model: str) -> list[Case]:
         for path in _PATHS[entry["endpoint"]]:
             endpoint = "chat" if path == CHAT_PATH else "completions"
             cases.append(Case(id=f"{endpoint}-{entry['name']}", path=path, body=_body(entry, path, model),
-                              content_type=entry.get("content_type", "application/json")))
+                              content_type=entry.get("content_type", "application/json"),
+                              may_close_early=entry.get("may_close_early", False)))
     return cases
