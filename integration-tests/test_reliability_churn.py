@@ -59,9 +59,15 @@ def _client(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def _model(i: int) -> str | None:
+    """Client i's model: each in turn, shifted every round of them, so that the leavers (every
+    LEAVE_EVERY-th client) are spread over the base and every adapter too."""
+    return MODELS[(i + i // len(MODELS)) % len(MODELS)]
+
+
 def _prompt(i: int) -> str | list[dict]:
-    """Client i's prompt: the completion prompts in turn, every fifth a chat."""
-    return CHAT if i % 5 == 4 else COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)]
+    """Client i's prompt: a chat every third client, else the completion prompts in turn."""
+    return CHAT if i % 3 == 2 else COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)]
 
 
 def _prompt_ids(adapters, prompt) -> list[int]:
@@ -97,10 +103,10 @@ async def _stream(client, model: str | None, prompt, max_tokens: int, leave_afte
 async def _churn(stack) -> list[tuple[list[int], str | None]]:
     async with _client(stack) as client:
         return await asyncio.gather(*(
-            _stream(client, MODELS[i % len(MODELS)], _prompt(i), LEAVER_MAX_TOKENS, CHUNKS_BEFORE_LEAVING,
+            _stream(client, _model(i), _prompt(i), LEAVER_MAX_TOKENS, CHUNKS_BEFORE_LEAVING,
                     {"ignore_eos": True})
             if i % LEAVE_EVERY == 0 else
-            _stream(client, MODELS[i % len(MODELS)], _prompt(i), MAX_TOKENS, None, {})
+            _stream(client, _model(i), _prompt(i), MAX_TOKENS, None, {})
             for i in range(STREAMS)
         ))
 
@@ -142,7 +148,7 @@ def test_churn_returns_every_block_and_slot_and_keeps_outputs_exact(adapters, st
         for i, (got, reason) in enumerate(results):
             if i % LEAVE_EVERY == 0:
                 continue
-            model, prompt = MODELS[i % len(MODELS)], _prompt(i)
+            model, prompt = _model(i), _prompt(i)
             context = f"round {round_} client {i} ({model or 'base'}, {prompt!r})"
             assert reason in ("stop", "length"), f"{context}: finish_reason {reason}"
             reference.assert_greedy_parity(got, peft_greedy(adapters, model, _prompt_ids(adapters, prompt)), context)
