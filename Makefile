@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py serve test test-rust test-server test-integration bench lint clean
+.PHONY: install python cpu-kernels rust proto-py serve test test-rust test-server test-integration soak bench lint clean
 
 install: python rust
 
@@ -59,6 +59,11 @@ test-server: python
 
 test-integration: install
 	$(PY) -m pytest integration-tests -q
+
+# The reliability suite (integration-tests/test_reliability_*.py) at ten times its `make test`
+# scale, for manual runs: prints a JSON summary and writes it to bench/results/soak-*.json.
+soak: install
+	$(PY) integration-tests/soak.py
 
 bench: install
 	$(PY) bench/run.py

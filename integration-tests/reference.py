@@ -45,9 +45,10 @@ def completion_prompt_ids(model_dir: str, prompt: str) -> list[int]:
     return list(load_tokenizer(model_dir)(prompt)["input_ids"])
 
 
-def greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int) -> Greedy:
+def greedy(model_dir: str, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Greedy:
+    """`stop_at_eos=False` is the reference of a request with `ignore_eos`."""
     model = load_model(model_dir)
-    eos = model.generation_config.eos_token_id
+    eos = model.generation_config.eos_token_id if stop_at_eos else None
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]),

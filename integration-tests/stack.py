@@ -7,8 +7,10 @@ sys.path). Nothing here is mocked: the launcher spawns `quiver-server` and `quiv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -160,13 +162,18 @@ class Stack:
             self.kill()
 
     def kill(self) -> None:
-        """Last resort: SIGKILL the whole process group."""
+        """Last resort: SIGKILL the whole process group, and every process below the launcher.
+
+        The launcher gives each child a process group of its own, so the group alone would miss
+        a shard (and what it runs, e.g. a kernel build) when the launcher cannot clean up."""
         if self.proc is None:
             return
-        try:
+        below = [pid for pid, _ in self.descendants()] if self.proc.poll() is None else []
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -280,3 +287,25 @@ def descendants_of(root_pid: int) -> list[tuple[int, str]]:
         found.append((pid, cmdline.decode(errors="replace").strip()))
         todo.extend(children.get(pid, []))
     return found
+
+
+def wait_processes_gone(pids: list[int], timeout_s: float) -> list[int]:
+    """Waits until every process of `pids` has exited; those still alive at the deadline. Waits
+    on each one's pidfd, which turns readable when the process exits (they need not be our
+    children, so no waitpid)."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(pidfd)
+    return [pid for pid in pids if _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    fields = _stat_fields(Path("/proc") / str(pid))
+    return fields is not None and fields[0] != "Z"
