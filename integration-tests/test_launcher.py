@@ -4,7 +4,6 @@ whole stack down with a non-zero exit and a log line naming it. Each test owns i
 from __future__ import annotations
 
 import os
-import select
 import signal
 import threading
 import time
@@ -12,7 +11,7 @@ import time
 import openai
 
 from conftest import SHARD_ENV
-from stack import Stack, StackConfig
+from stack import Stack, StackConfig, wait_processes_gone
 
 LONG = 1000  # a few seconds of decoding: the drain is observable
 
@@ -28,21 +27,12 @@ def _client(stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def _assert_group_gone(stack: Stack, timeout_s: float = 10) -> None:
-    """Waits for every process of the launcher's group to exit: on each one's pidfd, which
-    turns readable when the process exits (they are not our children, so no waitpid)."""
-    deadline = time.monotonic() + timeout_s
-    while alive := stack.group_alive():
-        remaining = deadline - time.monotonic()
-        assert remaining > 0, f"children outlived the launcher: {alive}\n{stack.log()}"
-        try:
-            pidfd = os.pidfd_open(alive[0])
-        except ProcessLookupError:
-            continue  # gone between the listing and here
-        try:
-            select.select([pidfd], [], [], remaining)
-        finally:
-            os.close(pidfd)
+def _assert_all_gone(stack: Stack, spawned: list[int], timeout_s: float = 10) -> None:
+    """Every process the launcher spawned has exited, and nothing is left in its group. The
+    launcher gives each child a process group of its own, so its group alone would miss them:
+    `spawned` is the process tree listed while the launcher was still their parent."""
+    left = wait_processes_gone([*spawned, *stack.group_alive()], timeout_s)
+    assert not left, f"children outlived the launcher: {left}\n{stack.log()}"
 
 
 def _refused(client: openai.OpenAI) -> bool:
@@ -60,6 +50,7 @@ def _refused(client: openai.OpenAI) -> bool:
 def test_sigterm_drains_the_stream_in_flight_refuses_new_work_then_exits_0(pool, tmp_path):
     stack = _own_stack(pool, tmp_path, "sigterm", graceful_shutdown_secs=60)
     try:
+        spawned = [pid for pid, _ in stack.descendants()]
         client = _client(stack)
         stream = client.completions.create(
             model="tiny", prompt="Once upon a time", max_tokens=LONG, stream=True,
@@ -93,7 +84,7 @@ def test_sigterm_drains_the_stream_in_flight_refuses_new_work_then_exits_0(pool,
         code = stack.process.wait(timeout=60)
         assert code == 0, f"launcher exited {code} after a graceful drain\n{stack.log()}"
         assert time.monotonic() - signalled_at < 60
-        _assert_group_gone(stack)
+        _assert_all_gone(stack, spawned)
     finally:
         stack.kill()
 
@@ -104,6 +95,7 @@ def test_killed_shard_stops_everything_nonzero_and_is_named_in_the_log(pool, tmp
         shards = [(pid, cmd) for pid, cmd in stack.descendants()
                   if "quiver-server" in cmd or "quiver_server" in cmd]
         assert shards, f"no shard process under the launcher: {stack.descendants()}"
+        spawned = [pid for pid, _ in stack.descendants()]
         log_before = len(stack.log())
         os.kill(shards[0][0], signal.SIGKILL)
 
@@ -111,7 +103,7 @@ def test_killed_shard_stops_everything_nonzero_and_is_named_in_the_log(pool, tmp
         assert code != 0, f"launcher exited 0 after its shard died\n{stack.log()}"
         after = stack.log()[log_before:].lower()
         assert "shard" in after, f"the log does not name the dead shard:\n{after}"
-        _assert_group_gone(stack)
+        _assert_all_gone(stack, spawned)
         try:
             _client(stack).models.list()
             raise AssertionError("the router still answers after its shard died")
