@@ -186,6 +186,18 @@ impl TextTokenizer {
             .map_err(|err| TokenizerError::Encode(err.to_string()))
     }
 
+    /// [`TextTokenizer::decode`] on the blocking pool: a long id list is not free.
+    pub async fn decode_off_runtime(
+        &self,
+        ids: Vec<u32>,
+        skip_special_tokens: bool,
+    ) -> Result<String, TokenizerError> {
+        let this = self.clone();
+        tokio::task::spawn_blocking(move || this.decode(&ids, skip_special_tokens))
+            .await
+            .map_err(|err| TokenizerError::Worker(err.to_string()))?
+    }
+
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.inner
             .tokenizer

@@ -1,4 +1,4 @@
-//! `--api-key`: `/v1/*` requires `Authorization: Bearer <key>`; probes (`/health`, `/info`,
+//! `--api-key`: `/v1/*`, `/tokenize` and `/detokenize` require `Authorization: Bearer <key>`; probes (`/health`, `/info`,
 //! `/metrics`) stay open.
 
 use axum::extract::{Request, State};

@@ -24,12 +24,14 @@ mod metrics;
 mod models;
 mod sse;
 mod state;
+mod tokenize;
 
 pub use body_guard::limit_bodies;
 pub use cutoff::Cutoff;
 pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
 
-/// The whole HTTP surface over `state`.
+/// The whole HTTP surface over `state`. The API key guards every route that takes a body
+/// or names models; `/health`, `/info` and `/metrics` stay open.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route(
@@ -47,6 +49,12 @@ pub fn router(state: AppState) -> Router {
             "/v1/unload_lora_adapter",
             post(adapters::unload_lora_adapter),
         )
+        // vLLM serves these at the root; the /v1 aliases suit clients configured with a
+        // `/v1` base URL.
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/v1/tokenize", post(tokenize::tokenize))
+        .route("/v1/detokenize", post(tokenize::detokenize))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

@@ -10,6 +10,7 @@ pub mod common;
 pub mod completions;
 pub mod error;
 pub mod models;
+pub mod tokenize;
 
 #[cfg(test)]
 mod header_tests;

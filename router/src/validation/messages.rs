@@ -3,8 +3,25 @@
 
 use serde_json::Value;
 
-use super::ValidationError;
+use super::{ModelAssets, ValidationError};
 use crate::openai::chat::ROLES;
+
+/// `messages` checked and rendered with the model's chat template: the prompt text of
+/// `/v1/chat/completions` and of `/tokenize` with `messages`.
+pub(crate) fn render_chat(
+    assets: &ModelAssets,
+    messages: Option<Vec<Value>>,
+    tools: Option<&Value>,
+    add_generation_prompt: bool,
+) -> Result<String, ValidationError> {
+    let messages =
+        normalize_messages(messages.ok_or_else(|| ValidationError::missing("messages"))?)?;
+    let template = assets
+        .template
+        .as_ref()
+        .ok_or(ValidationError::NoChatTemplate)?;
+    Ok(template.render(&messages, tools, add_generation_prompt)?)
+}
 
 /// Checks each message's role and content and flattens a list of text parts into one string,
 /// so templates written for string content work. Other keys pass through to the template.

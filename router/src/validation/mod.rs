@@ -11,11 +11,13 @@ mod messages;
 mod params;
 mod prompt;
 mod sources;
+mod tokens;
 
 pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
 pub use sources::PromptSource;
+pub use tokens::{tokenize_ids, vocabulary_ids};
 
 use params::{check_params, CheckedParams};
 

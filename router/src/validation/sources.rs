@@ -4,7 +4,7 @@
 use std::future::Future;
 
 use super::bounds::{check_text_length, PromptLimits};
-use super::messages::normalize_messages;
+use super::messages::render_chat;
 use super::prompt::{parse_prompt, PromptInput};
 use super::{ModelAssets, ValidationError};
 use crate::openai::chat::ChatFields;
@@ -35,15 +35,7 @@ impl PromptSource for ChatFields {
         limits: &PromptLimits,
     ) -> Result<Vec<Vec<u32>>, ValidationError> {
         limits.request.check_choices(1, limits.n, Self::PARAM)?;
-        let messages = normalize_messages(
-            self.messages
-                .ok_or_else(|| ValidationError::missing("messages"))?,
-        )?;
-        let template = assets
-            .template
-            .as_ref()
-            .ok_or(ValidationError::NoChatTemplate)?;
-        let prompt = template.render(&messages, self.tools.as_ref(), true)?;
+        let prompt = render_chat(assets, self.messages, self.tools.as_ref(), true)?;
         check_text_length(
             &assets.tokenizer,
             &prompt,
