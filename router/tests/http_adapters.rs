@@ -680,3 +680,26 @@ async fn one_directory_is_one_adapter_and_names_cannot_squat() {
     }
     assert_eq!(app.shard.adapter_load_requests().len(), 1);
 }
+
+#[tokio::test]
+async fn tokenize_loads_the_adapter_and_renders_its_own_template() {
+    let dirs = adapter_dirs();
+    let app = TestApp::with_options(local_options(&dirs)).await;
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let (status, body) = app
+        .post(
+            "/tokenize",
+            &json!({"model": "chatty", "messages": messages}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["tokens"], json!(adapter_prompt_ids("hi")));
+    // Loaded on first use, as a generation request would.
+    assert_eq!(app.shard.adapter_load_requests().len(), 1);
+    let (_, base) = app.post("/tokenize", &json!({"messages": messages})).await;
+    assert_eq!(base["tokens"], json!(chat_prompt_ids("hi")));
+    let (status, missing) = app
+        .post("/detokenize", &json!({"model": "missing", "tokens": [5]}))
+        .await;
+    assert_error(status, &missing, StatusCode::NOT_FOUND, "model_not_found");
+}
