@@ -11,6 +11,7 @@ mod messages;
 mod params;
 mod prompt;
 mod sources;
+mod tool_turns;
 
 pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
 pub use error::ValidationError;
