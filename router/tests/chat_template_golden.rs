@@ -1,6 +1,7 @@
 //! The router's chat rendering against transformers' `apply_chat_template`, byte for byte, on
 //! the golden corpus in `testdata/chat-templates/` (`golden.json`, made with transformers 5.23
-//! and jinja2 3.1.6; its README gives provenance and licence). Every case must match, or fail
+//! and jinja2 3.1.6; its README gives provenance and licence) and on the demo model's own
+//! template (`demo-golden.json`, from `generate_demo_golden.py`). Every case must match, or fail
 //! where transformers failed.
 
 use std::path::PathBuf;
@@ -44,10 +45,21 @@ fn load_template(dir: &std::path::Path, file: &str) -> ChatTemplate {
 
 #[test]
 fn renders_every_golden_case_like_transformers() {
+    check_golden_file("golden.json");
+}
+
+/// The demo model's ChatML-with-tools template: tool declarations, tool calls with null or
+/// absent content and string or object arguments, grouped tool results.
+#[test]
+fn renders_the_demo_template_like_transformers() {
+    check_golden_file("demo-golden.json");
+}
+
+fn check_golden_file(golden: &str) {
     let dir = corpus_dir();
-    let cases = read_json(dir.join("golden.json"));
-    let cases = cases.as_array().expect("golden.json is a list of cases");
-    assert!(!cases.is_empty(), "golden.json holds no cases");
+    let cases = read_json(dir.join(golden));
+    let cases = cases.as_array().expect("a golden file is a list of cases");
+    assert!(!cases.is_empty(), "{golden} holds no cases");
 
     let mut templates = std::collections::HashMap::new();
     let mut failures = Vec::new();
@@ -78,10 +90,10 @@ fn renders_every_golden_case_like_transformers() {
         }
     }
     let passed = cases.len() - failures.len();
-    println!("chat template goldens: {passed}/{} cases pass", cases.len());
+    println!("{golden}: {passed}/{} cases pass", cases.len());
     assert!(
         failures.is_empty(),
-        "{passed}/{} golden cases pass; failures:\n\n{}",
+        "{golden}: {passed}/{} cases pass; failures:\n\n{}",
         cases.len(),
         failures.join("\n\n")
     );

@@ -206,6 +206,22 @@ async fn bad_messages_and_a_raising_template() {
             "messages",
             &["System message must be at the beginning."],
         ),
+        (
+            json!([user, {"role": "assistant", "content": null, "tool_calls": [{"id": "c1"}]}]),
+            "messages[1].tool_calls[0].function",
+            &["function"],
+        ),
+        (
+            json!([user, {"role": "assistant", "content": null,
+                          "tool_calls": [{"function": {"name": "f", "arguments": 3}}]}]),
+            "messages[1].tool_calls[0].function.arguments",
+            &["arguments"],
+        ),
+        (
+            json!([user, {"role": "tool", "tool_call_id": 7, "content": "r"}]),
+            "messages[1].tool_call_id",
+            &["tool_call_id"],
+        ),
     ];
     for (messages, param, needles) in cases {
         let (status, response) = app.post(CHAT, &json!({"messages": messages})).await;
@@ -223,6 +239,14 @@ async fn bad_messages_and_a_raising_template() {
         let (status, response) = app.post(CHAT, &body).await;
         assert_eq!(status, StatusCode::OK, "{role}: {response}");
     }
+    // OpenAI's tool-call history: a call with `content: null`, then its result.
+    let history = json!([user,
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"}]);
+    let body = json!({"max_tokens": 1, "messages": history});
+    let (status, response) = app.post(CHAT, &body).await;
+    assert_eq!(status, StatusCode::OK, "tool-call history: {response}");
     assert_still_serving(&app).await;
 }
 

@@ -130,3 +130,26 @@ async fn the_api_key_guards_both_endpoints() {
         assert_eq!(response["error"]["code"], "invalid_api_key");
     }
 }
+
+#[tokio::test]
+async fn a_text_over_the_context_is_counted_but_one_that_cannot_fit_is_refused_unread() {
+    let app = TestApp::start().await;
+    // 100 tokens: over the fixture's 64-token context, still counted.
+    let long = "a".repeat(100);
+    let (status, body) = app
+        .post("/tokenize", &json!({"prompt": long, "add_special_tokens": false}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["count"], 100);
+    // Far more bytes than 64 tokens of the longest vocabulary entry could cover.
+    let huge = "a".repeat(64 * 1024);
+    for (field, value) in [
+        ("prompt", json!(huge)),
+        ("messages", json!([{"role": "user", "content": huge}])),
+    ] {
+        let (status, body) = app.post("/tokenize", &json!({ field: value })).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert_eq!(body["error"]["code"], "context_length_exceeded", "{body}");
+        assert_eq!(body["error"]["param"], field, "{body}");
+    }
+}

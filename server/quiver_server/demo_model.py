@@ -27,11 +27,49 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)  # ids 0, 1, 2
 
+# ChatML with tools, in the manner of Qwen2.5's template (our own wording): declared `tools` go
+# into the system turn as JSON lines inside <tools></tools>; an assistant turn's `tool_calls`
+# become <tool_call>{"name": ..., "arguments": ...}</tool_call> blocks, printing `arguments` as
+# given when it is a string (OpenAI sends a JSON string) and as JSON otherwise; consecutive
+# `tool` results share one user turn, each in a <tool_response> block. `content` may be null
+# or absent (a tool-call turn) and renders as empty text.
 CHATML_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{%- set has_system = messages and messages[0].role == 'system' -%}"
+    "{%- set system_text = (messages[0].content or '') if has_system else '' -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if system_text -%}{{- system_text + '\\n\\n' -}}{%- endif -%}"
+    "{{- '# Tools\\n\\nThese functions are available; call any that help answer. "
+    "Their JSON signatures:\\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
+    "{{- '\\n</tools>\\n\\nTo call one, reply with a <tool_call></tool_call> block per call, "
+    "holding a JSON object with its name and arguments:\\n<tool_call>\\n"
+    "{\"name\": <function name>, \"arguments\": <JSON object>}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif has_system -%}"
+    "{{- '<|im_start|>system\\n' + system_text + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if loop.first and has_system -%}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or loop.previtem.role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + (message.content or '') + '\\n</tool_response>' -}}"
+    "{%- if loop.last or loop.nextitem.role != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- elif message.role == 'assistant' and message.tool_calls -%}"
+    "{{- '<|im_start|>assistant' -}}"
+    "{%- if message.content -%}{{- '\\n' + message.content -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- set function = call.function if call.function is defined else call -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": ' + (function.name | tojson) + ', \"arguments\": ' -}}"
+    "{%- if function.arguments is string -%}{{- function.arguments -}}"
+    "{%- else -%}{{- function.arguments | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
 
 # Shapes: small enough to generate in a second and serve fast on a laptop CPU, large enough to

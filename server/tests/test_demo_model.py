@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from quiver_server.demo_model import write_demo_model
+from quiver_server.demo_model import CHATML_TEMPLATE, write_demo_model
 
 # Text that breaks naive tokenizers: combining emoji, CJK, tabs, CR LF, quotes, braces.
 TRICKY_USER = (
@@ -147,3 +148,12 @@ def test_refuses_to_overwrite_a_non_empty_directory(tmp_path: Path) -> None:
     with pytest.raises(FileExistsError):
         write_demo_model(tmp_path)
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_router_goldens_use_the_shipped_template(demo_dir: Path) -> None:
+    """The router's demo goldens (testdata/chat-templates/demo-golden.json) were rendered from
+    this template; if it changes, they must be regenerated with generate_demo_golden.py."""
+    corpus = Path(__file__).resolve().parents[2] / "testdata" / "chat-templates"
+    committed = json.loads((corpus / "quiver-demo.json").read_text(encoding="utf-8"))
+    assert committed["chat_template"] == CHATML_TEMPLATE
+    assert AutoTokenizer.from_pretrained(demo_dir).chat_template == CHATML_TEMPLATE

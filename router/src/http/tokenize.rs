@@ -34,7 +34,8 @@ pub async fn tokenize(
         .resolve_model(request.model.as_deref(), request.adapter_source.as_deref())
         .await?;
     let return_token_strs = request.return_token_strs == Some(true);
-    let tokens = tokenize_ids(&assets, request).await?;
+    let max_model_len = state.info.limits.max_total_tokens;
+    let tokens = tokenize_ids(&assets, request, max_model_len).await?;
     // The vocabulary's own spelling of each token (e.g. `Ġword`), as vLLM returns it.
     let token_strs = return_token_strs.then(|| {
         let tokenizer = assets.tokenizer.inner();
@@ -45,7 +46,7 @@ pub async fn tokenize(
     });
     Ok(Json(TokenizeResponse {
         count: tokens.len(),
-        max_model_len: state.info.limits.max_total_tokens,
+        max_model_len,
         tokens,
         token_strs,
     }))

@@ -3,6 +3,7 @@
 
 use serde_json::Value;
 
+use super::tool_turns::check_tool_fields;
 use super::{ModelAssets, ValidationError};
 use crate::openai::chat::ROLES;
 
@@ -62,6 +63,7 @@ pub(super) fn normalize_messages(messages: Vec<Value>) -> Result<Value, Validati
         if let Some(content) = message.get_mut("content") {
             normalize_content(i, content)?;
         }
+        check_tool_fields(i, &message)?;
         normalized.push(Value::Object(message));
     }
     Ok(Value::Array(normalized))

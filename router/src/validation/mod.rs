@@ -12,6 +12,7 @@ mod params;
 mod prompt;
 mod sources;
 mod tokens;
+mod tool_turns;
 
 pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
 pub use error::ValidationError;
