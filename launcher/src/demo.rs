@@ -7,6 +7,11 @@ use crate::error::LaunchError;
 use crate::process::{terminate_all, ChildProcess};
 use crate::signals::ShutdownSignals;
 
+/// What `quiver-server demo-model` writes into `quiver-demo-version` (its DEMO_MODEL_VERSION):
+/// a cached demo model of another version (an older chat template, say) is written again.
+const DEMO_MODEL_VERSION: &str = "2";
+const VERSION_FILE: &str = "quiver-demo-version";
+
 /// Returns the demo model's directory, writing it first if needed; `None` if a shutdown signal
 /// arrived while it was being written.
 pub async fn ensure_demo_model(
@@ -47,7 +52,7 @@ pub async fn ensure_demo_model(
             status,
         });
     }
-    // An incomplete directory from before this launcher existed is replaced.
+    // An incomplete directory, or one of another version, is replaced.
     if dir.exists() && !is_complete(&dir) {
         std::fs::remove_dir_all(&dir).map_err(io_err(format!("remove {}", dir.display())))?;
     }
@@ -64,6 +69,8 @@ pub async fn ensure_demo_model(
     Ok(Some(dir))
 }
 
+/// Written in full by a demo-model writer of this launcher's version.
 fn is_complete(dir: &Path) -> bool {
-    dir.join("config.json").is_file()
+    let version = std::fs::read_to_string(dir.join(VERSION_FILE)).unwrap_or_default();
+    dir.join("config.json").is_file() && version.trim() == DEMO_MODEL_VERSION
 }

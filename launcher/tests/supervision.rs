@@ -87,6 +87,27 @@ fn sigterm_drains_the_router_then_stops_the_shards_and_exits_zero() {
 }
 
 #[test]
+fn a_cached_demo_model_of_another_version_is_written_again() {
+    let rt = runtime();
+    let mut h = Harness::new();
+    // A complete demo model from before versions existed: no version file.
+    let demo_dir = h.dir().join("cache").join("demo-model");
+    std::fs::create_dir_all(&demo_dir).unwrap();
+    std::fs::write(demo_dir.join("config.json"), "{\"old\": true}").unwrap();
+    h.start(&[], &[]);
+    h.serve_health(0, &rt);
+    // The shard is told to serve the cache directory only once it holds the new model.
+    assert_eq!(h.child_args("shard-0")[1], demo_dir.display().to_string());
+    let config = std::fs::read_to_string(demo_dir.join("config.json")).unwrap();
+    assert_eq!(config.trim(), "{}", "the old model was kept");
+    let version = std::fs::read_to_string(demo_dir.join("quiver-demo-version")).unwrap();
+    assert_eq!(version.trim(), "2");
+
+    kill(h.launcher_pid(), Signal::SIGTERM).unwrap();
+    assert_eq!(h.wait_exit().code(), Some(0), "{}", h.log());
+}
+
+#[test]
 fn a_shard_dying_during_start_up_fails_naming_it() {
     let mut h = Harness::new();
     h.start(&["--model-id", "some/model"], &[("FAKE_SHARD_EXIT", "3")]);

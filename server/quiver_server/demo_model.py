@@ -143,6 +143,12 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
+# Written into the model as `quiver-demo-version`. Bump it (and the launcher's
+# DEMO_MODEL_VERSION in launcher/src/demo.rs) whenever what is written changes: the launcher
+# then writes a cached demo model of another version again. 2: the chat template renders tools.
+DEMO_MODEL_VERSION = "2"
+
+
 def write_demo_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
     """Writes the demo model into `target_dir` (which must not exist or be empty); returns its path.
 
@@ -189,6 +195,7 @@ def _write_files(out: Path, seed: int) -> None:
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.model_max_length = MAX_POSITIONS
     tokenizer.save_pretrained(out)
+    (out / "quiver-demo-version").write_text(DEMO_MODEL_VERSION + "\n")
 
     vocab = tokenizer.get_vocab()
     token_id = {token: vocab[token] for token in SPECIAL_TOKENS}

@@ -3,12 +3,13 @@
 //! waits for that line rather than polling for the files. Lines this short are written to a
 //! fifo in one piece, so children announcing at once do not interleave.
 
-/// `quiver-server`: `demo-model DIR` writes a config.json; `serve` records itself as
+/// `quiver-server`: `demo-model DIR` writes a config.json and the demo version the launcher
+/// expects (`launcher/src/demo.rs`); `serve` records itself as
 /// `shard-<rank>`, exits with $FAKE_SHARD_EXIT if set, else runs until SIGTERM and records in
 /// `shard-<rank>.stopped` whether the router had stopped before it.
 pub const FAKE_SERVER: &str = r#"#!/bin/sh
 if [ "$1" = "demo-model" ]; then
-  mkdir -p "$2" && echo '{}' > "$2/config.json"
+  mkdir -p "$2" && echo '{}' > "$2/config.json" && echo 2 > "$2/quiver-demo-version"
   exit 0
 fi
 rank=x; prev=
