@@ -137,7 +137,10 @@ async fn a_text_over_the_context_is_counted_but_one_that_cannot_fit_is_refused_u
     // 100 tokens: over the fixture's 64-token context, still counted.
     let long = "a".repeat(100);
     let (status, body) = app
-        .post("/tokenize", &json!({"prompt": long, "add_special_tokens": false}))
+        .post(
+            "/tokenize",
+            &json!({"prompt": long, "add_special_tokens": false}),
+        )
         .await;
     assert_eq!(status, StatusCode::OK, "{body}");
     assert_eq!(body["count"], 100);

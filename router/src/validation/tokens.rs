@@ -17,7 +17,11 @@ pub async fn tokenize_ids(
     request: TokenizeRequest,
     max_model_len: u32,
 ) -> Result<Vec<u32>, ValidationError> {
-    let param = if request.prompt.is_some() { "prompt" } else { "messages" };
+    let param = if request.prompt.is_some() {
+        "prompt"
+    } else {
+        "messages"
+    };
     let (text, add_special_tokens) = match (request.prompt, request.messages) {
         (Some(_), Some(_)) => {
             return Err(ValidationError::invalid(
