@@ -7,6 +7,7 @@
 //! (`openapi`).
 #![allow(dead_code)]
 
+pub mod adapter_root;
 pub mod openapi;
 
 use std::path::PathBuf;
