@@ -14,6 +14,10 @@ pub struct ChatFields {
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does.
     pub tools: Option<Value>,
+    /// Report each generated token's logprob.
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: this many alternatives per token, 0..=20.
+    pub top_logprobs: Option<i64>,
 }
 
 /// Roles OpenAI's schema defines for request messages.

@@ -40,6 +40,15 @@ pub struct GenerationParams {
     /// Extension: where an adapter id in `model` is looked up, `hub` or `local` (default:
     /// `--adapter-source`).
     pub adapter_source: Option<String>,
+    /// OpenAI's penalties, -2..=2, over the generated tokens.
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    /// Token id (a JSON object key, so a string) → bias, -100..=100.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// vLLM's extension: more token ids that end a choice with `finish_reason: "stop"`.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's extension: the prompt's logprobs with this many alternatives per position.
+    pub prompt_logprobs: Option<i64>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]

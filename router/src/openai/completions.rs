@@ -12,9 +12,13 @@ pub struct CompletionFields {
     /// A string, a list of strings, a list of token ids or a list of such lists; parsed by
     /// validation so each shape gets a precise error message.
     pub prompt: Option<Value>,
-    /// Not supported (would need the prompt's text and logprobs back); refused, not ignored,
-    /// because a client asking for it relies on the answer.
+    /// Return the prompt before the completion (and, with `logprobs`, the prompt's logprobs).
     pub echo: Option<bool>,
+    /// Report each token's logprob with this many alternatives, 0..=5.
+    pub logprobs: Option<i64>,
+    /// Generate this many choices (>= `n`) and return the `n` with the highest cumulative
+    /// logprob.
+    pub best_of: Option<u32>,
     /// Not supported; refused when set to a non-empty string for the same reason.
     pub suffix: Option<String>,
 }

@@ -168,6 +168,10 @@ fn sampling_to_pb(request: &GenerationRequest, draws_done: u32) -> pb::SamplingP
         repetition_penalty: s.repetition_penalty,
         seed: s.seed,
         draws_done,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        logit_bias: s.logit_bias.iter().copied().collect(),
+        top_logprobs: s.top_logprobs,
     }
 }
 
@@ -376,6 +380,8 @@ impl Batcher {
                 sampling: Some(sampling_to_pb(&request, resumed_after)),
                 max_new_tokens: request.max_new_tokens,
                 adapter_id: request.adapter_id.clone(),
+                // A resumed request reported its prompt's logprobs before it was preempted.
+                prompt_logprobs: request.prompt_logprobs.filter(|_| resumed_after == 0),
             });
             ids.push(id);
             self.active.insert(

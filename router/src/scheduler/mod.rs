@@ -48,6 +48,31 @@ pub struct SamplingParams {
     pub repetition_penalty: f32,
     /// Always set: the client's seed, or one drawn by the router.
     pub seed: u64,
+    /// OpenAI's penalties over the generated tokens; 0 disables.
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// Added to these tokens' logits before sampling (ids checked against the vocabulary).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Most likely alternatives reported with each generated token (0..=20).
+    pub top_logprobs: u32,
+}
+
+impl Default for SamplingParams {
+    /// Greedy, nothing disabled turned on.
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            seed: 0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
+            top_logprobs: 0,
+        }
+    }
 }
 
 /// A request that passed validation; the only thing the scheduler accepts.
@@ -63,6 +88,8 @@ pub struct GenerationRequest {
     pub min_tokens: u32,
     /// "" is the base model; otherwise an adapter loaded on the shards.
     pub adapter_id: String,
+    /// Report the prompt's logprobs (with this many alternatives) on the first event.
+    pub prompt_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

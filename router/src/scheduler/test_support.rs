@@ -31,18 +31,12 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
     GenerationRequest {
         input_ids: prompt.to_vec(),
         max_new_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-        },
+        sampling: SamplingParams::default(),
         eos_token_ids: Vec::new(),
         ignore_eos: false,
         min_tokens: 0,
         adapter_id: String::new(),
+        prompt_logprobs: None,
     }
 }
 

@@ -175,6 +175,7 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
         }),
         max_new_tokens,
         adapter_id: String::new(),
+        prompt_logprobs: None,
     }
 }
 
@@ -305,18 +306,12 @@ async fn the_scheduler_runs_over_grpc() {
         .submit(GenerationRequest {
             input_ids: vec![1, 2, 3],
             max_new_tokens: 5,
-            sampling: SamplingParams {
-                temperature: 0.0,
-                top_p: 1.0,
-                top_k: 0,
-                min_p: 0.0,
-                repetition_penalty: 1.0,
-                seed: 0,
-            },
+            sampling: SamplingParams::default(),
             eos_token_ids: vec![1],
             ignore_eos: false,
             min_tokens: 0,
             adapter_id: String::new(),
+            prompt_logprobs: None,
         })
         .unwrap();
     let mut tokens = Vec::new();

@@ -244,6 +244,7 @@ impl FakeShard {
             request_id,
             token_id,
             logprob: -(token_id as f32) / self.vocab_size as f32,
+            ..Default::default()
         }
     }
 

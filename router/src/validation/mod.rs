@@ -144,6 +144,7 @@ impl Validator {
                     ignore_eos: checked.ignore_eos,
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
+                    prompt_logprobs: None,
                 });
             }
         }

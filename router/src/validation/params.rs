@@ -102,7 +102,7 @@ pub(super) fn check_params(params: &GenerationParams) -> Result<CheckedParams, V
             top_k,
             min_p,
             repetition_penalty,
-            seed: 0,
+            ..SamplingParams::default()
         },
         seed: params.seed.map(|seed| seed.0),
         n,
