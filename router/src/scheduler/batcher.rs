@@ -470,6 +470,8 @@ impl Batcher {
             let event = TokenEvent {
                 token_id: generation.token_id,
                 logprob: generation.logprob,
+                top_logprobs: generation.top_logprobs.iter().map(Into::into).collect(),
+                prompt_logprobs: generation.prompt_logprobs.iter().map(Into::into).collect(),
                 finish,
             };
             if finish.is_none() && running.events.send(Ok(event.clone())).is_ok() {

@@ -20,6 +20,7 @@ use crate::shard::{ShardBackend, ShardError};
 
 mod batcher;
 mod blocks;
+mod logprobs;
 mod preemption;
 mod queue;
 mod slots;
@@ -35,6 +36,7 @@ mod tests;
 
 use batcher::{Batcher, Command, Entry};
 pub use blocks::{blocks_for_tokens, BlockAllocation, BlockAllocator};
+pub use logprobs::{PromptPosition, TokenLogprob};
 
 /// Sampling settings of one request, already validated.
 #[derive(Debug, Clone, PartialEq)]
@@ -105,6 +107,11 @@ pub enum FinishReason {
 pub struct TokenEvent {
     pub token_id: u32,
     pub logprob: f32,
+    /// The `top_logprobs` most likely tokens at this step, most likely first.
+    pub top_logprobs: Vec<TokenLogprob>,
+    /// First event only, when the request asked `prompt_logprobs`: one entry per prompt token
+    /// after the first.
+    pub prompt_logprobs: Vec<PromptPosition>,
     pub finish: Option<FinishReason>,
 }
 

@@ -5,7 +5,10 @@
 //! on the request's adapter: 0 for the base model (`fake_next_token`), and for an adapter id
 //! `k = 1 + fnv1a64(id bytes) % (vocab_size - 1)` (`fake_adapter_shift`, `fake_next_token_for`),
 //! so every adapter has its own sequence and a request run with the wrong adapter shows.
-//! Sampling parameters are ignored; the log-probability of token `t` is `-t / vocab_size`.
+//! Sampling parameters are ignored; the log-probability of token `t` is `-t / vocab_size`
+//! (`fake_logprob`) at every step, so the most likely tokens are `0, 1, 2, ...` and the rank of
+//! `t` is `t + 1`: `top_logprobs = k` reports tokens `0..k`, and `prompt_logprobs = k` reports
+//! for every prompt token after the first its logprob, its rank and tokens `0..k`.
 //! The fake never decides that a request is finished (the router does, as with the real shard):
 //! the EOS id it is built with is only reported by `Info`.
 //!
@@ -66,6 +69,21 @@ pub fn fake_adapter_shift(adapter_id: &str, vocab_size: u32) -> u32 {
     1 + (hash % u64::from(vocab_size - 1)) as u32
 }
 
+/// The fake's log-probability of `token`, at any step and for any adapter.
+pub fn fake_logprob(token: u32, vocab_size: u32) -> f32 {
+    -(token as f32) / vocab_size as f32
+}
+
+/// The fake's `k` most likely tokens: `0..k` (within the vocabulary).
+fn fake_top(k: u32, vocab_size: u32) -> Vec<pb::TokenLogprob> {
+    (0..k.min(vocab_size))
+        .map(|token_id| pb::TokenLogprob {
+            token_id,
+            logprob: fake_logprob(token_id, vocab_size),
+        })
+        .collect()
+}
+
 fn next_token(previous: u32, shift: u32, vocab_size: u32) -> u32 {
     ((u64::from(previous) * 31 + 7 + u64::from(shift)) % u64::from(vocab_size)) as u32
 }
@@ -112,6 +130,8 @@ struct LiveRequest {
     adapter_id: String,
     /// `k` of the token rule for `adapter_id`.
     shift: u32,
+    /// Alternatives reported with each token.
+    top_logprobs: u32,
 }
 
 #[derive(Debug, Default)]
@@ -238,14 +258,28 @@ impl FakeShard {
         }
     }
 
-    fn generation(&self, request_id: u64, previous: u32, shift: u32) -> pb::Generation {
+    fn generation(&self, request_id: u64, previous: u32, shift: u32, top: u32) -> pb::Generation {
         let token_id = next_token(previous, shift, self.vocab_size);
         pb::Generation {
             request_id,
             token_id,
-            logprob: -(token_id as f32) / self.vocab_size as f32,
-            ..Default::default()
+            logprob: fake_logprob(token_id, self.vocab_size),
+            top_logprobs: fake_top(top, self.vocab_size),
+            prompt_logprobs: Vec::new(),
         }
+    }
+
+    /// `prompt_logprobs` of a prefill: every prompt token after the first.
+    fn prompt_positions(&self, input_ids: &[u32], top: u32) -> Vec<pb::PromptPosition> {
+        input_ids
+            .iter()
+            .skip(1)
+            .map(|&token| pb::PromptPosition {
+                logprob: fake_logprob(token, self.vocab_size),
+                top: fake_top(top, self.vocab_size),
+                rank: token + 1,
+            })
+            .collect()
     }
 
     fn check_request(&self, state: &State, request: &pb::Request) -> ShardResult<()> {
@@ -322,7 +356,11 @@ impl FakeShard {
         for r in request.requests {
             let last_prompt_token = *r.input_ids.last().unwrap_or(&0);
             let shift = fake_adapter_shift(&r.adapter_id, self.vocab_size);
-            let generation = self.generation(r.id, last_prompt_token, shift);
+            let top = r.sampling.as_ref().map_or(0, |s| s.top_logprobs);
+            let mut generation = self.generation(r.id, last_prompt_token, shift, top);
+            if let Some(k) = r.prompt_logprobs {
+                generation.prompt_logprobs = self.prompt_positions(&r.input_ids, k);
+            }
             for &block in &r.blocks {
                 state.block_owner.insert(block, r.id);
             }
@@ -335,6 +373,7 @@ impl FakeShard {
                     blocks: r.blocks,
                     adapter_id: r.adapter_id,
                     shift,
+                    top_logprobs: top,
                 },
             );
             ids.push(r.id);
@@ -396,7 +435,7 @@ impl FakeShard {
         let mut generations = Vec::with_capacity(merged.len());
         for id in &merged {
             if let Some(r) = state.requests.get_mut(id) {
-                let generation = self.generation(*id, r.last_token, r.shift);
+                let generation = self.generation(*id, r.last_token, r.shift, r.top_logprobs);
                 r.last_token = generation.token_id;
                 r.generated += 1;
                 generations.push(generation);
