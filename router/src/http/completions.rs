@@ -1,54 +1,128 @@
 //! `POST /v1/completions`: one object shape (`"text_completion"`) for the whole response and
 //! for its streamed chunks. The request path is `endpoint::generate`.
+//!
+//! With `echo`, a choice's text starts with its prompt's text and, with `logprobs`, its
+//! logprobs with the prompt's entries; streamed, the prompt comes on the choice's first chunk.
 
-use super::endpoint::{Endpoint, FinishedChoice};
+use super::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
+use super::generation::GeneratedToken;
+use super::logprobs::CompletionOffsets;
 use super::sse::{ChoiceStep, ChunkFormat};
 use crate::openai::common::{ObjectHeader, Usage};
 use crate::openai::completions::{
     CompletionChoice, CompletionFields, CompletionResponse, ID_PREFIX, OBJECT,
 };
+use crate::openai::logprobs::CompletionLogprobs;
+use crate::scheduler::PromptPosition;
 
 /// One completions request's chunks and response.
 pub struct Completions {
     header: ObjectHeader,
-    /// Per choice, until sent with its first chunk (empty without `return_token_ids`): each
-    /// prompt of a batched `prompt` has ids of its own.
-    prompt_token_ids: Vec<Option<Vec<u32>>>,
+    setup: ResponseSetup,
+    /// Per streamed choice: whether its first chunk (the one with the prompt's ids and the
+    /// echoed prompt) was sent, and where its `text_offset` stands.
+    started: Vec<bool>,
+    offsets: Vec<CompletionOffsets>,
 }
 
 impl Endpoint for Completions {
     type Fields = CompletionFields;
     type Response = CompletionResponse;
 
-    fn new(model: String, prompt_token_ids: Option<Vec<Vec<u32>>>) -> Self {
-        let per_choice = prompt_token_ids.unwrap_or_default();
+    fn new(setup: ResponseSetup) -> Self {
+        let choices = setup.prompts.len() * setup.options.n as usize;
         Self {
-            header: ObjectHeader::new(ID_PREFIX, OBJECT, model),
-            prompt_token_ids: per_choice.into_iter().map(Some).collect(),
+            header: ObjectHeader::new(ID_PREFIX, OBJECT, setup.model.clone()),
+            setup,
+            started: vec![false; choices],
+            offsets: vec![CompletionOffsets::default(); choices],
         }
     }
 
     fn response(mut self, choices: Vec<FinishedChoice>, usage: Usage) -> CompletionResponse {
         let choices = choices
             .into_iter()
-            .map(|choice| CompletionChoice {
-                prompt_token_ids: self.take_prompt_ids(choice.index),
-                index: choice.index,
-                text: choice.text,
-                logprobs: None,
-                finish_reason: Some(choice.finish_reason),
-                token_ids: choice.token_ids,
+            .map(|FinishedChoice { index, output }| {
+                let positions = output.prompt.as_deref();
+                let (mut text, mut logprobs) = self.opening(index, positions);
+                text.push_str(&output.text);
+                let generated = self.generated(index, &output.tokens);
+                logprobs = merge(logprobs, generated);
+                CompletionChoice {
+                    prompt_token_ids: self.prompt_ids(index),
+                    index,
+                    text,
+                    logprobs,
+                    finish_reason: Some(output.finish_reason),
+                    token_ids: self.ids(&output.tokens),
+                    prompt_logprobs: self.setup.prompt_logprobs(index, positions),
+                }
             })
             .collect();
         self.object(choices, Some(usage))
     }
 }
 
+fn merge(
+    first: Option<CompletionLogprobs>,
+    then: Option<CompletionLogprobs>,
+) -> Option<CompletionLogprobs> {
+    match (first, then) {
+        (Some(mut first), Some(then)) => {
+            first.extend(then);
+            Some(first)
+        }
+        (first, then) => first.or(then),
+    }
+}
+
 impl Completions {
-    fn take_prompt_ids(&mut self, index: u32) -> Option<Vec<u32>> {
-        self.prompt_token_ids
-            .get_mut(index as usize)
-            .and_then(Option::take)
+    fn prompt_ids(&self, index: u32) -> Option<Vec<u32>> {
+        let prompt = self.setup.prompt(index)?;
+        self.setup.token_ids(|| prompt.ids.clone())
+    }
+
+    fn ids(&self, tokens: &[GeneratedToken]) -> Option<Vec<u32>> {
+        self.setup
+            .token_ids(|| tokens.iter().map(|token| token.id).collect())
+    }
+
+    fn offsets(&mut self, index: u32) -> &mut CompletionOffsets {
+        let at = index as usize;
+        if at >= self.offsets.len() {
+            self.offsets.resize(at + 1, CompletionOffsets::default());
+        }
+        &mut self.offsets[at]
+    }
+
+    /// What comes before the generated text: with `echo` the prompt's text and, with
+    /// `logprobs`, the prompt's entries (from `positions`).
+    fn opening(
+        &mut self,
+        index: u32,
+        positions: Option<&[PromptPosition]>,
+    ) -> (String, Option<CompletionLogprobs>) {
+        let options = self.setup.options.logprobs;
+        let Some(prompt) = self.setup.prompt(index).filter(|_| options.echo) else {
+            return (String::new(), None);
+        };
+        let text = prompt.echo.clone().unwrap_or_default();
+        let Some(k) = options.tokens else {
+            return (text, None);
+        };
+        let ids = prompt.ids.clone();
+        let tokenizer = self.setup.tokenizer.clone();
+        let entries =
+            self.offsets(index)
+                .prompt(&tokenizer, &ids, positions.unwrap_or_default(), k);
+        (text, Some(entries))
+    }
+
+    /// With `logprobs`, the entries of generated `tokens`.
+    fn generated(&mut self, index: u32, tokens: &[GeneratedToken]) -> Option<CompletionLogprobs> {
+        let k = self.setup.options.logprobs.tokens?;
+        let tokenizer = self.setup.tokenizer.clone();
+        Some(self.offsets(index).generated(&tokenizer, tokens, k))
     }
 
     fn object(&self, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {
@@ -58,27 +132,58 @@ impl Completions {
             usage,
         }
     }
+
+    /// A chunk of choice `index`; its first one carries the prompt's ids.
+    fn chunk(&mut self, mut choice: CompletionChoice) -> CompletionResponse {
+        let at = choice.index as usize;
+        if self.started.get(at) == Some(&false) {
+            self.started[at] = true;
+            choice.prompt_token_ids = self.prompt_ids(choice.index);
+        }
+        self.object(vec![choice], None)
+    }
 }
 
 impl ChunkFormat for Completions {
     type Chunk = CompletionResponse;
 
     fn choice(&mut self, index: u32, step: ChoiceStep) -> Option<CompletionResponse> {
-        let (text, finish_reason, token_ids) = match step {
-            // No role to announce: a choice starts with its first text.
-            ChoiceStep::Opening => return None,
-            ChoiceStep::Text { text, token_ids } => (text, None, token_ids),
-            ChoiceStep::Finish { reason, token_ids } => (String::new(), Some(reason), token_ids),
-        };
-        let choice = CompletionChoice {
-            prompt_token_ids: self.take_prompt_ids(index),
+        let mut choice = CompletionChoice {
+            prompt_token_ids: None,
             index,
-            text,
+            text: String::new(),
             logprobs: None,
-            finish_reason,
-            token_ids,
+            finish_reason: None,
+            token_ids: None,
+            prompt_logprobs: None,
         };
-        Some(self.object(vec![choice], None))
+        let options = self.setup.options.logprobs;
+        match step {
+            // The echoed prompt opens the choice, unless its logprobs are still to come.
+            ChoiceStep::Opening => {
+                if !options.echo || options.shard_prompt_logprobs().is_some() {
+                    return None;
+                }
+                (choice.text, choice.logprobs) = self.opening(index, None);
+            }
+            ChoiceStep::Prompt { positions } => {
+                (choice.text, choice.logprobs) = self.opening(index, Some(&positions));
+                choice.prompt_logprobs = self.setup.prompt_logprobs(index, Some(&positions));
+            }
+            ChoiceStep::Text { text, tokens } => {
+                choice.text = text;
+                choice.logprobs = self.generated(index, &tokens);
+                choice.token_ids = self.ids(&tokens);
+            }
+            ChoiceStep::Finish { reason, tokens } => {
+                choice.finish_reason = Some(reason);
+                if !tokens.is_empty() {
+                    choice.logprobs = self.generated(index, &tokens);
+                }
+                choice.token_ids = self.ids(&tokens);
+            }
+        }
+        Some(self.chunk(choice))
     }
 
     fn usage(&mut self, usage: Usage) -> CompletionResponse {

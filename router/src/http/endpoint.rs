@@ -11,13 +11,17 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 
-use super::generation::{collect_choices, start_choices};
+use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
 use super::json::{typed, OpenAiJson, RequestBody};
+use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
 use crate::error::ApiError;
-use crate::openai::common::{FinishReason, GenerationParams, Usage};
-use crate::validation::PromptSource;
+use crate::openai::common::{GenerationParams, Usage};
+use crate::openai::logprobs::PromptLogprobs;
+use crate::scheduler::PromptPosition;
+use crate::tokenizer::TextTokenizer;
+use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
 
 /// One generation endpoint; a value formats one request's chunks and response.
 pub trait Endpoint: ChunkFormat + Sized {
@@ -25,21 +29,55 @@ pub trait Endpoint: ChunkFormat + Sized {
     type Fields: PromptSource + DeserializeOwned + 'static;
     type Response: Serialize;
 
-    /// `model` is what the response reports; `prompt_token_ids` holds each choice's prompt
-    /// ids when the client asked for token ids.
-    fn new(model: String, prompt_token_ids: Option<Vec<Vec<u32>>>) -> Self;
+    fn new(setup: ResponseSetup) -> Self;
 
     /// The non-streamed response, choices in index order.
     fn response(self, choices: Vec<FinishedChoice>, usage: Usage) -> Self::Response;
 }
 
+/// What an endpoint needs to shape one request's answer besides the generations.
+pub struct ResponseSetup {
+    /// What the response reports as `model`.
+    pub model: String,
+    pub options: ResponseOptions,
+    /// The request's tokenizer (an adapter's own one if it has one): spells logprob tokens.
+    pub tokenizer: TextTokenizer,
+    /// One per prompt; choice `i` answers prompt `i / options.n`.
+    pub prompts: Vec<ValidPrompt>,
+}
+
+impl ResponseSetup {
+    pub fn prompt(&self, index: u32) -> Option<&ValidPrompt> {
+        self.prompts
+            .get((index / self.options.n.max(1)) as usize)
+    }
+
+    /// The ids, when the client asked for them.
+    pub fn token_ids(&self, ids: impl FnOnce() -> Vec<u32>) -> Option<Vec<u32>> {
+        self.options.return_token_ids.then(ids)
+    }
+
+    /// vLLM's `prompt_logprobs` for choice `index`, when asked.
+    pub fn prompt_logprobs(
+        &self,
+        index: u32,
+        positions: Option<&[PromptPosition]>,
+    ) -> Option<PromptLogprobs> {
+        let k = self.options.logprobs.prompt?;
+        let prompt = self.prompt(index)?;
+        Some(prompt_logprobs(
+            &self.tokenizer,
+            &prompt.ids,
+            positions.unwrap_or_default(),
+            k,
+        ))
+    }
+}
+
 /// A choice run to its end, for the non-streamed response.
 pub struct FinishedChoice {
     pub index: u32,
-    pub text: String,
-    pub finish_reason: FinishReason,
-    /// The generated ids, only when the client asked for them.
-    pub token_ids: Option<Vec<u32>>,
+    pub output: ChoiceOutput,
 }
 
 /// An endpoint's request body: its own fields and the shared generation parameters, both read
@@ -76,31 +114,31 @@ pub async fn generate<E: Endpoint>(
         .validate(&assets, &adapter_id, fields, &params)
         .await?;
     let options = valid.options;
-    let prompt_token_ids = options.return_token_ids.then(|| {
-        valid
-            .choices
-            .iter()
-            .map(|choice| choice.input_ids.clone())
-            .collect()
-    });
+    let settings = ChoiceSettings {
+        stop: options.stop.clone(),
+        prompt_logprobs: options.logprobs.shard_prompt_logprobs().is_some(),
+        drop_generation: options.logprobs.drop_generation,
+    };
+    let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
     let choices = start_choices(
         &state.scheduler,
         &state.shard,
         &state.metrics,
         &assets.tokenizer,
         valid.choices,
-        &options.stop,
+        &settings,
     )?;
-    let format = E::new(
-        super::response_model(&state, params.model),
-        prompt_token_ids,
-    );
+    let format = E::new(ResponseSetup {
+        model: super::response_model(&state, params.model),
+        options: options.clone(),
+        tokenizer: assets.tokenizer.clone(),
+        prompts: valid.prompts,
+    });
     if options.stream {
         let plan = StreamPlan {
             choices,
             prompt_tokens: valid.prompt_tokens,
             include_usage: options.include_usage,
-            return_token_ids: options.return_token_ids,
             cutoff: state.cutoff.clone(),
         };
         return Ok(sse_response(format, plan).into_response());
@@ -112,16 +150,12 @@ pub async fn generate<E: Endpoint>(
             return Err(ApiError::GracePeriodOver);
         }
     };
+    // Every generated token is billed, also those of choices `best_of` leaves out.
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
-    let finished = outputs
+    let finished = select_best(outputs, generated_per_prompt, options.n)
         .into_iter()
         .zip(0..)
-        .map(|(output, index)| FinishedChoice {
-            index,
-            text: output.text,
-            finish_reason: output.finish_reason,
-            token_ids: options.return_token_ids.then_some(output.token_ids),
-        })
+        .map(|(output, index)| FinishedChoice { index, output })
         .collect();
     let response = format.response(finished, Usage::new(valid.prompt_tokens, completion_tokens));
     Ok(Json(response).into_response())

@@ -10,26 +10,56 @@ use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
 use crate::openai::common::FinishReason;
-use crate::scheduler::{self, EventReceiver, GenerationError, GenerationRequest, Scheduler};
+use crate::scheduler::{
+    self, EventReceiver, GenerationError, GenerationRequest, PromptPosition, Scheduler,
+    TokenLogprob,
+};
 use crate::shard::ShardBackend;
 use crate::stop::StopMatcher;
 use crate::tokenizer::TextTokenizer;
 
+/// A generated token as the responses report it: id, raw logprob, and the alternatives the
+/// request asked for (none unless it asked).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedToken {
+    pub id: u32,
+    pub logprob: f32,
+    pub top: Vec<TokenLogprob>,
+}
+
+/// How each choice's events are produced, the same for every choice of a request.
+#[derive(Debug, Clone, Default)]
+pub struct ChoiceSettings {
+    /// Ends a choice when it appears in the text; never emitted.
+    pub stop: Vec<String>,
+    /// Report the prompt's logprobs (a `Prompt` event) before anything else.
+    pub prompt_logprobs: bool,
+    /// `max_tokens: 0` with `echo`: the one token generated (to get the prompt's logprobs) is
+    /// dropped, and the choice ends with `length` and no completion tokens.
+    pub drop_generation: bool,
+}
+
 #[derive(Debug)]
 pub enum ChoiceEvent {
-    /// New text of choice `index`, with the ids of the tokens generated since the last event
-    /// (some tokens produce no text yet: half a UTF-8 character, a possible stop string).
+    /// The prompt's logprobs (one entry per prompt token after the first), first of all.
+    Prompt {
+        index: u32,
+        positions: Vec<PromptPosition>,
+    },
+    /// New text of choice `index`, with the tokens generated since the last event (some
+    /// tokens produce no text yet: half a UTF-8 character, a possible stop string), so that
+    /// each token is reported with the text it produced.
     Text {
         index: u32,
         text: String,
-        token_ids: Vec<u32>,
+        tokens: Vec<GeneratedToken>,
     },
-    /// The choice's last event: `token_ids` are those not reported yet; `completion_tokens`
+    /// The choice's last event: `tokens` are those not reported yet; `completion_tokens`
     /// counts every token generated for it.
     Finish {
         index: u32,
         reason: FinishReason,
-        token_ids: Vec<u32>,
+        tokens: Vec<GeneratedToken>,
         completion_tokens: u32,
     },
     /// The choice failed; the whole response fails with it.
@@ -44,7 +74,7 @@ pub fn start_choices(
     metrics: &Arc<Metrics>,
     tokenizer: &TextTokenizer,
     choices: Vec<GenerationRequest>,
-    stop: &[String],
+    settings: &ChoiceSettings,
 ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
     let prompt_tokens: usize = choices.iter().map(|choice| choice.input_ids.len()).sum();
     let receivers = scheduler.submit_all(choices)?;
@@ -57,7 +87,7 @@ pub fn start_choices(
                 metrics: metrics.clone(),
                 shard: shard.clone(),
             };
-            choice_events(index, receiver, tokenizer.clone(), stop.to_vec(), outcome)
+            choice_events(index, receiver, tokenizer.clone(), settings.clone(), outcome)
         })
         .collect())
 }
@@ -92,16 +122,16 @@ pub fn choice_events(
     index: u32,
     mut receiver: EventReceiver,
     tokenizer: TextTokenizer,
-    stop: Vec<String>,
+    settings: ChoiceSettings,
     outcome: Outcome,
 ) -> BoxStream<'static, ChoiceEvent> {
     let metrics = outcome.metrics.clone();
     // The EOS token's text is never shown (skip_special_tokens), even for tokenizers that do
     // not mark it special: an EOS event is not fed to the detokenizer at all.
     let mut detokenizer = IncrementalDetokenizer::new(tokenizer, true);
-    let mut stop = StopMatcher::new(stop);
+    let mut stop = StopMatcher::new(settings.stop);
     async_stream::stream! {
-        let mut pending_ids = Vec::new();
+        let mut pending = Vec::new();
         let mut generated = 0u32;
         loop {
             let event = match receiver.recv().await {
@@ -119,7 +149,25 @@ pub fn choice_events(
             };
             generated += 1;
             Metrics::add(&metrics.generated_tokens_total, 1);
-            pending_ids.push(event.token_id);
+            if generated == 1 && settings.prompt_logprobs {
+                yield ChoiceEvent::Prompt { index, positions: event.prompt_logprobs };
+            }
+            if settings.drop_generation {
+                drop(receiver);
+                Metrics::add(&metrics.requests_finished_total, 1);
+                yield ChoiceEvent::Finish {
+                    index,
+                    reason: FinishReason::Length,
+                    tokens: Vec::new(),
+                    completion_tokens: 0,
+                };
+                return;
+            }
+            pending.push(GeneratedToken {
+                id: event.token_id,
+                logprob: event.logprob,
+                top: event.top_logprobs,
+            });
             let mut text = String::new();
             if event.finish != Some(scheduler::FinishReason::Eos) {
                 match detokenizer.push(event.token_id) {
@@ -145,7 +193,7 @@ pub fn choice_events(
             };
             let Some(reason) = reason else {
                 if !text.is_empty() {
-                    yield ChoiceEvent::Text { index, text, token_ids: std::mem::take(&mut pending_ids) };
+                    yield ChoiceEvent::Text { index, text, tokens: std::mem::take(&mut pending) };
                 }
                 continue;
             };
@@ -156,9 +204,9 @@ pub fn choice_events(
                 text.push_str(&stop.finish());
             }
             if !text.is_empty() {
-                yield ChoiceEvent::Text { index, text, token_ids: std::mem::take(&mut pending_ids) };
+                yield ChoiceEvent::Text { index, text, tokens: std::mem::take(&mut pending) };
             }
-            yield ChoiceEvent::Finish { index, reason, token_ids: pending_ids, completion_tokens: generated };
+            yield ChoiceEvent::Finish { index, reason, tokens: pending, completion_tokens: generated };
             return;
         }
     }
@@ -169,9 +217,18 @@ pub fn choice_events(
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChoiceOutput {
     pub text: String,
-    pub token_ids: Vec<u32>,
+    pub tokens: Vec<GeneratedToken>,
+    /// The prompt's logprobs, when asked.
+    pub prompt: Option<Vec<PromptPosition>>,
     pub finish_reason: FinishReason,
     pub completion_tokens: u32,
+}
+
+impl ChoiceOutput {
+    /// The sum of the generated tokens' raw logprobs (what `best_of` ranks choices by).
+    pub fn cumulative_logprob(&self) -> f64 {
+        self.tokens.iter().map(|token| f64::from(token.logprob)).sum()
+    }
 }
 
 /// Runs every choice to its end, concurrently; the first failure cancels the rest.
@@ -185,27 +242,30 @@ async fn collect_choice(
     mut events: BoxStream<'static, ChoiceEvent>,
 ) -> Result<ChoiceOutput, ApiError> {
     let mut text = String::new();
-    let mut token_ids = Vec::new();
+    let mut tokens = Vec::new();
+    let mut prompt = None;
     while let Some(event) = events.next().await {
         match event {
+            ChoiceEvent::Prompt { positions, .. } => prompt = Some(positions),
             ChoiceEvent::Text {
                 text: new_text,
-                token_ids: new_ids,
+                tokens: new_tokens,
                 ..
             } => {
                 text.push_str(&new_text);
-                token_ids.extend(new_ids);
+                tokens.extend(new_tokens);
             }
             ChoiceEvent::Finish {
                 reason,
-                token_ids: new_ids,
+                tokens: new_tokens,
                 completion_tokens,
                 ..
             } => {
-                token_ids.extend(new_ids);
+                tokens.extend(new_tokens);
                 return Ok(ChoiceOutput {
                     text,
-                    token_ids,
+                    tokens,
+                    prompt,
                     finish_reason: reason,
                     completion_tokens,
                 });

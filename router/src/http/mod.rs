@@ -20,6 +20,7 @@ mod endpoint;
 mod generation;
 mod health;
 mod json;
+mod logprobs;
 mod metrics;
 mod models;
 mod sse;

@@ -11,9 +11,10 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::Serialize;
 
 use super::cutoff::Cutoff;
-use super::generation::ChoiceEvent;
+use super::generation::{ChoiceEvent, GeneratedToken};
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, Usage};
+use crate::scheduler::PromptPosition;
 
 /// How one endpoint spells its chunks.
 pub trait ChunkFormat: Send + 'static {
@@ -24,19 +25,20 @@ pub trait ChunkFormat: Send + 'static {
     fn usage(&mut self, usage: Usage) -> Self::Chunk;
 }
 
-/// What one chunk of a choice reports. `token_ids` is `Some` only when the client asked for
-/// them.
+/// What one chunk of a choice reports; `tokens` are those whose text the chunk carries.
 pub enum ChoiceStep {
     /// Once per choice, before any text (chat announces the role here).
     Opening,
+    /// The prompt's logprobs, when the request asked for them, before any text.
+    Prompt { positions: Vec<PromptPosition> },
     Text {
         text: String,
-        token_ids: Option<Vec<u32>>,
+        tokens: Vec<GeneratedToken>,
     },
     /// The choice's last chunk.
     Finish {
         reason: FinishReason,
-        token_ids: Option<Vec<u32>>,
+        tokens: Vec<GeneratedToken>,
     },
 }
 
@@ -44,7 +46,6 @@ pub struct StreamPlan {
     pub choices: Vec<BoxStream<'static, ChoiceEvent>>,
     pub prompt_tokens: u32,
     pub include_usage: bool,
-    pub return_token_ids: bool,
     /// Ends the stream with an error event when the grace period runs out.
     pub cutoff: Cutoff,
 }
@@ -61,10 +62,8 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         choices,
         prompt_tokens,
         include_usage,
-        return_token_ids,
         cutoff,
     } = plan;
-    let ids = move |token_ids: Vec<u32>| return_token_ids.then_some(token_ids);
     async_stream::stream! {
         for index in 0..choices.len() as u32 {
             if let Some(chunk) = format.choice(index, ChoiceStep::Opening) {
@@ -91,12 +90,15 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                 }
             };
             let (index, step) = match event {
-                ChoiceEvent::Text { index, text, token_ids } => {
-                    (index, ChoiceStep::Text { text, token_ids: ids(token_ids) })
+                ChoiceEvent::Prompt { index, positions } => {
+                    (index, ChoiceStep::Prompt { positions })
                 }
-                ChoiceEvent::Finish { index, reason, token_ids, completion_tokens: tokens } => {
-                    completion_tokens += tokens;
-                    (index, ChoiceStep::Finish { reason, token_ids: ids(token_ids) })
+                ChoiceEvent::Text { index, text, tokens } => {
+                    (index, ChoiceStep::Text { text, tokens })
+                }
+                ChoiceEvent::Finish { index, reason, tokens, completion_tokens: generated } => {
+                    completion_tokens += generated;
+                    (index, ChoiceStep::Finish { reason, tokens })
                 }
                 ChoiceEvent::Failed(error) => {
                     // Cancel the other choices before telling the client.

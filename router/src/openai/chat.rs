@@ -4,6 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::common::{FinishReason, ObjectHeader, Usage};
+use super::logprobs::{ChatLogprobs, PromptLogprobs};
 
 /// The chat-only request fields; the shared ones are in `GenerationParams`.
 ///
@@ -42,11 +43,14 @@ pub struct ChatCompletionResponse {
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
-    /// Always null: logprobs are not offered yet.
-    pub logprobs: Option<Value>,
+    /// With `logprobs: true`.
+    pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: FinishReason,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// With `prompt_logprobs` (vLLM's extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -83,11 +87,15 @@ pub struct ChatCompletionChunk {
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
-    pub logprobs: Option<Value>,
+    /// With `logprobs: true`: the entries of this chunk's tokens.
+    pub logprobs: Option<ChatLogprobs>,
     /// Null until the choice's last chunk.
     pub finish_reason: Option<FinishReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// With `prompt_logprobs`, on a chunk of its own before the choice's text.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
 /// `{}` on the finish chunk, `{"role": "assistant", "content": ""}` on the first one.

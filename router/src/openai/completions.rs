@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::common::{FinishReason, ObjectHeader, Usage};
+use super::logprobs::{CompletionLogprobs, PromptLogprobs};
 
 /// The completions-only request fields; the shared ones are in `GenerationParams`.
 #[derive(Debug, Clone, Default, Deserialize)]
@@ -40,8 +41,8 @@ pub struct CompletionResponse {
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
-    /// Always null: logprobs are not offered yet.
-    pub logprobs: Option<Value>,
+    /// With `logprobs`: on a streamed chunk, the entries of that chunk's tokens.
+    pub logprobs: Option<CompletionLogprobs>,
     /// Null on streamed chunks before the choice's last one.
     pub finish_reason: Option<FinishReason>,
     /// With `return_token_ids` (vLLM's extension; per choice because each prompt differs).
@@ -49,4 +50,7 @@ pub struct CompletionChoice {
     pub prompt_token_ids: Option<Vec<u32>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
+    /// With `prompt_logprobs` (vLLM's extension).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<PromptLogprobs>,
 }

@@ -7,6 +7,7 @@
 mod bounds;
 mod error;
 mod limits;
+mod logprobs;
 mod messages;
 mod params;
 mod prompt;
@@ -17,9 +18,11 @@ mod tool_turns;
 pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
+pub use logprobs::{LogprobFields, LogprobOptions, MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS};
 pub use sources::PromptSource;
 pub use tokens::{tokenize_ids, vocabulary_ids};
 
+use logprobs::apply_logprobs;
 use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
@@ -48,7 +51,12 @@ pub struct ResponseOptions {
     pub return_token_ids: bool,
     /// Ends a choice when it appears in the text; never emitted.
     pub stop: Vec<String>,
+    /// Choices returned per prompt. `choices` holds `best_of` per prompt (at least `n`), of
+    /// which the `n` with the highest cumulative logprob are returned.
+    pub n: u32,
+    pub logprobs: LogprobOptions,
 }
+
 
 /// A request that passed validation.
 #[derive(Debug, Clone)]
@@ -58,6 +66,15 @@ pub struct ValidRequest {
     /// Prompt tokens counted once per prompt (not per `n`), as OpenAI bills them.
     pub prompt_tokens: u32,
     pub options: ResponseOptions,
+    /// Per prompt: its ids, and with `echo` the text echoed before the completion (the prompt
+    /// as sent, or the decoded ids).
+    pub prompts: Vec<ValidPrompt>,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidPrompt {
+    pub ids: Vec<u32>,
+    pub echo: Option<String>,
 }
 
 /// Checks requests against the served limits and the model's vocabulary.
@@ -82,14 +99,26 @@ impl Validator {
         fields: F,
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
-        let checked = check_params(params)?;
+        let logprob_fields = fields.logprob_fields();
+        let mut checked = check_params(params, logprob_fields.echo())?;
+        apply_logprobs(logprob_fields, params, &mut checked)?;
         let limits = PromptLimits {
             request: self.bounds,
             n: checked.n,
             max_input_tokens: self.limits.max_input_tokens,
         };
-        let prompt_ids = fields.prompt_ids(assets, &limits).await?;
-        self.build(prompt_ids, F::PARAM, checked, adapter_id, assets)
+        let sourced = fields.prompt_ids(assets, &limits).await?;
+        let echo = checked.options.logprobs.echo;
+        let mut prompts = Vec::with_capacity(sourced.len());
+        for (ids, text) in sourced {
+            let echo = match text {
+                Some(text) if echo => Some(text),
+                None if echo => Some(assets.tokenizer.decode_off_runtime(ids.clone(), true).await?),
+                _ => None,
+            };
+            prompts.push(ValidPrompt { ids, echo });
+        }
+        self.build(prompts, F::PARAM, checked, adapter_id, assets)
     }
 
     /// The model's EOS ids plus those of the tokenizer in use (an adapter's own tokenizer may
@@ -105,7 +134,7 @@ impl Validator {
     /// Length and vocabulary checks per prompt, then one `GenerationRequest` per choice.
     fn build(
         &self,
-        prompts: Vec<Vec<u32>>,
+        prompts: Vec<ValidPrompt>,
         prompt_param: &str,
         checked: CheckedParams,
         adapter_id: &str,
@@ -113,19 +142,21 @@ impl Validator {
     ) -> Result<ValidRequest, ValidationError> {
         // Every per-prompt check, then the whole request's KV demand, before any choice is built.
         let mut max_new_tokens = Vec::with_capacity(prompts.len());
-        for input_ids in &prompts {
-            max_new_tokens.push(self.check_prompt(input_ids, prompt_param, &checked)?);
+        for prompt in &prompts {
+            max_new_tokens.push(self.check_prompt(&prompt.ids, prompt_param, &checked)?);
         }
         let demand = prompts
             .iter()
             .zip(&max_new_tokens)
-            .map(|(ids, &new)| ids.len() as u64 + u64::from(new));
+            .map(|(prompt, &new)| prompt.ids.len() as u64 + u64::from(new));
         self.bounds
             .check_kv_demand(demand, checked.n, prompt_param)?;
         let eos_token_ids = self.eos_token_ids_for(assets);
         let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
         let mut prompt_tokens = 0u32;
-        for (input_ids, max_new_tokens) in prompts.into_iter().zip(max_new_tokens) {
+        let prompt_logprobs = checked.options.logprobs.shard_prompt_logprobs();
+        for (prompt, max_new_tokens) in prompts.iter().zip(max_new_tokens) {
+            let input_ids = &prompt.ids;
             prompt_tokens += input_ids.len() as u32;
             for choice in 0..checked.n {
                 let seed = match checked.seed {
@@ -144,7 +175,7 @@ impl Validator {
                     ignore_eos: checked.ignore_eos,
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
-                    prompt_logprobs: None,
+                    prompt_logprobs,
                 });
             }
         }
@@ -152,6 +183,7 @@ impl Validator {
             choices,
             prompt_tokens,
             options: checked.options,
+            prompts,
         })
     }
 

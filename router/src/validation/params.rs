@@ -18,8 +18,12 @@ pub(super) struct CheckedParams {
     pub options: ResponseOptions,
 }
 
-/// Range checks of the shared parameters; OpenAI's defaults where absent.
-pub(super) fn check_params(params: &GenerationParams) -> Result<CheckedParams, ValidationError> {
+/// Range checks of the shared parameters; OpenAI's defaults where absent. `max_tokens: 0` is
+/// allowed only with completions' `echo` (see `logprobs::apply_logprobs`).
+pub(super) fn check_params(
+    params: &GenerationParams,
+    echo: bool,
+) -> Result<CheckedParams, ValidationError> {
     let temperature = params.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(ValidationError::invalid(
@@ -70,11 +74,14 @@ pub(super) fn check_params(params: &GenerationParams) -> Result<CheckedParams, V
         (None, Some(tokens)) => Some((tokens, "max_tokens")),
         (None, None) => None,
     };
-    if let Some((0, field)) = max_tokens {
-        return Err(ValidationError::invalid(
-            field,
-            format!("`{field}` must be at least 1"),
-        ));
+    match max_tokens {
+        Some((0, field)) if !echo => {
+            return Err(ValidationError::invalid(
+                field,
+                format!("`{field}` must be at least 1 (0 is allowed only with `echo`)"),
+            ));
+        }
+        _ => {}
     }
     let stop: Vec<String> = params
         .stop
@@ -119,6 +126,8 @@ pub(super) fn check_params(params: &GenerationParams) -> Result<CheckedParams, V
                     .unwrap_or(false),
             return_token_ids: params.return_token_ids.unwrap_or(false),
             stop,
+            n,
+            ..ResponseOptions::default()
         },
     })
 }
@@ -132,6 +141,10 @@ mod tests {
         serde_json::from_value(body).expect("valid params")
     }
 
+    fn check_params_of(params: &GenerationParams) -> Result<CheckedParams, ValidationError> {
+        check_params(params, false)
+    }
+
     fn param_of(result: Result<CheckedParams, ValidationError>) -> String {
         result
             .expect_err("should be refused")
@@ -142,7 +155,7 @@ mod tests {
 
     #[test]
     fn openai_defaults_apply() {
-        let checked = check_params(&params(json!({}))).unwrap();
+        let checked = check_params_of(&params(json!({}))).unwrap();
         assert_eq!(checked.sampling.temperature, 1.0);
         assert_eq!(checked.sampling.top_p, 1.0);
         assert_eq!(checked.n, 1);
@@ -169,7 +182,7 @@ mod tests {
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
         ] {
             assert_eq!(
-                param_of(check_params(&params(body.clone()))),
+                param_of(check_params_of(&params(body.clone()))),
                 param,
                 "{body}"
             );
@@ -178,7 +191,7 @@ mod tests {
 
     #[test]
     fn boundaries_are_accepted() {
-        let checked = check_params(&params(json!({
+        let checked = check_params_of(&params(json!({
             "temperature": 0, "top_p": 1, "top_k": -1, "stop": "x", "seed": -1,
             "stream": true, "stream_options": {"include_usage": true}
         })))
@@ -189,7 +202,7 @@ mod tests {
         assert_eq!(checked.options.stop, vec!["x".to_owned()]);
         assert!(checked.options.include_usage);
         assert_eq!(
-            check_params(&params(json!({"temperature": 2})))
+            check_params_of(&params(json!({"temperature": 2})))
                 .unwrap()
                 .sampling
                 .temperature,

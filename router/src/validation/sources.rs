@@ -4,6 +4,7 @@
 use std::future::Future;
 
 use super::bounds::{check_text_length, PromptLimits};
+use super::logprobs::LogprobFields;
 use super::messages::render_chat;
 use super::prompt::{parse_prompt, PromptInput};
 use super::{ModelAssets, ValidationError};
@@ -15,17 +16,31 @@ pub trait PromptSource: Send {
     /// The request field the prompts come from, named in errors about them.
     const PARAM: &'static str;
 
-    /// The token ids of each prompt, after the checks that only these fields need. Prompts
-    /// beyond `limits` are refused before they are tokenized.
+    /// The logprob fields this endpoint reads (read before `prompt_ids` consumes the fields).
+    fn logprob_fields(&self) -> LogprobFields;
+
+    /// The token ids of each prompt, with its text when it was sent as text, after the checks
+    /// that only these fields need. Prompts beyond `limits` are refused before they are
+    /// tokenized.
     fn prompt_ids(
         self,
         assets: &ModelAssets,
         limits: &PromptLimits,
-    ) -> impl Future<Output = Result<Vec<Vec<u32>>, ValidationError>> + Send;
+    ) -> impl Future<Output = Result<Vec<SourcedPrompt>, ValidationError>> + Send;
 }
+
+/// A prompt's ids, and its text when the client sent text.
+pub type SourcedPrompt = (Vec<u32>, Option<String>);
 
 impl PromptSource for ChatFields {
     const PARAM: &'static str = "messages";
+
+    fn logprob_fields(&self) -> LogprobFields {
+        LogprobFields::Chat {
+            logprobs: self.logprobs,
+            top_logprobs: self.top_logprobs,
+        }
+    }
 
     /// Normalize messages → render the template with the generation prompt → tokenize without
     /// special tokens (the template already wrote them).
@@ -33,7 +48,7 @@ impl PromptSource for ChatFields {
         self,
         assets: &ModelAssets,
         limits: &PromptLimits,
-    ) -> Result<Vec<Vec<u32>>, ValidationError> {
+    ) -> Result<Vec<SourcedPrompt>, ValidationError> {
         limits.request.check_choices(1, limits.n, Self::PARAM)?;
         let prompt = render_chat(assets, self.messages, self.tools.as_ref(), true)?;
         check_text_length(
@@ -42,22 +57,28 @@ impl PromptSource for ChatFields {
             limits.max_input_tokens,
             Self::PARAM,
         )?;
-        Ok(vec![assets.tokenizer.encode(prompt, false).await?])
+        // A chat prompt is never echoed: no text kept.
+        Ok(vec![(assets.tokenizer.encode(prompt, false).await?, None)])
     }
 }
 
 impl PromptSource for CompletionFields {
     const PARAM: &'static str = "prompt";
 
+    fn logprob_fields(&self) -> LogprobFields {
+        LogprobFields::Completions {
+            logprobs: self.logprobs,
+            echo: self.echo,
+            best_of: self.best_of,
+        }
+    }
+
     /// Each prompt is tokenized with special tokens (BOS), or taken as ids.
     async fn prompt_ids(
         self,
         assets: &ModelAssets,
         limits: &PromptLimits,
-    ) -> Result<Vec<Vec<u32>>, ValidationError> {
-        if self.echo == Some(true) {
-            return Err(ValidationError::invalid("echo", "`echo` is not supported"));
-        }
+    ) -> Result<Vec<SourcedPrompt>, ValidationError> {
         if self
             .suffix
             .as_deref()
@@ -87,8 +108,10 @@ impl PromptSource for CompletionFields {
         let mut prompt_ids = Vec::with_capacity(prompts.len());
         for prompt in prompts {
             prompt_ids.push(match prompt {
-                PromptInput::Text(text) => assets.tokenizer.encode(text, true).await?,
-                PromptInput::Ids(ids) => ids,
+                PromptInput::Text(text) => {
+                    (assets.tokenizer.encode(text.clone(), true).await?, Some(text))
+                }
+                PromptInput::Ids(ids) => (ids, None),
             });
         }
         Ok(prompt_ids)
