@@ -155,7 +155,9 @@ mod tests {
         let (pieces, bytes, chars) = joined(&tokenizer, "hello 你");
         assert_eq!(String::from_utf8(bytes).unwrap(), " hello 你");
         assert_eq!(chars, " hello 你".chars().count());
-        assert!(pieces.iter().any(|piece| piece.bytes.len() == 1 && piece.bytes[0] >= 0x80));
+        assert!(pieces
+            .iter()
+            .any(|piece| piece.bytes.len() == 1 && piece.bytes[0] >= 0x80));
     }
 
     #[test]

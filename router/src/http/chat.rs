@@ -56,9 +56,7 @@ impl Endpoint for Chat {
                 index,
                 logprobs: self.logprobs(&output.tokens),
                 token_ids: self.ids(&output.tokens),
-                prompt_logprobs: self
-                    .setup
-                    .prompt_logprobs(index, output.prompt.as_deref()),
+                prompt_logprobs: self.setup.prompt_logprobs(index, output.prompt.as_deref()),
                 message: AssistantMessage::new(output.text),
                 finish_reason: output.finish_reason,
             })

@@ -48,8 +48,7 @@ pub struct ResponseSetup {
 
 impl ResponseSetup {
     pub fn prompt(&self, index: u32) -> Option<&ValidPrompt> {
-        self.prompts
-            .get((index / self.options.n.max(1)) as usize)
+        self.prompts.get((index / self.options.n.max(1)) as usize)
     }
 
     /// The ids, when the client asked for them.

@@ -87,7 +87,13 @@ pub fn start_choices(
                 metrics: metrics.clone(),
                 shard: shard.clone(),
             };
-            choice_events(index, receiver, tokenizer.clone(), settings.clone(), outcome)
+            choice_events(
+                index,
+                receiver,
+                tokenizer.clone(),
+                settings.clone(),
+                outcome,
+            )
         })
         .collect())
 }
@@ -227,7 +233,10 @@ pub struct ChoiceOutput {
 impl ChoiceOutput {
     /// The sum of the generated tokens' raw logprobs (what `best_of` ranks choices by).
     pub fn cumulative_logprob(&self) -> f64 {
-        self.tokens.iter().map(|token| f64::from(token.logprob)).sum()
+        self.tokens
+            .iter()
+            .map(|token| f64::from(token.logprob))
+            .sum()
     }
 }
 

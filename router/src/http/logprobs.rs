@@ -22,7 +22,11 @@ fn finite(logprob: f32) -> f32 {
 }
 
 /// Chat's entries for `tokens`, each with at most `top` alternatives.
-pub fn chat_logprobs(tokenizer: &TextTokenizer, tokens: &[GeneratedToken], top: u32) -> ChatLogprobs {
+pub fn chat_logprobs(
+    tokenizer: &TextTokenizer,
+    tokens: &[GeneratedToken],
+    top: u32,
+) -> ChatLogprobs {
     let entry = |id: u32, logprob: f32| {
         let TokenPiece { text, bytes, .. } = token_piece(tokenizer, id);
         (text, finite(logprob), bytes)
@@ -89,7 +93,12 @@ impl CompletionOffsets {
         let mut out = CompletionLogprobs::default();
         for token in tokens {
             let top = top_map(tokenizer, &token.top, k);
-            self.push(&mut out, token_piece(tokenizer, token.id), Some(token.logprob), Some(top));
+            self.push(
+                &mut out,
+                token_piece(tokenizer, token.id),
+                Some(token.logprob),
+                Some(top),
+            );
         }
         out
     }

@@ -9,6 +9,10 @@
 //! (`fake_logprob`) at every step, so the most likely tokens are `0, 1, 2, ...` and the rank of
 //! `t` is `t + 1`: `top_logprobs = k` reports tokens `0..k`, and `prompt_logprobs = k` reports
 //! for every prompt token after the first its logprob, its rank and tokens `0..k`.
+//! Built `with_seeded_sampling`, a request sampled with `temperature > 0` draws its first token
+//! as `(next(last prompt token) + seed) % vocab_size` (`fake_seeded_first_token`), so choices
+//! with distinct seeds differ (for `best_of`); a request resumed after preemption does not draw
+//! it again.
 //! The fake never decides that a request is finished (the router does, as with the real shard):
 //! the EOS id it is built with is only reported by `Info`.
 //!
@@ -82,6 +86,12 @@ fn fake_top(k: u32, vocab_size: u32) -> Vec<pb::TokenLogprob> {
             logprob: fake_logprob(token_id, vocab_size),
         })
         .collect()
+}
+
+/// The first token of a request with `seed` under `with_seeded_sampling`, given the token the
+/// unseeded rule would give.
+pub fn fake_seeded_first_token(unseeded: u32, seed: u64, vocab_size: u32) -> u32 {
+    ((u64::from(unseeded) + seed % u64::from(vocab_size)) % u64::from(vocab_size)) as u32
 }
 
 fn next_token(previous: u32, shift: u32, vocab_size: u32) -> u32 {
@@ -158,6 +168,7 @@ pub struct FakeShard {
     world_size: u32,
     model_path: String,
     adapter_load_delay: Duration,
+    seeded_sampling: bool,
     state: Mutex<State>,
 }
 
@@ -175,6 +186,7 @@ impl FakeShard {
             world_size: 1,
             model_path: String::new(),
             adapter_load_delay: Duration::ZERO,
+            seeded_sampling: false,
             state: Mutex::new(State::default()),
         }
     }
@@ -196,6 +208,12 @@ impl FakeShard {
     /// Time each Prefill and Decode takes (to let requests arrive mid-generation).
     pub fn with_step_delay(mut self, delay: Duration) -> Self {
         self.step_delay = delay;
+        self
+    }
+
+    /// Lets the seed of a sampled request choose its first token (see the module docs).
+    pub fn with_seeded_sampling(mut self) -> Self {
+        self.seeded_sampling = true;
         self
     }
 
@@ -358,6 +376,15 @@ impl FakeShard {
             let shift = fake_adapter_shift(&r.adapter_id, self.vocab_size);
             let top = r.sampling.as_ref().map_or(0, |s| s.top_logprobs);
             let mut generation = self.generation(r.id, last_prompt_token, shift, top);
+            if let Some(sampling) = r
+                .sampling
+                .as_ref()
+                .filter(|s| self.seeded_sampling && s.temperature > 0.0 && s.draws_done == 0)
+            {
+                generation.token_id =
+                    fake_seeded_first_token(generation.token_id, sampling.seed, self.vocab_size);
+                generation.logprob = fake_logprob(generation.token_id, self.vocab_size);
+            }
             if let Some(k) = r.prompt_logprobs {
                 generation.prompt_logprobs = self.prompt_positions(&r.input_ids, k);
             }

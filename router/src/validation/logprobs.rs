@@ -29,7 +29,13 @@ pub enum LogprobFields {
 impl LogprobFields {
     /// Completions' `echo`, which also allows `max_tokens: 0`.
     pub fn echo(&self) -> bool {
-        matches!(self, Self::Completions { echo: Some(true), .. })
+        matches!(
+            self,
+            Self::Completions {
+                echo: Some(true),
+                ..
+            }
+        )
     }
 }
 
@@ -189,15 +195,27 @@ mod tests {
             (chat(Some(true), Some(21)), json!({}), "top_logprobs"),
             (chat(Some(true), Some(-1)), json!({}), "top_logprobs"),
             (completions(Some(6), false, None), json!({}), "logprobs"),
-            (completions(None, false, Some(1)), json!({"n": 2}), "best_of"),
+            (
+                completions(None, false, Some(1)),
+                json!({"n": 2}),
+                "best_of",
+            ),
             (
                 completions(None, false, Some(3)),
                 json!({"stream": true}),
                 "best_of",
             ),
-            (chat(None, None), json!({"prompt_logprobs": 21}), "prompt_logprobs"),
+            (
+                chat(None, None),
+                json!({"prompt_logprobs": 21}),
+                "prompt_logprobs",
+            ),
         ] {
-            assert_eq!(apply(fields, body.clone()).unwrap_err(), param, "{fields:?} {body}");
+            assert_eq!(
+                apply(fields, body.clone()).unwrap_err(),
+                param,
+                "{fields:?} {body}"
+            );
         }
     }
 
@@ -214,8 +232,11 @@ mod tests {
     fn best_of_generates_more_choices_than_it_returns() {
         let checked = apply(completions(Some(0), false, Some(3)), json!({"n": 2})).unwrap();
         assert_eq!((checked.n, checked.options.n), (3, 2));
-        let streamed =
-            apply(completions(None, false, Some(2)), json!({"n": 2, "stream": true})).unwrap();
+        let streamed = apply(
+            completions(None, false, Some(2)),
+            json!({"n": 2, "stream": true}),
+        )
+        .unwrap();
         assert_eq!(streamed.n, 2);
     }
 

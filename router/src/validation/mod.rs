@@ -57,7 +57,6 @@ pub struct ResponseOptions {
     pub logprobs: LogprobOptions,
 }
 
-
 /// A request that passed validation.
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
@@ -113,7 +112,12 @@ impl Validator {
         for (ids, text) in sourced {
             let echo = match text {
                 Some(text) if echo => Some(text),
-                None if echo => Some(assets.tokenizer.decode_off_runtime(ids.clone(), true).await?),
+                None if echo => Some(
+                    assets
+                        .tokenizer
+                        .decode_off_runtime(ids.clone(), true)
+                        .await?,
+                ),
                 _ => None,
             };
             prompts.push(ValidPrompt { ids, echo });

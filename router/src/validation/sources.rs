@@ -108,9 +108,10 @@ impl PromptSource for CompletionFields {
         let mut prompt_ids = Vec::with_capacity(prompts.len());
         for prompt in prompts {
             prompt_ids.push(match prompt {
-                PromptInput::Text(text) => {
-                    (assets.tokenizer.encode(text.clone(), true).await?, Some(text))
-                }
+                PromptInput::Text(text) => (
+                    assets.tokenizer.encode(text.clone(), true).await?,
+                    Some(text),
+                ),
                 PromptInput::Ids(ids) => (ids, None),
             });
         }

@@ -162,6 +162,8 @@ pub struct Options {
     pub adapter_load_delay: Duration,
     /// (adapter id, directory) the fake's LoadAdapter answers for a hub adapter.
     pub adapter_paths: Vec<(String, String)>,
+    /// The fake's `with_seeded_sampling`: sampled choices with distinct seeds differ.
+    pub seeded_sampling: bool,
 }
 
 impl Default for Options {
@@ -180,6 +182,7 @@ impl Default for Options {
             max_active_adapters: 4,
             adapter_load_delay: Duration::ZERO,
             adapter_paths: Vec::new(),
+            seeded_sampling: false,
         }
     }
 }
@@ -208,6 +211,9 @@ impl TestApp {
             .with_cache(4, 256)
             .with_step_delay(options.step_delay)
             .with_adapter_load_delay(options.adapter_load_delay);
+        if options.seeded_sampling {
+            fake = fake.with_seeded_sampling();
+        }
         for (id, dir) in &options.adapter_paths {
             fake = fake.with_adapter_path(id.clone(), dir.clone());
         }
