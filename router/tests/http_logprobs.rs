@@ -417,7 +417,10 @@ async fn best_of_returns_the_choices_with_the_highest_cumulative_logprob() {
                 (ids.iter().map(|&id| logprob(id)).sum(), c, ids)
             })
             .collect();
-        billed += candidates.iter().map(|(_, _, ids)| ids.len()).sum::<usize>();
+        billed += candidates
+            .iter()
+            .map(|(_, _, ids)| ids.len())
+            .sum::<usize>();
         candidates.sort_by(|a, b| b.0.total_cmp(&a.0));
         // The test means something only if the best are not simply the first choices.
         let picked: Vec<u64> = candidates.iter().take(n).map(|(_, c, _)| *c).collect();
@@ -434,7 +437,10 @@ async fn best_of_returns_the_choices_with_the_highest_cumulative_logprob() {
         prompts.len() * n
     );
     assert_eq!(response["usage"]["completion_tokens"], billed);
-    assert!(reordered, "pick a seed whose best choices are not the first ones");
+    assert!(
+        reordered,
+        "pick a seed whose best choices are not the first ones"
+    );
 }
 
 #[tokio::test]
