@@ -42,8 +42,11 @@ use super::{ShardBackend, ShardError, ShardResult};
 use crate::pb;
 
 mod adapters;
+mod logprobs;
 
 use adapters::AdapterState;
+pub use logprobs::{fake_logprob, fake_seeded_first_token};
+use logprobs::{fake_top, prompt_positions};
 
 /// The fake's token rule for the base model: the token after `previous`.
 pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
@@ -71,27 +74,6 @@ pub fn fake_adapter_shift(adapter_id: &str, vocab_size: u32) -> u32 {
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
     1 + (hash % u64::from(vocab_size - 1)) as u32
-}
-
-/// The fake's log-probability of `token`, at any step and for any adapter.
-pub fn fake_logprob(token: u32, vocab_size: u32) -> f32 {
-    -(token as f32) / vocab_size as f32
-}
-
-/// The fake's `k` most likely tokens: `0..k` (within the vocabulary).
-fn fake_top(k: u32, vocab_size: u32) -> Vec<pb::TokenLogprob> {
-    (0..k.min(vocab_size))
-        .map(|token_id| pb::TokenLogprob {
-            token_id,
-            logprob: fake_logprob(token_id, vocab_size),
-        })
-        .collect()
-}
-
-/// The first token of a request with `seed` under `with_seeded_sampling`, given the token the
-/// unseeded rule would give.
-pub fn fake_seeded_first_token(unseeded: u32, seed: u64, vocab_size: u32) -> u32 {
-    ((u64::from(unseeded) + seed % u64::from(vocab_size)) % u64::from(vocab_size)) as u32
 }
 
 fn next_token(previous: u32, shift: u32, vocab_size: u32) -> u32 {
@@ -287,19 +269,6 @@ impl FakeShard {
         }
     }
 
-    /// `prompt_logprobs` of a prefill: every prompt token after the first.
-    fn prompt_positions(&self, input_ids: &[u32], top: u32) -> Vec<pb::PromptPosition> {
-        input_ids
-            .iter()
-            .skip(1)
-            .map(|&token| pb::PromptPosition {
-                logprob: fake_logprob(token, self.vocab_size),
-                top: fake_top(top, self.vocab_size),
-                rank: token + 1,
-            })
-            .collect()
-    }
-
     fn check_request(&self, state: &State, request: &pb::Request) -> ShardResult<()> {
         let id = request.id;
         if state.requests.contains_key(&id) {
@@ -386,7 +355,7 @@ impl FakeShard {
                 generation.logprob = fake_logprob(generation.token_id, self.vocab_size);
             }
             if let Some(k) = r.prompt_logprobs {
-                generation.prompt_logprobs = self.prompt_positions(&r.input_ids, k);
+                generation.prompt_logprobs = prompt_positions(&r.input_ids, k, self.vocab_size);
             }
             for &block in &r.blocks {
                 state.block_owner.insert(block, r.id);
