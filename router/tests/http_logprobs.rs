@@ -487,7 +487,7 @@ async fn refusals_name_their_param() {
         assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {error}");
         assert_eq!(error["error"]["param"], param, "{body}: {error}");
     }
-    // `best_of` counts against the request's choice and KV bounds like `n`.
+    // `best_of` counts against the request's KV share like `n`: 128 × 16 blocks is over it.
     let (status, error) = app
         .post(
             COMPLETIONS,
@@ -495,4 +495,5 @@ async fn refusals_name_their_param() {
         )
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
+    assert_eq!(error["error"]["code"], "kv_share_exceeded", "{error}");
 }

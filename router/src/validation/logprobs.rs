@@ -133,6 +133,25 @@ pub(super) fn apply_logprobs(
     Ok(())
 }
 
+/// `best_of` alone over `--max-choices-per-request` is named as such (the shared choice check
+/// would name `n`).
+pub(super) fn check_best_of_bound(
+    checked: &CheckedParams,
+    max_choices: u32,
+) -> Result<(), ValidationError> {
+    if checked.n > checked.options.n && checked.n > max_choices {
+        return Err(ValidationError::invalid(
+            "best_of",
+            format!(
+                "`best_of` is {}, but this server accepts at most {max_choices} choices per \
+                 request (--max-choices-per-request)",
+                checked.n
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn check_best_of(best_of: u32, n: u32, stream: bool) -> Result<u32, ValidationError> {
     if best_of < n || best_of > MAX_N {
         return Err(ValidationError::invalid(
@@ -238,6 +257,14 @@ mod tests {
         )
         .unwrap();
         assert_eq!(streamed.n, 2);
+    }
+
+    #[test]
+    fn best_of_over_the_choice_bound_is_named() {
+        let checked = apply(completions(None, false, Some(9)), json!({"n": 2})).unwrap();
+        let error = check_best_of_bound(&checked, 8).unwrap_err();
+        assert_eq!(error.param(), Some("best_of"));
+        assert!(check_best_of_bound(&checked, 9).is_ok());
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub use logprobs::{LogprobFields, LogprobOptions, MAX_COMPLETION_LOGPROBS, MAX_T
 pub use sources::PromptSource;
 pub use tokens::{tokenize_ids, vocabulary_ids};
 
-use logprobs::apply_logprobs;
+use logprobs::{apply_logprobs, check_best_of_bound};
 use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
@@ -101,6 +101,7 @@ impl Validator {
         let logprob_fields = fields.logprob_fields();
         let mut checked = check_params(params, logprob_fields.echo())?;
         apply_logprobs(logprob_fields, params, &mut checked)?;
+        check_best_of_bound(&checked, self.bounds.max_choices_per_request)?;
         let limits = PromptLimits {
             request: self.bounds,
             n: checked.n,
