@@ -17,12 +17,13 @@ use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, GenerationParams, Usage};
+use crate::openai::fields::{check_fields, EndpointFields};
 use crate::validation::PromptSource;
 
 /// One generation endpoint; a value formats one request's chunks and response.
 pub trait Endpoint: ChunkFormat + Sized {
     /// The request fields only this endpoint reads (`messages`, `prompt`).
-    type Fields: PromptSource + DeserializeOwned + 'static;
+    type Fields: PromptSource + EndpointFields + DeserializeOwned + 'static;
     type Response: Serialize;
 
     /// `model` is what the response reports; `prompt_token_ids` holds each choice's prompt
@@ -49,8 +50,12 @@ pub struct GenerationBody<F> {
     params: GenerationParams,
 }
 
-impl<F: DeserializeOwned> RequestBody for GenerationBody<F> {
+impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
     fn from_json(value: &Value) -> Result<Self, ApiError> {
+        // Fields refused or unknown first: the typed structs below would skip them silently.
+        if let Value::Object(body) = value {
+            check_fields(F::FIELDS, body)?;
+        }
         // The endpoint's own fields first: when both are wrong, `messages` or `prompt` is named.
         Ok(Self {
             fields: typed(value)?,

@@ -58,16 +58,6 @@ impl PromptSource for CompletionFields {
         if self.echo == Some(true) {
             return Err(ValidationError::invalid("echo", "`echo` is not supported"));
         }
-        if self
-            .suffix
-            .as_deref()
-            .is_some_and(|suffix| !suffix.is_empty())
-        {
-            return Err(ValidationError::invalid(
-                "suffix",
-                "`suffix` is not supported",
-            ));
-        }
         let prompts = parse_prompt(
             self.prompt
                 .ok_or_else(|| ValidationError::missing("prompt"))?,
