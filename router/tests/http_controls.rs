@@ -168,6 +168,30 @@ async fn up_to_sixteen_stop_strings() {
 }
 
 #[tokio::test]
+async fn control_values_out_of_range_are_named() {
+    let app = TestApp::start().await;
+    for (extra, param) in [
+        (json!({"presence_penalty": 2.5}), "presence_penalty"),
+        (json!({"frequency_penalty": -2.01}), "frequency_penalty"),
+        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
+        (json!({"logit_bias": {"5": -100.5}}), "logit_bias"),
+        (json!({"stop_token_ids": [98]}), "stop_token_ids"),
+    ] {
+        for (path, body) in [
+            (CHAT, chat_body("Hi", extra.clone())),
+            (COMPLETIONS, completion_body(json!("a"), extra.clone())),
+        ] {
+            let (status, response) = app.post(path, &body).await;
+            assert_refused(status, &response, param, "invalid_value");
+        }
+    }
+    let bounds = json!({"max_tokens": 1, "presence_penalty": -2, "frequency_penalty": 2,
+                        "logit_bias": {"5": -100, "6": 100}, "stop_token_ids": [97]});
+    let (status, response) = app.post(CHAT, &chat_body("Hi", bounds)).await;
+    assert_eq!(status, StatusCode::OK, "{response}");
+}
+
+#[tokio::test]
 async fn logit_bias_keys_are_vocabulary_ids() {
     let app = TestApp::start().await;
     for key in ["98", "-1", "x", "1.5"] {

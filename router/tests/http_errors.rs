@@ -317,10 +317,6 @@ async fn out_of_range_parameters_are_named() {
         (json!({"max_tokens": 0}), "max_tokens"),
         (json!({"min_tokens": 10, "max_tokens": 5}), "min_tokens"),
         (json!({"stop": vec!["s"; 17]}), "stop"),
-        (json!({"presence_penalty": 2.5}), "presence_penalty"),
-        (json!({"frequency_penalty": -2.5}), "frequency_penalty"),
-        (json!({"logit_bias": {"5": 101}}), "logit_bias"),
-        (json!({"stop_token_ids": [98]}), "stop_token_ids"),
     ];
     for (extra, param) in cases {
         let (status, response) = app.post(CHAT, &chat_body("Hi", extra.clone())).await;
