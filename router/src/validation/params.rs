@@ -16,6 +16,7 @@ pub(super) struct CheckedParams {
     pub max_tokens: Option<(u32, &'static str)>,
     pub min_tokens: u32,
     pub ignore_eos: bool,
+    /// The client's `stop_token_ids`, in the vocabulary; honoured even with `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
     pub options: ResponseOptions,
 }
