@@ -61,6 +61,13 @@ CASES = [
      "temperature"),
     ("top-p-zero", lambda m: _chat(m, top_p=0), BAD, ["top_p"], "top_p"),
     ("top-p-above-1", lambda m: _completion(m, top_p=1.5), BAD, ["top_p"], "top_p"),
+    ("presence-penalty-above-2", lambda m: _chat(m, presence_penalty=2.5), BAD, ["presence_penalty"],
+     "presence_penalty"),
+    ("logit-bias-unknown-token", lambda m: _completion(m, logit_bias={"100000": 1}), BAD, ["100000"],
+     "logit_bias"),
+    ("seventeen-stops", lambda m: _completion(m, stop=[f"s{i}" for i in range(17)]), BAD, ["16"], "stop"),
+    ("json-mode-refused", lambda m: _chat(m, response_format={"type": "json_object"}), BAD,
+     ["response_format"], "response_format"),
     ("unknown-model-chat", lambda m: _chat("no-such-model"), MISSING, ["no-such-model"], "model"),
     ("unknown-model-completion", lambda m: _completion("no-such-model"), MISSING, ["no-such-model"],
      "model"),
@@ -123,10 +130,17 @@ def test_wrong_content_type_still_answers_in_openai_shape(client, llama):
     _assert_still_serving(client, llama.model)
 
 
-def test_unknown_fields_are_ignored(client, llama):
-    """Real clients send extras (DESIGN.md): they must not be rejected."""
+def test_unknown_fields_are_refused_and_known_extras_accepted(client, llama):
+    """Nothing is silently ignored (docs/api.md, field by field): a field quiver does not know is
+    a 400 naming it; fields OpenAI clients send that have no effect here are accepted."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=llama.model, messages=HELLO, max_tokens=2,
+                                       extra_body={"some_vendor_field": {"x": 1}})
+    error = refused.value.response.json()["error"]
+    assert error["param"] == "some_vendor_field"
+    assert error["code"] == "unsupported_parameter"
     response = client.chat.completions.create(
-        model=llama.model, messages=HELLO, max_tokens=2,
-        extra_body={"some_vendor_field": {"x": 1}, "metadata": {"k": "v"}},
+        model=llama.model, messages=HELLO, max_tokens=2, user="u", metadata={"k": "v"}, store=False,
+        extra_body={"some_vendor_field": None},
     )
     assert response.choices[0].finish_reason in ("stop", "length")

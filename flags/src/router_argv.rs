@@ -21,6 +21,7 @@ impl ServingFlags {
             max_concurrent_requests,
             max_choices_per_request,
             max_request_kv_share,
+            max_stop_sequences,
             preemption_wait_ms,
             max_queue_wait_secs,
             adapter_source,
@@ -65,6 +66,7 @@ impl ServingFlags {
                 max_choices_per_request.to_string(),
             )
             .flag("--max-request-kv-share", max_request_kv_share.to_string())
+            .flag("--max-stop-sequences", max_stop_sequences.to_string())
             .flag("--preemption-wait-ms", preemption_wait_ms.to_string())
             .flag("--max-queue-wait-secs", max_queue_wait_secs.to_string())
             .flag("--adapter-source", adapter_source.as_str())
@@ -152,6 +154,7 @@ mod tests {
             max_concurrent_requests: 64,
             max_choices_per_request: 100,
             max_request_kv_share: 0.25,
+            max_stop_sequences: 3,
             preemption_wait_ms: 20,
             max_queue_wait_secs: 9,
             adapter_source: AdapterSource::Local,

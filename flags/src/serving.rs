@@ -59,6 +59,11 @@ pub struct ServingFlags {
           value_parser = parse_share)]
     pub max_request_kv_share: f64,
 
+    /// Most stop strings (`stop`) one request may give; more is refused with 400. OpenAI allows
+    /// 4, too few for clients that add their own (lm-eval appends EOS to its `until` list).
+    #[arg(long, env = "QUIVER_MAX_STOP_SEQUENCES", default_value_t = 16)]
+    pub max_stop_sequences: u32,
+
     /// How long the request at the head of a queue may wait for KV blocks or a batch slot
     /// before running requests are preempted (and later resumed) to make room.
     #[arg(long, env = "QUIVER_PREEMPTION_WAIT_MS", default_value_t = 500)]

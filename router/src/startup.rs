@@ -31,12 +31,13 @@ pub struct Settings {
     pub admission: AdmissionSettings,
 }
 
-/// `--max-choices-per-request`, `--max-request-kv-share`, `--preemption-wait-ms`,
-/// `--max-queue-wait-secs`.
+/// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
+/// `--preemption-wait-ms`, `--max-queue-wait-secs`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdmissionSettings {
     pub max_choices_per_request: u32,
     pub max_request_kv_share: f64,
+    pub max_stop_sequences: u32,
     pub preemption_wait: Duration,
     /// `None`: queued requests wait without a deadline.
     pub max_queue_wait: Option<Duration>,
@@ -48,6 +49,7 @@ impl Default for AdmissionSettings {
         Self {
             max_choices_per_request: 512,
             max_request_kv_share: 0.5,
+            max_stop_sequences: 16,
             preemption_wait: Duration::from_millis(500),
             max_queue_wait: None,
         }
@@ -90,6 +92,7 @@ impl Settings {
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
+                max_stop_sequences: args.serving.max_stop_sequences,
                 preemption_wait: Duration::from_millis(args.serving.preemption_wait_ms),
                 max_queue_wait: (args.serving.max_queue_wait_secs > 0)
                     .then(|| Duration::from_secs(args.serving.max_queue_wait_secs)),
@@ -193,6 +196,7 @@ pub async fn start(
             max_concurrent_requests: settings.max_concurrent_requests,
             max_choices_per_request: settings.admission.max_choices_per_request,
             max_request_kv_share: settings.admission.max_request_kv_share,
+            max_stop_sequences: settings.admission.max_stop_sequences,
             preemption_wait_ms: settings.admission.preemption_wait.as_millis() as u64,
             max_queue_wait_secs: settings
                 .admission
@@ -221,6 +225,7 @@ pub async fn start(
             limits,
             vocab_size: info.vocab_size,
             eos_token_ids,
+            max_stop_sequences: settings.admission.max_stop_sequences,
             bounds: RequestBounds::new(
                 settings.admission.max_choices_per_request,
                 settings.admission.max_request_kv_share,

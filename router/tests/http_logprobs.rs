@@ -185,8 +185,10 @@ async fn completion_logprobs_have_the_legacy_shape_and_stream_the_same() {
     let mut offset = 0;
     for (i, &id) in ids.iter().enumerate() {
         assert_close(&logprobs["token_logprobs"][i], logprob(id), "token logprob");
+        // The two alternatives plus the chosen token itself (OpenAI's "logprobs+1").
         let top = logprobs["top_logprobs"][i].as_object().unwrap();
-        assert_eq!(top.len(), 2);
+        assert_eq!(top.len(), 3);
+        assert_close(&top[&piece(id)], logprob(id), "chosen in top");
         assert_close(&top["<|bos|>"], logprob(BOS), "top");
         assert_close(&top["<|eos|>"], logprob(EOS), "top");
         assert_eq!(logprobs["text_offset"][i], offset);
@@ -297,7 +299,13 @@ async fn max_tokens_zero_with_echo_scores_the_prompt_only() {
     assert_eq!(response["usage"]["prompt_tokens"], 6);
     let tokens = choice["logprobs"]["tokens"].as_array().unwrap();
     assert_eq!(tokens.len(), 6);
-    assert_eq!(choice["logprobs"]["top_logprobs"][1], json!({}));
+    // With `logprobs: 0`, only the prompt token itself.
+    let top = choice["logprobs"]["top_logprobs"][1].as_object().unwrap();
+    assert_eq!(top.len(), 1);
+    assert_eq!(
+        top.values().next(),
+        Some(&choice["logprobs"]["token_logprobs"][1])
+    );
 
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);

@@ -18,6 +18,7 @@ use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
+use crate::openai::fields::{check_fields, EndpointFields};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
 use crate::tokenizer::TextTokenizer;
@@ -26,7 +27,7 @@ use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
 /// One generation endpoint; a value formats one request's chunks and response.
 pub trait Endpoint: ChunkFormat + Sized {
     /// The request fields only this endpoint reads (`messages`, `prompt`).
-    type Fields: PromptSource + DeserializeOwned + 'static;
+    type Fields: PromptSource + EndpointFields + DeserializeOwned + 'static;
     type Response: Serialize;
 
     fn new(setup: ResponseSetup) -> Self;
@@ -86,8 +87,12 @@ pub struct GenerationBody<F> {
     params: GenerationParams,
 }
 
-impl<F: DeserializeOwned> RequestBody for GenerationBody<F> {
+impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
     fn from_json(value: &Value) -> Result<Self, ApiError> {
+        // Fields refused or unknown first: the typed structs below would skip them silently.
+        if let Value::Object(body) = value {
+            check_fields(F::FIELDS, body)?;
+        }
         // The endpoint's own fields first: when both are wrong, `messages` or `prompt` is named.
         Ok(Self {
             fields: typed(value)?,

@@ -61,16 +61,19 @@ pub fn chat_logprobs(
     }
 }
 
-/// Completions' `{token: logprob}` map of the alternatives.
-fn top_map(tokenizer: &TextTokenizer, top: &[TokenLogprob], k: u32) -> BTreeMap<String, f32> {
-    top.iter()
-        .take(k as usize)
-        .map(|alt| {
-            (
-                token_piece(tokenizer, alt.token_id).text,
-                finite(alt.logprob),
-            )
-        })
+/// Completions' `{token: logprob}` map: the `k` alternatives plus the chosen token itself, as
+/// OpenAI documents ("up to logprobs+1 elements") and vLLM does, for prompt tokens too.
+fn top_map(
+    tokenizer: &TextTokenizer,
+    chosen: (u32, f32),
+    top: &[TokenLogprob],
+    k: u32,
+) -> BTreeMap<String, f32> {
+    let alternatives = top.iter().take(k as usize).map(|alt| (alt.token_id, alt.logprob));
+    let (id, logprob) = chosen;
+    std::iter::once((id, logprob))
+        .chain(alternatives)
+        .map(|(id, logprob)| (token_piece(tokenizer, id).text, finite(logprob)))
         .collect()
 }
 
@@ -92,7 +95,7 @@ impl CompletionOffsets {
     ) -> CompletionLogprobs {
         let mut out = CompletionLogprobs::default();
         for token in tokens {
-            let top = top_map(tokenizer, &token.top, k);
+            let top = top_map(tokenizer, (token.id, token.logprob), &token.top, k);
             self.push(
                 &mut out,
                 token_piece(tokenizer, token.id),
@@ -116,7 +119,7 @@ impl CompletionOffsets {
         for (i, &id) in prompt_ids.iter().enumerate() {
             let position = i.checked_sub(1).and_then(|p| positions.get(p));
             let logprob = position.map(|p| p.logprob);
-            let top = position.map(|p| top_map(tokenizer, &p.top, k));
+            let top = position.map(|p| top_map(tokenizer, (id, p.logprob), &p.top, k));
             self.push(&mut out, token_piece(tokenizer, id), logprob, top);
         }
         out

@@ -86,6 +86,7 @@ pub struct ServedLimits {
     pub max_concurrent_requests: u32,
     pub max_choices_per_request: u32,
     pub max_request_kv_share: f64,
+    pub max_stop_sequences: u32,
     pub preemption_wait_ms: u64,
     /// 0: off.
     pub max_queue_wait_secs: u64,

@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 /// in any field is reported with that field's name (serde's `flatten` would lose it).
 ///
 /// Every field is optional and `null` means absent, as clients send explicit nulls. Fields
-/// not listed here are ignored.
+/// not read here were checked against `crate::openai::fields` before: refused, or accepted
+/// without effect for a stated reason.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct GenerationParams {
     /// "" (or absent), the served model name or the base model id: the base model.

@@ -20,7 +20,8 @@ pub struct CompletionFields {
     /// Generate this many choices (>= `n`) and return the `n` with the highest cumulative
     /// logprob.
     pub best_of: Option<u32>,
-    /// Not supported; refused when set to a non-empty string for the same reason.
+    /// Not supported: a non-empty one is refused by `crate::openai::fields`; kept so a wrong
+    /// type is named.
     pub suffix: Option<String>,
 }
 

@@ -120,14 +120,16 @@ pub(super) struct Running {
 }
 
 impl Running {
-    /// Whether `token`, the request's latest token, ends it. EOS counts only once at
-    /// least `min_tokens` tokens came before it (as vLLM's `min_tokens`); an EOS that is also
-    /// the last allowed token reports `Eos`, the more specific reason.
+    /// Whether `token`, the request's latest token, ends it. EOS and stop tokens count only
+    /// once at least `min_tokens` tokens came before them (as vLLM's `min_tokens`);
+    /// `ignore_eos` ignores EOS, not the stop tokens the client named. One that is also the
+    /// last allowed token reports `Eos`, the more specific reason.
     fn finish_reason(&self, token: u32) -> Option<FinishReason> {
         let generated = self.tokens.len() as u32;
         let request = &self.request;
-        let eos_allowed = !request.ignore_eos && generated > request.min_tokens;
-        if eos_allowed && request.eos_token_ids.contains(&token) {
+        let stops = request.stop_token_ids.contains(&token)
+            || (!request.ignore_eos && request.eos_token_ids.contains(&token));
+        if stops && generated > request.min_tokens {
             Some(FinishReason::Eos)
         } else if generated >= request.max_new_tokens {
             Some(FinishReason::Length)

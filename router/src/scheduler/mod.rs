@@ -86,7 +86,10 @@ pub struct GenerationRequest {
     /// Token ids that end generation with `finish_reason: "stop"` (unless `ignore_eos`).
     pub eos_token_ids: Vec<u32>,
     pub ignore_eos: bool,
-    /// EOS is not honoured before this many tokens.
+    /// The client's `stop_token_ids`: end generation like EOS, even with `ignore_eos` (as
+    /// vLLM: the client asked for them by name).
+    pub stop_token_ids: Vec<u32>,
+    /// EOS and stop tokens are not honoured before this many tokens.
     pub min_tokens: u32,
     /// "" is the base model; otherwise an adapter loaded on the shards.
     pub adapter_id: String,
@@ -96,7 +99,7 @@ pub struct GenerationRequest {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
-    /// An EOS token was generated (it is the event's token).
+    /// An EOS or stop token was generated (it is the event's token, never shown as text).
     Eos,
     /// `max_new_tokens` reached.
     Length,

@@ -34,6 +34,7 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
         sampling: SamplingParams::default(),
         eos_token_ids: Vec::new(),
         ignore_eos: false,
+        stop_token_ids: Vec::new(),
         min_tokens: 0,
         adapter_id: String::new(),
         prompt_logprobs: None,

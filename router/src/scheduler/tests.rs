@@ -109,6 +109,29 @@ async fn ignore_eos_and_min_tokens_defer_eos() {
     assert_all_released(&shard, &scheduler).await;
 }
 
+#[tokio::test]
+async fn stop_token_ids_end_even_with_ignore_eos_but_wait_for_min_tokens() {
+    let shard = Arc::new(FakeShard::new(VOCAB));
+    let scheduler = start(&shard, config(16, 64));
+    let (prompt, stop) = eos_case();
+    let full = reference_tokens(&prompt, 12);
+
+    let mut stopping = request(&prompt, 12);
+    stopping.stop_token_ids = vec![stop];
+    stopping.ignore_eos = true;
+    let outcome = collect(scheduler.submit(stopping).unwrap()).await;
+    assert_eq!(outcome.tokens, full[..3].to_vec());
+    assert_eq!(outcome.finish, Ok(FinishReason::Eos));
+
+    let mut deferred = request(&prompt, 12);
+    deferred.stop_token_ids = vec![stop];
+    deferred.min_tokens = 3;
+    let outcome = collect(scheduler.submit(deferred).unwrap()).await;
+    assert_eq!(outcome.tokens, full);
+    assert_eq!(outcome.finish, Ok(FinishReason::Length));
+    assert_all_released(&shard, &scheduler).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_get_the_same_output_as_alone() {
     let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));

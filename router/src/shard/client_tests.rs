@@ -309,6 +309,7 @@ async fn the_scheduler_runs_over_grpc() {
             sampling: SamplingParams::default(),
             eos_token_ids: vec![1],
             ignore_eos: false,
+            stop_token_ids: Vec::new(),
             min_tokens: 0,
             adapter_id: String::new(),
             prompt_logprobs: None,

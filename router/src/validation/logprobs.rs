@@ -177,7 +177,12 @@ mod tests {
 
     fn apply(fields: LogprobFields, body: serde_json::Value) -> Result<CheckedParams, String> {
         let params: GenerationParams = serde_json::from_value(body).unwrap();
-        let mut checked = check_params(&params, fields.echo()).map_err(|e| e.to_string())?;
+        let limits = super::super::ControlLimits {
+            vocab_size: 1000,
+            max_stop_sequences: 16,
+        };
+        let mut checked =
+            check_params(&params, fields.echo(), limits).map_err(|e| e.to_string())?;
         apply_logprobs(fields, &params, &mut checked)
             .map_err(|e| e.param().unwrap_or_default().to_owned())?;
         Ok(checked)

@@ -5,6 +5,7 @@
 //! and completion lengths against the served limits, token ids against the vocabulary.
 
 mod bounds;
+mod controls;
 mod error;
 mod limits;
 mod logprobs;
@@ -16,6 +17,9 @@ mod tokens;
 mod tool_turns;
 
 pub use bounds::{PromptLimits, RequestBounds, MAX_PROMPTS};
+pub use controls::{
+    ControlLimits, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_SEQUENCE_BYTES, MAX_STOP_TOKEN_IDS,
+};
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
 pub use logprobs::{LogprobFields, LogprobOptions, MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS};
@@ -30,8 +34,6 @@ use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 
-/// OpenAI allows at most this many stop sequences.
-pub const MAX_STOP_SEQUENCES: usize = 4;
 /// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
 pub const MAX_N: u32 = 128;
 
@@ -84,6 +86,8 @@ pub struct Validator {
     /// Token ids that end a choice with `finish_reason: "stop"`: the model's and its
     /// tokenizer's. An adapter's own tokenizer adds its stop ids to these.
     pub eos_token_ids: Vec<u32>,
+    /// `--max-stop-sequences`.
+    pub max_stop_sequences: u32,
     /// Choices per request and the share of the KV cache one request may reserve.
     pub bounds: RequestBounds,
 }
@@ -99,7 +103,11 @@ impl Validator {
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let logprob_fields = fields.logprob_fields();
-        let mut checked = check_params(params, logprob_fields.echo())?;
+        let control_limits = ControlLimits {
+            vocab_size: self.vocab_size,
+            max_stop_sequences: self.max_stop_sequences,
+        };
+        let mut checked = check_params(params, logprob_fields.echo(), control_limits)?;
         apply_logprobs(logprob_fields, params, &mut checked)?;
         check_best_of_bound(&checked, self.bounds.max_choices_per_request)?;
         let limits = PromptLimits {
@@ -178,6 +186,7 @@ impl Validator {
                     },
                     eos_token_ids: eos_token_ids.clone(),
                     ignore_eos: checked.ignore_eos,
+                    stop_token_ids: checked.stop_token_ids.clone(),
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
                     prompt_logprobs,

@@ -1,6 +1,7 @@
 //! Range checks of the parameters chat and completions share, with OpenAI's defaults.
 
-use super::{ResponseOptions, ValidationError, MAX_N, MAX_STOP_SEQUENCES};
+use super::controls::{check_controls, ControlLimits};
+use super::{ResponseOptions, ValidationError, MAX_N};
 use crate::openai::common::GenerationParams;
 use crate::scheduler::SamplingParams;
 
@@ -15,6 +16,8 @@ pub(super) struct CheckedParams {
     pub max_tokens: Option<(u32, &'static str)>,
     pub min_tokens: u32,
     pub ignore_eos: bool,
+    /// The client's `stop_token_ids`, in the vocabulary; honoured even with `ignore_eos`.
+    pub stop_token_ids: Vec<u32>,
     pub options: ResponseOptions,
 }
 
@@ -23,6 +26,7 @@ pub(super) struct CheckedParams {
 pub(super) fn check_params(
     params: &GenerationParams,
     echo: bool,
+    limits: ControlLimits,
 ) -> Result<CheckedParams, ValidationError> {
     let temperature = params.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
@@ -83,24 +87,7 @@ pub(super) fn check_params(
         }
         _ => {}
     }
-    let stop: Vec<String> = params
-        .stop
-        .clone()
-        .map(|stops| stops.0)
-        .unwrap_or_default()
-        .into_iter()
-        // An empty stop string would match before any text; clients mean "no stop".
-        .filter(|stop| !stop.is_empty())
-        .collect();
-    if stop.len() > MAX_STOP_SEQUENCES {
-        return Err(ValidationError::invalid(
-            "stop",
-            format!(
-                "at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {}",
-                stop.len()
-            ),
-        ));
-    }
+    let controls = check_controls(params, limits)?;
     let stream = params.stream.unwrap_or(false);
     Ok(CheckedParams {
         sampling: SamplingParams {
@@ -109,6 +96,9 @@ pub(super) fn check_params(
             top_k,
             min_p,
             repetition_penalty,
+            presence_penalty: controls.presence_penalty,
+            frequency_penalty: controls.frequency_penalty,
+            logit_bias: controls.logit_bias,
             ..SamplingParams::default()
         },
         seed: params.seed.map(|seed| seed.0),
@@ -116,6 +106,7 @@ pub(super) fn check_params(
         max_tokens,
         min_tokens: params.min_tokens.unwrap_or(0),
         ignore_eos: params.ignore_eos.unwrap_or(false),
+        stop_token_ids: controls.stop_token_ids,
         options: ResponseOptions {
             stream,
             include_usage: stream
@@ -125,7 +116,7 @@ pub(super) fn check_params(
                     .and_then(|options| options.include_usage)
                     .unwrap_or(false),
             return_token_ids: params.return_token_ids.unwrap_or(false),
-            stop,
+            stop: controls.stop,
             n,
             ..ResponseOptions::default()
         },
@@ -137,12 +128,17 @@ mod tests {
     use super::*;
     use serde_json::{json, Value};
 
-    fn params(body: Value) -> GenerationParams {
-        serde_json::from_value(body).expect("valid params")
+    const LIMITS: ControlLimits = ControlLimits {
+        vocab_size: 100,
+        max_stop_sequences: 4,
+    };
+
+    fn check(body: Value) -> Result<CheckedParams, ValidationError> {
+        check_params(&params(body), false, LIMITS)
     }
 
-    fn check_params_of(params: &GenerationParams) -> Result<CheckedParams, ValidationError> {
-        check_params(params, false)
+    fn params(body: Value) -> GenerationParams {
+        serde_json::from_value(body).expect("valid params")
     }
 
     fn param_of(result: Result<CheckedParams, ValidationError>) -> String {
@@ -155,7 +151,7 @@ mod tests {
 
     #[test]
     fn openai_defaults_apply() {
-        let checked = check_params_of(&params(json!({}))).unwrap();
+        let checked = check(json!({})).unwrap();
         assert_eq!(checked.sampling.temperature, 1.0);
         assert_eq!(checked.sampling.top_p, 1.0);
         assert_eq!(checked.n, 1);
@@ -180,29 +176,37 @@ mod tests {
                 "max_completion_tokens",
             ),
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+            (json!({"presence_penalty": 2.5}), "presence_penalty"),
+            (json!({"logit_bias": {"100": 1}}), "logit_bias"),
+            (json!({"stop_token_ids": [100]}), "stop_token_ids"),
         ] {
-            assert_eq!(
-                param_of(check_params_of(&params(body.clone()))),
-                param,
-                "{body}"
-            );
+            assert_eq!(param_of(check(body.clone())), param, "{body}");
         }
     }
 
     #[test]
     fn boundaries_are_accepted() {
-        let checked = check_params_of(&params(json!({
+        let checked = check(json!({
             "temperature": 0, "top_p": 1, "top_k": -1, "stop": "x", "seed": -1,
             "stream": true, "stream_options": {"include_usage": true}
-        })))
+        }))
         .unwrap();
         assert_eq!(checked.sampling.temperature, 0.0);
         assert_eq!(checked.sampling.top_k, 0);
         assert_eq!(checked.seed, Some(u64::MAX));
         assert_eq!(checked.options.stop, vec!["x".to_owned()]);
         assert!(checked.options.include_usage);
+        let controls = check(json!({
+            "presence_penalty": 0.5, "frequency_penalty": -1, "logit_bias": {"3": 5},
+            "stop_token_ids": [7]
+        }))
+        .unwrap();
+        assert_eq!(controls.sampling.presence_penalty, 0.5);
+        assert_eq!(controls.sampling.frequency_penalty, -1.0);
+        assert_eq!(controls.sampling.logit_bias, vec![(3, 5.0)]);
+        assert_eq!(controls.stop_token_ids, vec![7]);
         assert_eq!(
-            check_params_of(&params(json!({"temperature": 2})))
+            check(json!({"temperature": 2}))
                 .unwrap()
                 .sampling
                 .temperature,

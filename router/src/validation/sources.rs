@@ -79,16 +79,6 @@ impl PromptSource for CompletionFields {
         assets: &ModelAssets,
         limits: &PromptLimits,
     ) -> Result<Vec<SourcedPrompt>, ValidationError> {
-        if self
-            .suffix
-            .as_deref()
-            .is_some_and(|suffix| !suffix.is_empty())
-        {
-            return Err(ValidationError::invalid(
-                "suffix",
-                "`suffix` is not supported",
-            ));
-        }
         let prompts = parse_prompt(
             self.prompt
                 .ok_or_else(|| ValidationError::missing("prompt"))?,

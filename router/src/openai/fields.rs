@@ -1,0 +1,288 @@
+//! What quiver does with every top-level request field of `/v1/chat/completions` and
+//! `/v1/completions`: the one table that the request check below, the docs (`docs/api.md`, whose
+//! tables a test holds against this one) and OpenAI's field lists (`testdata/openai/`) agree on.
+//!
+//! Nothing is silently ignored: a field is implemented, accepted without effect for a stated
+//! reason, or refused with a 400 naming it. A field the table does not know is refused too
+//! (vLLM would only log it): a misspelt `max_token` must not quietly generate 4000 tokens.
+//! `null` means absent everywhere, as clients send explicit nulls for unset options.
+
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+/// How a field is documented; `docs/api.md` spells it in its status column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Implemented,
+    /// Accepted and valid, but it changes nothing here (the note says why).
+    NoEffect,
+    /// Refused with 400 (the note says why), except values `Field::refuses` lets through.
+    Refused,
+}
+
+impl Status {
+    /// The status column of `docs/api.md`.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Implemented => "implemented",
+            Self::NoEffect => "accepted without effect",
+            Self::Refused => "refused",
+        }
+    }
+}
+
+/// One request field.
+#[derive(Debug, Clone, Copy)]
+pub struct Field {
+    pub name: &'static str,
+    pub status: Status,
+    /// Why it has no effect or is refused; the refusal message quotes it.
+    pub reason: &'static str,
+    /// For a field accepted with some values only: the message refusing `value`, if it is one of
+    /// the others. Without it, a `Refused` field refuses every value and the others none.
+    pub refuses: Option<fn(&Value) -> Option<&'static str>>,
+}
+
+const fn field(name: &'static str, status: Status, reason: &'static str) -> Field {
+    Field {
+        name,
+        status,
+        reason,
+        refuses: None,
+    }
+}
+
+const fn implemented(name: &'static str) -> Field {
+    field(name, Status::Implemented, "")
+}
+
+const fn no_effect(name: &'static str, reason: &'static str) -> Field {
+    field(name, Status::NoEffect, reason)
+}
+
+const fn refused(name: &'static str, reason: &'static str) -> Field {
+    field(name, Status::Refused, reason)
+}
+
+const fn some_values(field: Field, refuses: fn(&Value) -> Option<&'static str>) -> Field {
+    Field {
+        refuses: Some(refuses),
+        ..field
+    }
+}
+
+/// The fields both endpoints take, OpenAI's and the documented extensions.
+pub const SHARED: &[Field] = &[
+    implemented("model"),
+    implemented("max_tokens"),
+    implemented("max_completion_tokens"),
+    implemented("temperature"),
+    implemented("top_p"),
+    implemented("n"),
+    implemented("seed"),
+    implemented("stop"),
+    implemented("stream"),
+    implemented("stream_options"),
+    implemented("presence_penalty"),
+    implemented("frequency_penalty"),
+    implemented("logit_bias"),
+    no_effect(
+        "user",
+        "an end-user label for OpenAI's abuse monitoring; quiver keeps no per-user records",
+    ),
+    // Extensions (vLLM's names and meanings).
+    implemented("top_k"),
+    implemented("min_p"),
+    implemented("repetition_penalty"),
+    implemented("ignore_eos"),
+    implemented("min_tokens"),
+    implemented("stop_token_ids"),
+    implemented("return_token_ids"),
+    implemented("prompt_logprobs"),
+    implemented("adapter_source"),
+];
+
+/// `/v1/chat/completions`' own fields.
+pub const CHAT: &[Field] = &[
+    implemented("messages"),
+    implemented("tools"),
+    some_values(
+        no_effect(
+            "tool_choice",
+            "tool calls are not parsed yet: a call the model writes arrives as text",
+        ),
+        refuse_required_tool_choice,
+    ),
+    no_effect(
+        "parallel_tool_calls",
+        "tool calls are not parsed yet, so there is nothing to run in parallel",
+    ),
+    implemented("logprobs"),
+    implemented("top_logprobs"),
+    some_values(
+        no_effect(
+            "response_format",
+            "`{\"type\": \"text\"}` is what is always returned",
+        ),
+        refuse_structured_output,
+    ),
+    some_values(
+        no_effect("modalities", "`[\"text\"]` is what is always returned"),
+        refuse_non_text_modalities,
+    ),
+    refused(
+        "functions",
+        "the legacy function-calling API; use `tools` (OpenAI deprecated `functions`)",
+    ),
+    refused(
+        "function_call",
+        "the legacy function-calling API; use `tools` and `tool_choice`",
+    ),
+    refused(
+        "audio",
+        "quiver serves text models: there is no audio output",
+    ),
+    refused("prediction", "predicted outputs are not supported"),
+    refused("web_search_options", "quiver does not search the web"),
+    refused(
+        "moderation",
+        "quiver runs no moderation; accepting it would suggest it did",
+    ),
+    refused(
+        "reasoning_effort",
+        "a control of OpenAI's reasoning models, which the served model does not have \
+         (OpenAI refuses it for such models too)",
+    ),
+    refused(
+        "verbosity",
+        "a control of OpenAI's GPT-5 models, which the served model does not have \
+         (OpenAI refuses it for other models too)",
+    ),
+    no_effect(
+        "metadata",
+        "tags for OpenAI's stored completions; quiver stores nothing",
+    ),
+    no_effect("store", "quiver stores no completions"),
+    no_effect("service_tier", "one tier: every request is served alike"),
+    no_effect(
+        "safety_identifier",
+        "an end-user label for OpenAI's abuse monitoring; quiver keeps no per-user records",
+    ),
+    no_effect(
+        "prompt_cache_key",
+        "a routing hint for OpenAI's prompt cache; quiver has no prompt cache yet",
+    ),
+    no_effect(
+        "prompt_cache_retention",
+        "OpenAI's prompt-cache lifetime; quiver has no prompt cache yet",
+    ),
+    no_effect(
+        "prompt_cache_options",
+        "OpenAI's prompt-cache settings; quiver has no prompt cache yet",
+    ),
+];
+
+/// `/v1/completions`' own fields.
+pub const COMPLETIONS: &[Field] = &[
+    implemented("prompt"),
+    implemented("echo"),
+    implemented("logprobs"),
+    implemented("best_of"),
+    some_values(
+        refused("suffix", "insertion after a suffix is not supported"),
+        refuse_non_empty_suffix,
+    ),
+];
+
+/// The endpoint fields a body is read into know which table they answer to.
+pub trait EndpointFields {
+    /// The endpoint's own fields; `SHARED` applies too.
+    const FIELDS: &'static [Field];
+}
+
+impl EndpointFields for super::chat::ChatFields {
+    const FIELDS: &'static [Field] = CHAT;
+}
+
+impl EndpointFields for super::completions::CompletionFields {
+    const FIELDS: &'static [Field] = COMPLETIONS;
+}
+
+/// Refuses a body with a field the endpoint does not take, or a value of a field it takes only
+/// with some values. Runs on the raw JSON object, before typed parsing.
+pub fn check_fields(own: &[Field], body: &Map<String, Value>) -> Result<(), ApiError> {
+    for (name, value) in body {
+        if value.is_null() {
+            continue;
+        }
+        let Some(field) = own.iter().chain(SHARED).find(|field| field.name == name) else {
+            return Err(unsupported(
+                name,
+                "unsupported_parameter",
+                format!("unsupported parameter `{name}`: this endpoint does not take it"),
+            ));
+        };
+        let refusal = match field.refuses {
+            Some(refuses) => refuses(value),
+            None => (field.status == Status::Refused).then_some(field.reason),
+        };
+        if let Some(why) = refusal {
+            let code = match field.refuses {
+                Some(_) => "unsupported_value",
+                None => "unsupported_parameter",
+            };
+            return Err(unsupported(
+                name,
+                code,
+                format!("`{name}` is not supported here: {why}"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn unsupported(name: &str, code: &'static str, message: String) -> ApiError {
+    ApiError::BadRequestBody {
+        message,
+        param: Some(name.to_owned()),
+        code,
+    }
+}
+
+/// Only `"none"` and `"auto"`: both let the model answer in text, which is all it can do until
+/// tool calls are parsed. A required or named call would be a promise not kept.
+fn refuse_required_tool_choice(value: &Value) -> Option<&'static str> {
+    match value.as_str() {
+        Some("none" | "auto") => None,
+        _ => Some(
+            "only \"none\" and \"auto\" are accepted until tool calls are parsed; \"required\" \
+             or a named tool cannot be guaranteed",
+        ),
+    }
+}
+
+/// JSON mode and JSON schemas need a grammar, which is not there yet (structured output).
+fn refuse_structured_output(value: &Value) -> Option<&'static str> {
+    let text = value.get("type").and_then(Value::as_str) == Some("text");
+    (!text).then_some(
+        "only {\"type\": \"text\"} is accepted; JSON mode and JSON schemas (structured output) \
+         are not supported yet",
+    )
+}
+
+fn refuse_non_text_modalities(value: &Value) -> Option<&'static str> {
+    let text_only = value
+        .as_array()
+        .is_some_and(|modalities| modalities.iter().all(|m| m.as_str() == Some("text")));
+    (!text_only).then_some("only [\"text\"] is accepted: quiver serves text models")
+}
+
+/// `""` means no suffix, which some clients send by default.
+fn refuse_non_empty_suffix(value: &Value) -> Option<&'static str> {
+    (value.as_str() != Some("")).then_some("insertion after a suffix is not supported")
+}
+
+#[cfg(test)]
+#[path = "fields_tests.rs"]
+mod tests;
