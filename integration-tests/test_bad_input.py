@@ -130,17 +130,24 @@ def test_wrong_content_type_still_answers_in_openai_shape(client, llama):
     _assert_still_serving(client, llama.model)
 
 
-def test_unknown_fields_are_refused_and_known_extras_accepted(client, llama):
+def test_unknown_fields_are_named_refused_ones_refused_and_known_extras_accepted(client, llama):
     """Nothing is silently ignored (docs/api.md, field by field): a field quiver does not know is
-    a 400 naming it; fields OpenAI clients send that have no effect here are accepted."""
+    accepted without effect and named in the `quiver-ignored-fields` header; another server's
+    extension a client relies on is a 400 naming it; fields OpenAI clients send that have no
+    effect here are accepted without a header."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=llama.model, messages=HELLO, max_tokens=2, extra_body={"some_vendor_field": {"x": 1}})
+    assert raw.headers.get("quiver-ignored-fields") == "some_vendor_field"
+    assert raw.parse().choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=llama.model, messages=HELLO, max_tokens=2,
-                                       extra_body={"some_vendor_field": {"x": 1}})
+                                       extra_body={"guided_json": {"type": "object"}})
     error = refused.value.response.json()["error"]
-    assert error["param"] == "some_vendor_field"
+    assert error["param"] == "guided_json"
     assert error["code"] == "unsupported_parameter"
-    response = client.chat.completions.create(
+    raw = client.chat.completions.with_raw_response.create(
         model=llama.model, messages=HELLO, max_tokens=2, user="u", metadata={"k": "v"}, store=False,
         extra_body={"some_vendor_field": None},
     )
-    assert response.choices[0].finish_reason in ("stop", "length")
+    assert "quiver-ignored-fields" not in raw.headers
+    assert raw.parse().choices[0].finish_reason in ("stop", "length")

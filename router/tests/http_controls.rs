@@ -1,14 +1,16 @@
 //! The request-field policy over HTTP (every field implemented, accepted without effect, or
-//! refused naming it; unknown fields refused) and the sampling controls' limits: stop strings,
+//! refused naming it; unknown fields accepted and named in a header) and the sampling controls' limits: stop strings,
 //! `logit_bias`, penalties, `stop_token_ids`.
 
 mod http_common;
 
-use axum::http::StatusCode;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
 use http_common::openapi::assert_schema;
 use http_common::*;
 use quiver_router::shard::fake_next_token;
 use serde_json::{json, Value};
+use tower::ServiceExt;
 
 const CHAT: &str = "/v1/chat/completions";
 const COMPLETIONS: &str = "/v1/completions";
@@ -99,25 +101,47 @@ async fn refused_fields_name_their_param() {
 }
 
 #[tokio::test]
-async fn unknown_fields_are_refused_unless_null() {
+async fn unknown_fields_are_accepted_and_named_in_a_header() {
     let app = TestApp::start().await;
+    let ignored = |body: &Value, path: &str| {
+        let request = Request::post(path)
+            .header("content-type", "application/json")
+            .body(Body::from(body.to_string()))
+            .expect("request");
+        let app = app.app.clone();
+        async move {
+            let response = app.oneshot(request).await.expect("the router answers");
+            assert_eq!(response.status(), StatusCode::OK);
+            response
+                .headers()
+                .get("quiver-ignored-fields")
+                .map(|value| value.to_str().unwrap().to_owned())
+        }
+    };
     for (path, body) in [
-        (CHAT, chat_body("Hi", json!({"max_token": 2}))),
+        (
+            CHAT,
+            chat_body("Hi", json!({"max_tokens": 1, "max_token": 2})),
+        ),
         (
             COMPLETIONS,
-            completion_body(json!("a"), json!({"max_token": 2})),
+            completion_body(json!("a"), json!({"max_tokens": 1, "max_token": 2})),
         ),
     ] {
-        let (status, response) = app.post(path, &body).await;
-        assert_refused(status, &response, "max_token", "unsupported_parameter");
+        assert_eq!(ignored(&body, path).await.as_deref(), Some("max_token"));
     }
-    // A chat-only field is unknown to completions.
-    let body = completion_body(json!("a"), json!({"messages": [], "max_tokens": 1}));
-    let (status, response) = app.post(COMPLETIONS, &body).await;
-    assert_refused(status, &response, "messages", "unsupported_parameter");
+    // A chat-only field is unknown to completions; streamed answers carry the header too.
+    let body = completion_body(
+        json!("a"),
+        json!({"messages": [], "max_tokens": 1, "stream": true, "extra": 1}),
+    );
+    assert_eq!(
+        ignored(&body, COMPLETIONS).await.as_deref(),
+        Some("messages, extra")
+    );
+    // Known fields and null unknown ones: no header.
     let body = chat_body("Hi", json!({"max_tokens": 1, "vendor_field": null}));
-    let (status, response) = app.post(CHAT, &body).await;
-    assert_eq!(status, StatusCode::OK, "{response}");
+    assert_eq!(ignored(&body, CHAT).await, None);
 }
 
 #[tokio::test]

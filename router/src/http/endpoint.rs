@@ -5,6 +5,7 @@
 //! `PromptSource`), and how its chunks (`ChunkFormat`) and its final response are spelled.
 
 use axum::extract::State;
+use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::de::DeserializeOwned;
@@ -18,7 +19,7 @@ use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
-use crate::openai::fields::{check_fields, EndpointFields};
+use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
 use crate::tokenizer::TextTokenizer;
@@ -85,18 +86,23 @@ pub struct FinishedChoice {
 pub struct GenerationBody<F> {
     fields: F,
     params: GenerationParams,
+    /// Fields the endpoint does not know: accepted without effect, named in the response.
+    ignored: Vec<String>,
 }
 
 impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
     fn from_json(value: &Value) -> Result<Self, ApiError> {
-        // Fields refused or unknown first: the typed structs below would skip them silently.
-        if let Value::Object(body) = value {
-            check_fields(F::FIELDS, body)?;
-        }
+        // Refused fields first, and the unknown ones noted: the typed structs below would skip
+        // both silently.
+        let ignored = match value {
+            Value::Object(body) => check_fields(F::FIELDS, body)?,
+            _ => Vec::new(),
+        };
         // The endpoint's own fields first: when both are wrong, `messages` or `prompt` is named.
         Ok(Self {
             fields: typed(value)?,
             params: typed(value)?,
+            ignored,
         })
     }
 }
@@ -109,7 +115,29 @@ pub async fn generate<E: Endpoint>(
     if state.shard.is_unavailable() {
         return Err(ApiError::shard_gone());
     }
-    let GenerationBody { fields, params } = body;
+    let GenerationBody {
+        fields,
+        params,
+        ignored,
+    } = body;
+    let mut response = answer::<E>(state, fields, params).await?;
+    if !ignored.is_empty() {
+        tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
+        // Field names are JSON object keys; one that is not a valid header value is left out
+        // of the header (it is still logged).
+        if let Ok(value) = HeaderValue::from_str(&ignored.join(", ")) {
+            response.headers_mut().insert(IGNORED_FIELDS_HEADER, value);
+        }
+    }
+    Ok(response)
+}
+
+/// Validates, runs and answers one request.
+async fn answer<E: Endpoint>(
+    state: AppState,
+    fields: E::Fields,
+    params: GenerationParams,
+) -> Result<Response, ApiError> {
     let (adapter_id, assets) = state
         .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
         .await?;

@@ -69,7 +69,10 @@ fn top_map(
     top: &[TokenLogprob],
     k: u32,
 ) -> BTreeMap<String, f32> {
-    let alternatives = top.iter().take(k as usize).map(|alt| (alt.token_id, alt.logprob));
+    let alternatives = top
+        .iter()
+        .take(k as usize)
+        .map(|alt| (alt.token_id, alt.logprob));
     let (id, logprob) = chosen;
     std::iter::once((id, logprob))
         .chain(alternatives)

@@ -3,9 +3,10 @@
 //! tables a test holds against this one) and OpenAI's field lists (`testdata/openai/`) agree on.
 //!
 //! Nothing is silently ignored: a field is implemented, accepted without effect for a stated
-//! reason, or refused with a 400 naming it. A field the table does not know is refused too
-//! (vLLM would only log it): a misspelt `max_token` must not quietly generate 4000 tokens.
-//! `null` means absent everywhere, as clients send explicit nulls for unset options.
+//! reason, or refused with a 400 naming it. A field the table does not know is accepted without
+//! effect, as DESIGN.md rules (real clients send extras), but not silently: the response names
+//! it in the `quiver-ignored-fields` header and the router logs it, so a misspelt `max_token`
+//! shows. `null` means absent everywhere, as clients send explicit nulls for unset options.
 
 use serde_json::{Map, Value};
 
@@ -101,7 +102,26 @@ pub const SHARED: &[Field] = &[
     implemented("return_token_ids"),
     implemented("prompt_logprobs"),
     implemented("adapter_source"),
+    // Other servers' extensions a client relies on when it sends them: refused by name rather
+    // than ignored as unknown, since ignoring them changes the answer the client expects.
+    refused("guided_json", STRUCTURED_OUTPUT),
+    refused("guided_regex", STRUCTURED_OUTPUT),
+    refused("guided_choice", STRUCTURED_OUTPUT),
+    refused("guided_grammar", STRUCTURED_OUTPUT),
+    refused("structured_outputs", STRUCTURED_OUTPUT),
+    refused("grammar", STRUCTURED_OUTPUT),
+    refused(
+        "use_beam_search",
+        "beam search is not supported; use `n` or `best_of`",
+    ),
+    refused(
+        "include_stop_str_in_output",
+        "stop strings are never part of the output",
+    ),
 ];
+
+/// Why vLLM's and TGI's constrained-decoding fields are refused.
+const STRUCTURED_OUTPUT: &str = "constrained decoding (structured output) is not supported yet";
 
 /// `/v1/chat/completions`' own fields.
 pub const CHAT: &[Field] = &[
@@ -209,19 +229,21 @@ impl EndpointFields for super::completions::CompletionFields {
     const FIELDS: &'static [Field] = COMPLETIONS;
 }
 
-/// Refuses a body with a field the endpoint does not take, or a value of a field it takes only
-/// with some values. Runs on the raw JSON object, before typed parsing.
-pub fn check_fields(own: &[Field], body: &Map<String, Value>) -> Result<(), ApiError> {
+/// The response header naming the fields a request sent that the endpoint does not know.
+pub const IGNORED_FIELDS_HEADER: &str = "quiver-ignored-fields";
+
+/// Refuses a body with a refused field, or a value of a field taken only with some values.
+/// Returns the fields the endpoint does not know (accepted without effect), in body order.
+/// Runs on the raw JSON object, before typed parsing.
+pub fn check_fields(own: &[Field], body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    let mut unknown = Vec::new();
     for (name, value) in body {
         if value.is_null() {
             continue;
         }
         let Some(field) = own.iter().chain(SHARED).find(|field| field.name == name) else {
-            return Err(unsupported(
-                name,
-                "unsupported_parameter",
-                format!("unsupported parameter `{name}`: this endpoint does not take it"),
-            ));
+            unknown.push(name.clone());
+            continue;
         };
         let refusal = match field.refuses {
             Some(refuses) => refuses(value),
@@ -239,7 +261,7 @@ pub fn check_fields(own: &[Field], body: &Map<String, Value>) -> Result<(), ApiE
             ));
         }
     }
-    Ok(())
+    Ok(unknown)
 }
 
 fn unsupported(name: &str, code: &'static str, message: String) -> ApiError {

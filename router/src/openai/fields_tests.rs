@@ -128,17 +128,35 @@ fn refused_and_unknown_fields_are_named() {
         ),
         (json!({"web_search_options": {}}), "web_search_options"),
         (json!({"reasoning_effort": "low"}), "reasoning_effort"),
-        (json!({"max_token": 5}), "max_token"),
         (json!({"guided_json": {}}), "guided_json"),
+        (json!({"use_beam_search": true}), "use_beam_search"),
     ] {
         let (named, _) = refusal(CHAT, body.clone()).unwrap_or_else(|| panic!("{body}"));
         assert_eq!(named, param, "{body}");
     }
-    // A chat-only field on completions is unknown there.
+}
+
+#[test]
+fn unknown_fields_are_accepted_and_named() {
+    let names = |own: &[Field], body: Value| {
+        let Value::Object(body) = body else {
+            panic!("not an object")
+        };
+        check_fields(own, &body).expect("accepted")
+    };
     assert_eq!(
-        refusal(COMPLETIONS, json!({"messages": []})),
-        Some(("messages".to_owned(), "unsupported_parameter"))
+        names(
+            CHAT,
+            json!({"max_token": 5, "temperature": 0, "x_extra": {}})
+        ),
+        vec!["max_token".to_owned(), "x_extra".to_owned()]
     );
+    // A chat-only field on completions is unknown there; a null one is absent.
+    assert_eq!(
+        names(COMPLETIONS, json!({"messages": [], "foo": null})),
+        vec!["messages".to_owned()]
+    );
+    assert!(names(COMPLETIONS, json!({"prompt": "x", "echo": true})).is_empty());
 }
 
 #[test]
