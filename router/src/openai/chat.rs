@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::common::{FinishReason, ObjectHeader, Usage};
 
@@ -9,8 +10,13 @@ use super::common::{FinishReason, ObjectHeader, Usage};
 ///
 /// Messages stay JSON values: the chat template receives them as the client sent them
 /// (`name`, `tool_calls`, ... included), after validation normalized `role` and `content`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(
+    description = "The chat-only request fields. Messages reach the chat template as \
+                        sent, keys not listed here included."
+)]
 pub struct ChatFields {
+    #[schema(value_type = Vec<super::schema::ChatMessage>, required = true, min_items = 1)]
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does.
     pub tools: Option<Value>,
@@ -27,7 +33,7 @@ pub const OBJECT: &str = "chat.completion";
 pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
 pub const ID_PREFIX: &str = "chatcmpl-";
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletionResponse {
     #[serde(flatten)]
     pub header: ObjectHeader,
@@ -38,21 +44,24 @@ pub struct ChatCompletionResponse {
     pub prompt_token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
     /// Always null: logprobs are not offered yet.
+    #[schema(required = true)]
     pub logprobs: Option<Value>,
     pub finish_reason: FinishReason,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
+    #[schema(value_type = String, pattern = "^assistant$")]
     pub role: &'static str,
     pub content: String,
+    #[schema(required = true)]
     pub refusal: Option<String>,
 }
 
@@ -66,7 +75,7 @@ impl AssistantMessage {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletionChunk {
     #[serde(flatten)]
     pub header: ObjectHeader,
@@ -79,21 +88,24 @@ pub struct ChatCompletionChunk {
     pub prompt_token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
+    #[schema(required = true)]
     pub logprobs: Option<Value>,
     /// Null until the choice's last chunk.
+    #[schema(required = true)]
     pub finish_reason: Option<FinishReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
 }
 
 /// `{}` on the finish chunk, `{"role": "assistant", "content": ""}` on the first one.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
 pub struct ChatDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, pattern = "^assistant$")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,

@@ -10,6 +10,7 @@ pub mod common;
 pub mod completions;
 pub mod error;
 pub mod models;
+pub mod schema;
 pub mod tokenize;
 
 #[cfg(test)]
