@@ -2,8 +2,8 @@
 hypothesis-generated bodies are never answered with a 5xx and always in OpenAI's shape, and
 afterwards the server has every KV block back and still gives transformers' greedy tokens.
 
-(Schemathesis against quiver's own OpenAPI description belongs here too once
-`GET /openapi.json` exists; it does not yet.)"""
+(Schemathesis against quiver's own OpenAPI description, `GET /openapi.json`, belongs here
+too; not done yet.)"""
 
 from __future__ import annotations
 

@@ -23,6 +23,7 @@ mod json;
 mod logprobs;
 mod metrics;
 mod models;
+pub mod openapi;
 mod sse;
 mod state;
 mod tokenize;
@@ -32,7 +33,7 @@ pub use cutoff::Cutoff;
 pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`. The API key guards every route that takes a body
-/// or names models; `/health`, `/info` and `/metrics` stay open.
+/// or names models; `/health`, `/info`, `/metrics` and `/openapi.json` stay open.
 pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route(
@@ -65,6 +66,7 @@ pub fn router(state: AppState) -> Router {
         .route("/health", get(health::health))
         .route("/info", get(health::info))
         .route("/metrics", get(metrics::metrics))
+        .route("/openapi.json", get(openapi::openapi_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)

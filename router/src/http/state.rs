@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::cutoff::Cutoff;
 use crate::adapters::{AdapterRegistry, AdapterSource, Resolver};
@@ -61,7 +62,7 @@ impl ServedModels {
 }
 
 /// `GET /info`.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ServerInfo {
     pub model_id: String,
     pub served_model_name: String,
@@ -73,10 +74,11 @@ pub struct ServerInfo {
     pub max_position_embeddings: u32,
     pub eos_token_ids: Vec<u32>,
     pub limits: ServedLimits,
+    #[schema(value_type = String)]
     pub version: &'static str,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ServedLimits {
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,

@@ -2,20 +2,24 @@
 //! its clients and scripts work unchanged.
 
 use serde::Deserialize;
+use utoipa::ToSchema;
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct LoadLoraAdapterRequest {
     /// The id clients will send in `model`.
+    #[schema(value_type = String, required = true)]
     pub lora_name: Option<String>,
     /// A hub id (`owner/name[@revision]`) or a directory inside `--adapter-root` (relative to
     /// it, or absolute).
+    #[schema(value_type = String, required = true)]
     pub lora_path: Option<String>,
     /// Extension: `hub` or `local`; default: an absolute `lora_path` is local, anything else
     /// follows `--adapter-source`.
     pub adapter_source: Option<String>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct UnloadLoraAdapterRequest {
+    #[schema(value_type = String, required = true)]
     pub lora_name: Option<String>,
 }

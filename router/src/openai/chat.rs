@@ -2,6 +2,7 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::common::{FinishReason, ObjectHeader, Usage};
 use super::logprobs::{ChatLogprobs, PromptLogprobs};
@@ -10,8 +11,13 @@ use super::logprobs::{ChatLogprobs, PromptLogprobs};
 ///
 /// Messages stay JSON values: the chat template receives them as the client sent them
 /// (`name`, `tool_calls`, ... included), after validation normalized `role` and `content`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(
+    description = "The chat-only request fields. Messages reach the chat template as \
+                        sent, keys not listed here included."
+)]
 pub struct ChatFields {
+    #[schema(value_type = Vec<super::schema::ChatMessage>, required = true, min_items = 1)]
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does.
     pub tools: Option<Value>,
@@ -28,7 +34,7 @@ pub const OBJECT: &str = "chat.completion";
 pub const CHUNK_OBJECT: &str = "chat.completion.chunk";
 pub const ID_PREFIX: &str = "chatcmpl-";
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletionResponse {
     #[serde(flatten)]
     pub header: ObjectHeader,
@@ -39,11 +45,12 @@ pub struct ChatCompletionResponse {
     pub prompt_token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChoice {
     pub index: u32,
     pub message: AssistantMessage,
     /// With `logprobs: true`.
+    #[schema(required = true)]
     pub logprobs: Option<ChatLogprobs>,
     pub finish_reason: FinishReason,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -53,10 +60,12 @@ pub struct ChatChoice {
     pub prompt_logprobs: Option<PromptLogprobs>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
+    #[schema(value_type = String, pattern = "^assistant$")]
     pub role: &'static str,
     pub content: String,
+    #[schema(required = true)]
     pub refusal: Option<String>,
 }
 
@@ -70,7 +79,7 @@ impl AssistantMessage {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatCompletionChunk {
     #[serde(flatten)]
     pub header: ObjectHeader,
@@ -83,13 +92,15 @@ pub struct ChatCompletionChunk {
     pub prompt_token_ids: Option<Vec<u32>>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatChunkChoice {
     pub index: u32,
     pub delta: ChatDelta,
     /// With `logprobs: true`: the entries of this chunk's tokens.
+    #[schema(required = true)]
     pub logprobs: Option<ChatLogprobs>,
     /// Null until the choice's last chunk.
+    #[schema(required = true)]
     pub finish_reason: Option<FinishReason>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub token_ids: Option<Vec<u32>>,
@@ -99,9 +110,10 @@ pub struct ChatChunkChoice {
 }
 
 /// `{}` on the finish chunk, `{"role": "assistant", "content": ""}` on the first one.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
 pub struct ChatDelta {
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, pattern = "^assistant$")]
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,

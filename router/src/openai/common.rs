@@ -4,6 +4,7 @@ use std::fmt;
 
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
 
 /// The generation parameters both endpoints accept. Each endpoint's own fields (`messages`,
 /// `prompt`) live in a separate struct read from the same JSON object, so that a type error
@@ -11,8 +12,12 @@ use serde::{Deserialize, Serialize};
 ///
 /// Every field is optional and `null` means absent, as clients send explicit nulls. Fields
 /// not read here were checked against `crate::openai::fields` before: refused, or accepted
-/// without effect for a stated reason.
-#[derive(Debug, Clone, Default, Deserialize)]
+/// without effect.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[schema(
+    description = "The parameters chat and completions share. Every field is optional and \
+                   `null` means absent; see docs/api.md's field tables for the fields not listed."
+)]
 pub struct GenerationParams {
     /// "" (or absent), the served model name or the base model id: the base model.
     pub model: Option<String>,
@@ -52,7 +57,7 @@ pub struct GenerationParams {
     pub prompt_logprobs: Option<i64>,
 }
 
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct StreamOptions {
     #[serde(default)]
     pub include_usage: Option<bool>,
@@ -109,7 +114,7 @@ impl<'de> Deserialize<'de> for StopSequences {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
@@ -127,7 +132,7 @@ impl Usage {
 }
 
 /// Why a choice ended, as OpenAI spells it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum FinishReason {
     /// EOS or a stop string.
@@ -138,7 +143,7 @@ pub enum FinishReason {
 
 /// The fields every response and chunk object opens with, in OpenAI's order. The objects embed
 /// it with `#[serde(flatten)]`, which writes the same JSON as four fields of their own.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ObjectHeader {
     pub id: String,
     pub object: &'static str,

@@ -3,15 +3,17 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use super::common::{FinishReason, ObjectHeader, Usage};
 use super::logprobs::{CompletionLogprobs, PromptLogprobs};
 
 /// The completions-only request fields; the shared ones are in `GenerationParams`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct CompletionFields {
     /// A string, a list of strings, a list of token ids or a list of such lists; parsed by
     /// validation so each shape gets a precise error message.
+    #[schema(value_type = super::schema::Prompt, required = true)]
     pub prompt: Option<Value>,
     /// Return the prompt before the completion (and, with `logprobs`, the prompt's logprobs).
     pub echo: Option<bool>,
@@ -29,7 +31,7 @@ pub const OBJECT: &str = "text_completion";
 pub const ID_PREFIX: &str = "cmpl-";
 
 /// A whole response, or one streamed chunk (then `usage` is absent except on the last).
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CompletionResponse {
     #[serde(flatten)]
     pub header: ObjectHeader,
@@ -38,13 +40,15 @@ pub struct CompletionResponse {
     pub usage: Option<Usage>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
     /// With `logprobs`: on a streamed chunk, the entries of that chunk's tokens.
+    #[schema(required = true)]
     pub logprobs: Option<CompletionLogprobs>,
     /// Null on streamed chunks before the choice's last one.
+    #[schema(required = true)]
     pub finish_reason: Option<FinishReason>,
     /// With `return_token_ids` (vLLM's extension; per choice because each prompt differs).
     #[serde(skip_serializing_if = "Option::is_none")]

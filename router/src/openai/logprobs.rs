@@ -4,17 +4,19 @@
 use std::collections::BTreeMap;
 
 use serde::Serialize;
+use utoipa::ToSchema;
 
 /// Chat: `choices[].logprobs`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
     /// Always null: refusals are never generated.
+    #[schema(required = true)]
     pub refusal: Option<Vec<ChatTokenLogprob>>,
 }
 
 /// One generated token: its text decoded alone, raw logprob, UTF-8 bytes, alternatives.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTokenLogprob {
     pub token: String,
     pub logprob: f32,
@@ -22,7 +24,7 @@ pub struct ChatTokenLogprob {
     pub top_logprobs: Vec<ChatTopLogprob>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct ChatTopLogprob {
     pub token: String,
     pub logprob: f32,
@@ -31,7 +33,7 @@ pub struct ChatTopLogprob {
 
 /// Completions: `choices[].logprobs`, four parallel lists. With `echo`, the first prompt
 /// token has no logprob and no alternatives (`null`).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
     pub token_logprobs: Vec<Option<f32>>,
@@ -53,7 +55,7 @@ impl CompletionLogprobs {
 /// from token id (as a string) to its entry: the prompt token itself and the alternatives.
 pub type PromptLogprobs = Vec<Option<BTreeMap<String, PromptLogprobEntry>>>;
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
 pub struct PromptLogprobEntry {
     pub logprob: f32,
     /// 1-based rank under the distribution.

@@ -12,6 +12,7 @@ pub mod error;
 pub mod fields;
 pub mod logprobs;
 pub mod models;
+pub mod schema;
 pub mod tokenize;
 
 #[cfg(test)]

@@ -1,9 +1,11 @@
 //! `GET /v1/models` and `GET /v1/models/{id}`.
 
 use serde::Serialize;
+use utoipa::ToSchema;
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelList {
+    #[schema(value_type = String, pattern = "^list$")]
     pub object: &'static str,
     pub data: Vec<ModelCard>,
 }
@@ -19,9 +21,10 @@ impl ModelList {
 
 /// One servable model. Adapters are listed as further cards whose `parent` is the base model's
 /// served name (vLLM's convention); the base model has none.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ModelCard {
     pub id: String,
+    #[schema(value_type = String, pattern = "^model$")]
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,

@@ -3,15 +3,17 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use utoipa::ToSchema;
 
 /// `/tokenize`: either `prompt` (a text tokenized as is) or `messages` (rendered with the chat
 /// template first). Every field is optional and `null` means absent; fields not listed here
 /// are ignored, as on the generation endpoints.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct TokenizeRequest {
     /// Selects the base model or an adapter, as on the generation endpoints.
     pub model: Option<String>,
     pub prompt: Option<String>,
+    #[schema(value_type = Option<Vec<super::schema::ChatMessage>>)]
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template, as on `/v1/chat/completions`.
     pub tools: Option<Value>,
@@ -26,7 +28,7 @@ pub struct TokenizeRequest {
     pub adapter_source: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct TokenizeResponse {
     pub count: usize,
     /// The most tokens a sequence may hold, prompt and completion together
@@ -38,16 +40,17 @@ pub struct TokenizeResponse {
 }
 
 /// `/detokenize`.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     /// Signed, so that a negative id is refused as out of the vocabulary with `param: tokens`
     /// rather than as a type error.
+    #[schema(value_type = Vec<i64>, required = true)]
     pub tokens: Option<Vec<i64>>,
     pub adapter_source: Option<String>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct DetokenizeResponse {
     pub prompt: String,
 }
