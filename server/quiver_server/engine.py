@@ -18,14 +18,21 @@ from pathlib import Path
 
 import torch
 
-from quiver_server import sampling
+from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
 from quiver_server.batch_state import CachedBatch, RequestState
-from quiver_server.batch_types import AdapterInfo, ModelInfo, RequestSpec, StepResult, TokenOut
-from quiver_server.forward_batch import ForwardBatch, build_decode, build_lora_meta, build_prefill
+from quiver_server.batch_types import AdapterInfo, ModelInfo, PromptPosition, RequestSpec, StepResult, TokenOut
+from quiver_server.forward_batch import (
+    ForwardBatch,
+    build_decode,
+    build_lora_meta,
+    build_prefill,
+    logits_rows_per_sequence,
+)
 from quiver_server.kernels.ops import select_ops
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
+from quiver_server.penalties import generated_counts, uses_counts
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
 
 log = logging.getLogger(__name__)
@@ -190,11 +197,20 @@ class Engine:
         batch = CachedBatch(states)
         input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
         lora_slots = [r.lora_slot for r in states] if any(r.adapter_id for r in requests) else None
+        prompt_lens = [len(r.input_ids) for r in requests]
+        # Requests with prompt logprobs get the logits of every prompt token, the others the last.
+        all_logits = [r.prompt_logprobs is not None for r in requests] if any(
+            r.prompt_logprobs is not None for r in requests) else None
         forward = build_prefill(
-            [len(r.input_ids) for r in requests], batch.block_table(self.device), BLOCK_SIZE, self.device,
-            lora_slots, self.lora.max_rank,
+            prompt_lens, batch.block_table(self.device), BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank,
+            all_logits,
         )
-        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start)
+        spans = logprobs.prompt_spans(
+            [r.input_ids for r in requests], [r.prompt_logprobs for r in requests],
+            logits_rows_per_sequence(prompt_lens, all_logits),
+        ) if all_logits is not None else {}
+        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start,
+                            prompt_spans=spans)
         self.batches[batch_id] = batch
         return result
 
@@ -236,20 +252,30 @@ class Engine:
         kv_cache: PagedKVCache,
         fed_last_token: bool,
         start: int,
+        prompt_spans: dict[int, logprobs.PromptSpan] | None = None,
     ) -> StepResult:
+        """prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
         logits = self.model(input_ids, forward, kv_cache)
-        tokens, logprobs = sampling.sample(
-            logits,
-            batch.sampling(self.device),
+        params = batch.sampling(self.device)
+        sampled = sampling.sample(
+            logits if forward.sample_rows is None else logits[forward.sample_rows],
+            params,
             [r.generator for r in batch.requests],
             batch.seen_matrix(self.vocab_size, self.device),
             self.ops,
+            batch.counts_matrix(self.vocab_size, self.device),
         )
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        batch.record(tokens, token_list, fed_last_token)
+        prompt: dict[int, list[PromptPosition]] = {}
+        if prompt_spans:
+            prompt = dict(zip(prompt_spans, logprobs.prompt_logprobs(logits, list(prompt_spans.values())),
+                              strict=True))
+        token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
+        batch.record(sampled.tokens, token_list, fed_last_token)
+        tops = logprobs.top_lists(sampled.top, params.top_logprobs)
         generations = [
-            TokenOut(request_id=r.id, token_id=t, logprob=lp)
-            for r, t, lp in zip(batch.requests, token_list, logprob_list, strict=True)
+            TokenOut(request_id=r.id, token_id=t, logprob=lp, top_logprobs=tops[row],
+                     prompt_logprobs=prompt.get(row, []))
+            for row, (r, t, lp) in enumerate(zip(batch.requests, token_list, logprob_list, strict=True))
         ]
         return StepResult(
             generations=generations,
@@ -319,13 +345,16 @@ class Engine:
             )
         if min(request.blocks) < 0 or max(request.blocks) >= num_blocks:
             raise ValueError(f"request {rid}: block ids must be in [0, {num_blocks})")
-        sampling.validate(request.sampling)
+        sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
 
     def _new_state(self, request: RequestSpec) -> RequestState:
         seen = None
         if request.sampling.repetition_penalty != 1.0:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(request.input_ids, device=self.device)] = True
+        counts = None
+        if uses_counts(request.sampling):
+            counts = generated_counts(request.input_ids, request.sampling.draws_done, self.vocab_size, self.device)
         return RequestState(
             id=request.id,
             blocks=list(request.blocks),
@@ -337,6 +366,7 @@ class Engine:
                 request.sampling.draws_done if request.sampling.temperature > 0 else 0,
             ),
             seen=seen,
+            counts=counts,
             adapter_id=request.adapter_id,
             lora_slot=self.lora.slot_for(request.id, request.adapter_id),
         )
