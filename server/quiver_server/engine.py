@@ -199,16 +199,14 @@ class Engine:
         lora_slots = [r.lora_slot for r in states] if any(r.adapter_id for r in requests) else None
         prompt_lens = [len(r.input_ids) for r in requests]
         # Requests with prompt logprobs get the logits of every prompt token, the others the last.
-        all_logits = [r.prompt_logprobs is not None for r in requests] if any(
-            r.prompt_logprobs is not None for r in requests) else None
+        asked = [r.prompt_logprobs for r in requests]
+        all_logits = [a is not None for a in asked] if any(a is not None for a in asked) else None
         forward = build_prefill(
             prompt_lens, batch.block_table(self.device), BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank,
             all_logits,
         )
-        spans = logprobs.prompt_spans(
-            [r.input_ids for r in requests], [r.prompt_logprobs for r in requests],
-            logits_rows_per_sequence(prompt_lens, all_logits),
-        ) if all_logits is not None else {}
+        rows_per_sequence = logits_rows_per_sequence(prompt_lens, all_logits)
+        spans = logprobs.prompt_spans([r.input_ids for r in requests], asked, rows_per_sequence)
         result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start,
                             prompt_spans=spans)
         self.batches[batch_id] = batch

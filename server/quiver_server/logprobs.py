@@ -17,6 +17,7 @@ import torch
 from quiver_server.batch_types import PromptPosition, TokenLogprob
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs, and ours on prompt_logprobs
+PROMPT_CHUNK_ROWS = 1024  # prompt positions whose logprobs are computed at once
 
 
 @dataclass
@@ -57,6 +58,9 @@ def raw_logprobs(
     chosen = logits.gather(1, tokens[:, None])[:, 0] - normaliser
     if not top_rows or max_top == 0:
         return chosen, None
+    if len(top_rows) == logits.shape[0]:  # every row (rows are distinct): no gathered copy
+        ids, values = top_tokens(logits, max_top)
+        return chosen, TopTokens(list(top_rows), ids, values - normaliser[:, None])
     index = torch.tensor(list(top_rows), dtype=torch.long).to(logits.device, non_blocking=True)
     ids, values = top_tokens(logits[index], max_top)
     return chosen, TopTokens(list(top_rows), ids, values - normaliser[index, None])
@@ -90,21 +94,26 @@ class PromptSpan:
 
 
 def prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> list[list[PromptPosition]]:
-    """logits [rows, V] of a prefill; one list of PromptPosition per span, computed in one pass
-    over all the spans' rows."""
+    """logits [rows, V] of a prefill; one list of PromptPosition per span. The spans' rows are
+    read PROMPT_CHUNK_ROWS at a time, so a long prompt's float32 copies stay bounded."""
     if not any(s.targets for s in spans):  # one-token prompts have no positions to report
         return [[] for _ in spans]
     device = logits.device
     rows = torch.cat([torch.arange(s.start, s.start + len(s.targets)) for s in spans]).to(device)
     targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long).to(device)
-    picked = logits[rows].float()
-    normaliser = torch.logsumexp(picked, dim=-1)
-    chosen = (picked.gather(1, targets[:, None])[:, 0] - normaliser).tolist()
     max_top = max(s.top for s in spans)
-    alternatives: list[list[TokenLogprob]] = [[] for _ in chosen]
-    if max_top > 0:
-        ids, values = top_tokens(picked, max_top)
-        alternatives = _token_lists(ids.tolist(), (values - normaliser[:, None]).tolist(), max_top)
+    chosen: list[float] = []
+    alternatives: list[list[TokenLogprob]] = []
+    for first in range(0, len(rows), PROMPT_CHUNK_ROWS):
+        chunk = slice(first, first + PROMPT_CHUNK_ROWS)
+        picked = logits[rows[chunk]].float()
+        count = picked.shape[0]
+        logprobs, top = raw_logprobs(picked, targets[chunk], range(count), max_top)
+        chosen += logprobs.tolist()
+        if top is None:
+            alternatives += [[] for _ in range(count)]
+        else:
+            alternatives += _token_lists(top.ids.tolist(), top.logprobs.tolist(), max_top)
     out, offset = [], 0
     for span in spans:
         end = offset + len(span.targets)

@@ -15,6 +15,7 @@ from tiny_models import build_tiny_model
 
 from quiver_server.batch_types import RequestSpec, SamplingParams, TokenLogprob, TokenOut
 from quiver_server.engine import Engine
+from quiver_server import logprobs
 from quiver_server.kv_cache import BLOCK_SIZE
 from quiver_server.logprobs import top_tokens
 
@@ -172,9 +173,10 @@ def test_prompt_logprobs_equal_reference_beside_a_normal_request(setup: Setup) -
             assert_top_matches(position.top, reference[i - 1], asked, what)
 
 
-def test_prompt_logprobs_of_a_long_prompt_across_blocks(setup: Setup) -> None:
+def test_prompt_logprobs_of_a_long_prompt_across_blocks(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt spanning several KV blocks, alone, on the adapter (every row through the LoRA
-    kernels of the last layer)."""
+    kernels of the last layer), its positions read in chunks of 7 rows (the last one partial)."""
+    monkeypatch.setattr(logprobs, "PROMPT_CHUNK_ROWS", 7)
     prompt = [(7 * i + 3) % 300 for i in range(3 * BLOCK_SIZE + 5)]
     request = RequestSpec(id=1, input_ids=prompt, blocks=Blocks().table(len(prompt) + 1), max_new_tokens=1,
                           adapter_id=ADAPTER, prompt_logprobs=1)
