@@ -15,6 +15,7 @@ from tiny_models import build_tiny_model
 
 from quiver_server.batch_types import RequestSpec, SamplingParams, TokenLogprob, TokenOut
 from quiver_server.engine import Engine
+from quiver_server.forward_batch import build_prefill
 from quiver_server import logprobs
 from quiver_server.kv_cache import BLOCK_SIZE
 from quiver_server.logprobs import top_tokens
@@ -85,7 +86,7 @@ def test_top_tokens_break_ties_by_lower_id() -> None:
         ids, values = top_tokens(logits, k)
         for row in range(logits.shape[0]):
             finite = logits[row].nan_to_num(nan=float("-inf")).tolist()
-            expected = sorted(range(40), key=lambda i, r=finite: (-r[i], i))[:k]  # type: ignore[misc]
+            expected = sorted(range(40), key=lambda i, r=finite: (-r[i], i))[:k]
             assert ids[row].tolist() == expected, (row, k)
             assert values[row].tolist() == [finite[i] for i in expected]
 
@@ -188,3 +189,18 @@ def test_prompt_logprobs_of_a_long_prompt_across_blocks(setup: Setup, monkeypatc
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
     assert [p.top[0].token_id for p in generation.prompt_logprobs] == reference[:-1].argmax(dim=-1).tolist()
     assert generation.token_id == int(reference[-1].argmax())
+
+
+def test_prefill_layout_gives_every_row_only_to_the_requests_that_ask() -> None:
+    """Prompts of 3, 4, 2 and 1 tokens; the second and fourth ask for every row: they get theirs,
+    the others their last, and each sequence's sampling row is its last one among them."""
+    table = torch.arange(4)[:, None]
+    batch = build_prefill([3, 4, 2, 1], table, BLOCK_SIZE, torch.device("cpu"), [0, -1, 0, 0], 8,
+                          all_logits=[False, True, False, True])
+    assert batch.logits_indices.tolist() == [2, 3, 4, 5, 6, 8, 9]
+    assert batch.sample_rows is not None and batch.sample_rows.tolist() == [0, 4, 5, 6]
+    # The last layer's LoRA rows follow the same selection: slot 0, then 4 base rows, then slot 0.
+    assert batch.lora_rows is not None
+    assert batch.lora_rows.token_slots.tolist() == [0, -1, -1, -1, -1, 0, 0]
+    plain = build_prefill([3, 4, 2, 1], table, BLOCK_SIZE, torch.device("cpu"))
+    assert plain.logits_indices.tolist() == [2, 6, 8, 9] and plain.sample_rows is None
