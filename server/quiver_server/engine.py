@@ -139,22 +139,25 @@ class Engine:
 
     def _dry_run(self, num_tokens: int, max_total_tokens: int) -> None:
         """A prefill of `num_tokens` prompt tokens (sequences of at most max_total_tokens) and one
-        decode step, on a scratch cache: proves the forward works and warms the kernels."""
+        decode step, on a scratch cache: proves the forward works and warms the kernels. The
+        prefill asks for prompt logprobs everywhere, so the peak covers the logits of every row."""
         seq_len = max(1, min(max_total_tokens, self.max_position_embeddings - 1, num_tokens))
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         blocks_per_seq = self.kv_spec.blocks_for_tokens(seq_len + 1)
         scratch = PagedKVCache(self.kv_spec, blocks_per_seq * len(lens), self.device)
         table = torch.arange(blocks_per_seq * len(lens), dtype=torch.long).view(len(lens), blocks_per_seq)
-        input_ids = (torch.arange(num_tokens) % self.vocab_size).to(self.device)
+        host_ids = torch.arange(num_tokens) % self.vocab_size
+        input_ids = host_ids.to(self.device)
         # With adapter slots, every token goes through the LoRA kernels too (on slot 0, whatever
         # it holds: the logits are thrown away), so their memory and compilation are covered.
         slots = [0] * len(lens) if self.lora.slots is not None else None
         max_rank = self.lora.max_rank
-        prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank)
+        prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, [True] * len(lens))
+        spans = logprobs.prompt_spans(host_ids.split(lens), [logprobs.MAX_LOGPROBS] * len(lens), lens)
         decode_lora = build_lora_meta(slots, [1] * len(lens), max_rank, self.device) if slots else None
         decode = build_decode(lens, table.to(self.device), BLOCK_SIZE, self.device, decode_lora)
         with self.lora.exercising_every_slot_buffer():
-            self.model(input_ids, prefill, scratch)
+            logprobs.prompt_logprobs(self.model(input_ids, prefill, scratch), list(spans.values()))
             decode_ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
             self.model(decode_ids, decode, scratch)
         del scratch

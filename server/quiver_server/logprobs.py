@@ -17,7 +17,9 @@ import torch
 from quiver_server.batch_types import PromptPosition, TokenLogprob
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs, and ours on prompt_logprobs
-PROMPT_CHUNK_ROWS = 1024  # prompt positions whose logprobs are computed at once
+# Prompt positions whose logprobs are computed at once: bounds the float32 copy and the top-k's
+# [rows, V] temporaries (an int64 running count among them) for a long prompt.
+PROMPT_CHUNK_ROWS = 256
 
 
 @dataclass
@@ -131,6 +133,6 @@ def prompt_spans(
     spans, start = {}, 0
     for row, (prompt, top, count) in enumerate(zip(prompts, asked, rows_per_sequence, strict=True)):
         if top is not None:
-            spans[row] = PromptSpan(start, list(prompt[1:]), top)
+            spans[row] = PromptSpan(start, [int(t) for t in prompt[1:]], top)
         start += count
     return spans
