@@ -23,13 +23,16 @@ class RequestState:
     # [vocab] bool: prompt and output tokens, kept only when repetition_penalty != 1. Inside a
     # batch it is a row view of the batch's seen matrix, so one scatter updates every request.
     seen: torch.Tensor | None = None
+    # [vocab] float32: how often each token was generated, kept only with a frequency or presence
+    # penalty; a row view of the batch's counts matrix, like `seen`.
+    counts: torch.Tensor | None = None
     adapter_id: str = ""  # "" = base model
     lora_slot: int = -1  # device slot of the adapter, fixed for the request's life
 
 
 class CachedBatch:
     """A fixed list of requests; merging or filtering builds a new one. Device tensors that only
-    depend on the composition (block table, sampling parameters, seen matrix) are built lazily
+    depend on the composition (block table, sampling parameters, seen and counts matrices) are built lazily
     once and reused by every decode step."""
 
     def __init__(self, requests: list[RequestState]) -> None:
@@ -37,6 +40,7 @@ class CachedBatch:
         self._block_table: torch.Tensor | None = None
         self._sampling: SamplingBatch | None = None
         self._seen: torch.Tensor | None = None
+        self._counts: torch.Tensor | None = None
         self._lora: LoraBatchMeta | None = None
         self._lora_built = False
 
@@ -70,12 +74,27 @@ class CachedBatch:
         if not self.sampling(device).uses_penalty:
             return None
         if self._seen is None:
-            empty = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-            self._seen = torch.stack([r.seen if r.seen is not None else empty for r in self.requests])
-            for row, request in enumerate(self.requests):
-                if request.seen is not None:
-                    request.seen = self._seen[row]
+            self._seen = self._stack_rows("seen", torch.zeros(vocab_size, dtype=torch.bool, device=device))
         return self._seen
+
+    def counts_matrix(self, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+        """[B, vocab] float32 when some request has a frequency or presence penalty, else None."""
+        if not self.sampling(device).uses_counts:
+            return None
+        if self._counts is None:
+            self._counts = self._stack_rows("counts", torch.zeros(vocab_size, dtype=torch.float32, device=device))
+        return self._counts
+
+    def _stack_rows(self, name: str, empty: torch.Tensor) -> torch.Tensor:
+        """One matrix of the requests' per-token rows `name` (`empty` for requests without one);
+        the requests that have one keep a view of their row, so the batch's updates reach them
+        and survive a later filter or merge."""
+        rows: list[torch.Tensor | None] = [getattr(r, name) for r in self.requests]
+        matrix = torch.stack([empty if row is None else row for row in rows])
+        for index, (request, row) in enumerate(zip(self.requests, rows, strict=True)):
+            if row is not None:
+                setattr(request, name, matrix[index])
+        return matrix
 
     def record(self, tokens: torch.Tensor, token_list: list[int], fed_last_token: bool) -> None:
         """Stores the tokens just sampled (their K/V get cached by the next step); after a decode
@@ -83,5 +102,9 @@ class CachedBatch:
         for request, token in zip(self.requests, token_list, strict=True):
             request.length += fed_last_token
             request.last_token = token
-        if self._seen is not None:
-            self._seen[torch.arange(len(self.requests), device=tokens.device), tokens] = True
+        if self._seen is not None or self._counts is not None:
+            rows = torch.arange(len(self.requests), device=tokens.device)
+            if self._seen is not None:
+                self._seen[rows, tokens] = True
+            if self._counts is not None:
+                self._counts[rows, tokens] += 1.0

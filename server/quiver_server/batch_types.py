@@ -13,8 +13,16 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
-    # Draws the generator made before a preemption (see shard.proto); skipped when resuming.
+    # Draws the generator made before a preemption (see shard.proto); skipped when resuming. The
+    # last `draws_done` prompt tokens are then generated tokens for the OpenAI penalties.
     draws_done: int = 0
+    # OpenAI's penalties over the generated tokens; 0 disables.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # token id -> value added to its logit before sampling.
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    # Most likely tokens of the raw distribution reported with each token (0..20).
+    top_logprobs: int = 0
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,31 @@ class RequestSpec:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     max_new_tokens: int = 16
     adapter_id: str = ""  # "" is the base model
+    # Alternatives per prompt position to report; None: no prompt logprobs (last-row logits only).
+    prompt_logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class PromptPosition:
+    """A prompt token's logprob given the tokens before it, and the top alternatives there."""
+
+    logprob: float
+    top: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class TokenOut:
     request_id: int
     token_id: int
-    logprob: float
+    logprob: float  # raw log_softmax at token_id
+    top_logprobs: list[TokenLogprob] = field(default_factory=list)  # most likely first
+    prompt_logprobs: list[PromptPosition] = field(default_factory=list)  # prefill, when asked
 
 
 @dataclass(frozen=True)

@@ -18,14 +18,21 @@ from pathlib import Path
 
 import torch
 
-from quiver_server import sampling
+from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
 from quiver_server.batch_state import CachedBatch, RequestState
-from quiver_server.batch_types import AdapterInfo, ModelInfo, RequestSpec, StepResult, TokenOut
-from quiver_server.forward_batch import ForwardBatch, build_decode, build_lora_meta, build_prefill
+from quiver_server.batch_types import AdapterInfo, ModelInfo, PromptPosition, RequestSpec, StepResult, TokenOut
+from quiver_server.forward_batch import (
+    ForwardBatch,
+    build_decode,
+    build_lora_meta,
+    build_prefill,
+    logits_rows_per_sequence,
+)
 from quiver_server.kernels.ops import select_ops
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
+from quiver_server.penalties import generated_counts, uses_counts
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
 
 log = logging.getLogger(__name__)
@@ -132,22 +139,25 @@ class Engine:
 
     def _dry_run(self, num_tokens: int, max_total_tokens: int) -> None:
         """A prefill of `num_tokens` prompt tokens (sequences of at most max_total_tokens) and one
-        decode step, on a scratch cache: proves the forward works and warms the kernels."""
+        decode step, on a scratch cache: proves the forward works and warms the kernels. The
+        prefill asks for prompt logprobs everywhere, so the peak covers the logits of every row."""
         seq_len = max(1, min(max_total_tokens, self.max_position_embeddings - 1, num_tokens))
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         blocks_per_seq = self.kv_spec.blocks_for_tokens(seq_len + 1)
         scratch = PagedKVCache(self.kv_spec, blocks_per_seq * len(lens), self.device)
         table = torch.arange(blocks_per_seq * len(lens), dtype=torch.long).view(len(lens), blocks_per_seq)
-        input_ids = (torch.arange(num_tokens) % self.vocab_size).to(self.device)
+        host_ids = torch.arange(num_tokens) % self.vocab_size
+        input_ids = host_ids.to(self.device)
         # With adapter slots, every token goes through the LoRA kernels too (on slot 0, whatever
         # it holds: the logits are thrown away), so their memory and compilation are covered.
         slots = [0] * len(lens) if self.lora.slots is not None else None
         max_rank = self.lora.max_rank
-        prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank)
+        prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, [True] * len(lens))
+        spans = logprobs.prompt_spans(host_ids.split(lens), [logprobs.MAX_LOGPROBS] * len(lens), lens)
         decode_lora = build_lora_meta(slots, [1] * len(lens), max_rank, self.device) if slots else None
         decode = build_decode(lens, table.to(self.device), BLOCK_SIZE, self.device, decode_lora)
         with self.lora.exercising_every_slot_buffer():
-            self.model(input_ids, prefill, scratch)
+            logprobs.prompt_logprobs(self.model(input_ids, prefill, scratch), list(spans.values()))
             decode_ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
             self.model(decode_ids, decode, scratch)
         del scratch
@@ -190,11 +200,18 @@ class Engine:
         batch = CachedBatch(states)
         input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
         lora_slots = [r.lora_slot for r in states] if any(r.adapter_id for r in requests) else None
+        prompt_lens = [len(r.input_ids) for r in requests]
+        # Requests with prompt logprobs get the logits of every prompt token, the others the last.
+        asked = [r.prompt_logprobs for r in requests]
+        all_logits = [a is not None for a in asked] if any(a is not None for a in asked) else None
         forward = build_prefill(
-            [len(r.input_ids) for r in requests], batch.block_table(self.device), BLOCK_SIZE, self.device,
-            lora_slots, self.lora.max_rank,
+            prompt_lens, batch.block_table(self.device), BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank,
+            all_logits,
         )
-        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start)
+        rows_per_sequence = logits_rows_per_sequence(prompt_lens, all_logits)
+        spans = logprobs.prompt_spans([r.input_ids for r in requests], asked, rows_per_sequence)
+        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start,
+                            prompt_spans=spans)
         self.batches[batch_id] = batch
         return result
 
@@ -236,20 +253,30 @@ class Engine:
         kv_cache: PagedKVCache,
         fed_last_token: bool,
         start: int,
+        prompt_spans: dict[int, logprobs.PromptSpan] | None = None,
     ) -> StepResult:
+        """prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
         logits = self.model(input_ids, forward, kv_cache)
-        tokens, logprobs = sampling.sample(
-            logits,
-            batch.sampling(self.device),
+        params = batch.sampling(self.device)
+        sampled = sampling.sample(
+            logits if forward.sample_rows is None else logits[forward.sample_rows],
+            params,
             [r.generator for r in batch.requests],
             batch.seen_matrix(self.vocab_size, self.device),
             self.ops,
+            batch.counts_matrix(self.vocab_size, self.device),
         )
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
-        batch.record(tokens, token_list, fed_last_token)
+        prompt: dict[int, list[PromptPosition]] = {}
+        if prompt_spans:
+            prompt = dict(zip(prompt_spans, logprobs.prompt_logprobs(logits, list(prompt_spans.values())),
+                              strict=True))
+        token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
+        batch.record(sampled.tokens, token_list, fed_last_token)
+        tops = logprobs.top_lists(sampled.top, params.top_logprobs)
         generations = [
-            TokenOut(request_id=r.id, token_id=t, logprob=lp)
-            for r, t, lp in zip(batch.requests, token_list, logprob_list, strict=True)
+            TokenOut(request_id=r.id, token_id=t, logprob=lp, top_logprobs=tops[row],
+                     prompt_logprobs=prompt.get(row, []))
+            for row, (r, t, lp) in enumerate(zip(batch.requests, token_list, logprob_list, strict=True))
         ]
         return StepResult(
             generations=generations,
@@ -319,13 +346,16 @@ class Engine:
             )
         if min(request.blocks) < 0 or max(request.blocks) >= num_blocks:
             raise ValueError(f"request {rid}: block ids must be in [0, {num_blocks})")
-        sampling.validate(request.sampling)
+        sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
 
     def _new_state(self, request: RequestSpec) -> RequestState:
         seen = None
         if request.sampling.repetition_penalty != 1.0:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
             seen[torch.tensor(request.input_ids, device=self.device)] = True
+        counts = None
+        if uses_counts(request.sampling):
+            counts = generated_counts(request.input_ids, request.sampling.draws_done, self.vocab_size, self.device)
         return RequestState(
             id=request.id,
             blocks=list(request.blocks),
@@ -337,6 +367,7 @@ class Engine:
                 request.sampling.draws_done if request.sampling.temperature > 0 else 0,
             ),
             seen=seen,
+            counts=counts,
             adapter_id=request.adapter_id,
             lora_slot=self.lora.slot_for(request.id, request.adapter_id),
         )

@@ -8,7 +8,11 @@ taken from its request's block table at position // block_size.
 LoRA: `lora` says which device slot each token's adapter sits in (None when no request of the
 step uses an adapter, so the base-only path does no LoRA work at all). In a prefill the last
 layer computes o_proj and the MLP only for the rows `logits_indices` selects; `lora_rows` is
-the same mapping for those rows (one per sequence), switched in by `at_logits_rows`.
+the same mapping for those rows, switched in by `at_logits_rows`.
+
+Logits rows: one per sequence (its last token), except in a prefill for the sequences that ask
+for prompt logprobs, which get one per prompt token; `sample_rows` then says which logits row
+is each sequence's last.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ class ForwardBatch:
     is_prefill: bool
     positions: torch.Tensor  # [T] long, position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] long, flat KV-cache slot each token writes
-    logits_indices: torch.Tensor  # [B] long, rows whose logits are wanted (last token of each sequence)
+    # Rows whose logits are wanted: the last token of each sequence, or in a prefill every token
+    # of the sequences that asked for all of them (see `logits_rows_per_sequence`).
+    logits_indices: torch.Tensor  # [R] long
     # Tokens per sequence (host ints): the prompt lengths in prefill, the lengths including the
     # new token in decode. Attention uses them to split work without a device sync.
     seq_lens_host: list[int] = field(default_factory=list)
@@ -36,6 +42,8 @@ class ForwardBatch:
     kv_span: int = 0  # decode: nb * block_size, the number of gathered key slots per sequence
     lora: LoraBatchMeta | None = None
     lora_rows: LoraBatchMeta | None = None  # prefill: `lora` for the rows of logits_indices
+    # [B] long: each sequence's last-token row among the logits; None when that is every row.
+    sample_rows: torch.Tensor | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
     def at_logits_rows(self) -> ForwardBatch:
@@ -76,6 +84,14 @@ def build_lora_meta(
     return LoraBatchMeta.build(slots, tokens_per_request, max_rank, device)
 
 
+def logits_rows_per_sequence(prompt_lens: list[int], all_logits: list[bool] | None) -> list[int]:
+    """How many logits rows each sequence of a prefill gets: its prompt length where
+    `all_logits` says so (prompt logprobs), else one."""
+    if all_logits is None:
+        return [1] * len(prompt_lens)
+    return [n if every else 1 for n, every in zip(prompt_lens, all_logits, strict=True)]
+
+
 def build_prefill(
     prompt_lens: list[int],
     block_table: torch.Tensor,
@@ -83,28 +99,37 @@ def build_prefill(
     device: torch.device,
     lora_slots: list[int] | None = None,
     max_lora_rank: int = 0,
+    all_logits: list[bool] | None = None,
 ) -> ForwardBatch:
     """block_table: [B, max_blocks] long (rows padded with any valid id), on any device;
-    lora_slots: each request's adapter slot (-1 = base model), None if no request has one."""
+    lora_slots: each request's adapter slot (-1 = base model), None if no request has one;
+    all_logits: per request, whether it wants the logits of every prompt token (None: none)."""
     lens = torch.tensor(prompt_lens, dtype=torch.long)
     num_seqs = len(prompt_lens)
     seq_index = torch.repeat_interleave(torch.arange(num_seqs), lens)
     starts = torch.cumsum(lens, 0) - lens
     positions = torch.arange(int(lens.sum())) - starts[seq_index]
     slots = _slots(block_table.cpu(), seq_index, positions, block_size)
+    rows_per_seq = logits_rows_per_sequence(prompt_lens, all_logits)
+    logits_indices, sample_rows = starts + lens - 1, None
+    if all_logits is not None and any(all_logits):
+        every = torch.tensor(all_logits, dtype=torch.bool)[seq_index]
+        logits_indices = (every | (positions == lens[seq_index] - 1)).nonzero()[:, 0]
+        sample_rows = (torch.tensor(rows_per_seq).cumsum(0) - 1).to(device, non_blocking=True)
     lora = lora_rows = None
     if lora_slots is not None:
         lora = build_lora_meta(lora_slots, prompt_lens, max_lora_rank, device)
         if lora is not None:
-            lora_rows = build_lora_meta(lora_slots, [1] * num_seqs, max_lora_rank, device)
+            lora_rows = build_lora_meta(lora_slots, rows_per_seq, max_lora_rank, device)
     return ForwardBatch(
         is_prefill=True,
         positions=positions.to(device, non_blocking=True),
         slot_mapping=slots.to(device, non_blocking=True),
-        logits_indices=(starts + lens - 1).to(device, non_blocking=True),
+        logits_indices=logits_indices.to(device, non_blocking=True),
         seq_lens_host=list(prompt_lens),
         lora=lora,
         lora_rows=lora_rows,
+        sample_rows=sample_rows,
     )
 
 

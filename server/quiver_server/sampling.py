@@ -1,26 +1,33 @@
 """Choosing the next token for every row of a batch, each row with its own parameters.
 
-Per row, in transformers' order: repetition penalty on the raw logits; then greedy (argmax)
-when temperature == 0, else temperature, top_k, top_p, min_p and a draw from the row's own
-seeded generator. All rows are processed as one tensor; only the uniform draws loop over rows
-(one per sampling row), so a request's tokens do not depend on what else is in the batch.
-The reported logprob is log_softmax of the raw logits at the chosen token. An all-greedy batch
-takes the shard's `KernelOps.greedy_logprob` (one fused pass per row with the C++ kernels).
+Per row, in vLLM's order: repetition penalty, frequency/presence penalties and logit_bias on
+the raw logits (`penalties.py`); then greedy (argmax) when temperature == 0, else temperature,
+top_k, top_p, min_p and a draw from the row's own seeded generator. All rows are processed as
+one tensor; only the uniform draws loop over rows (one per sampling row), so a request's tokens
+do not depend on what else is in the batch. The reported logprobs are of the raw logits
+(`logprobs.py`). A batch where nobody asks for any of that takes the shard's
+`KernelOps.greedy_logprob` (one fused pass per row with the C++ kernels).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from quiver_server.batch_types import SamplingParams
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.kernels.torch_ops import greedy_logprob, logprob_at
+from quiver_server.kernels.torch_ops import greedy_logprob
+from quiver_server.logprobs import MAX_LOGPROBS, TopTokens, raw_logprobs
+from quiver_server.penalties import LogitBias, apply_frequency_presence, apply_repetition_penalty, uses_counts
+
+MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
 
 
-def validate(params: SamplingParams) -> None:
+def validate(params: SamplingParams, vocab_size: int, prompt_logprobs: int | None = None) -> None:
     if not params.temperature >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {params.temperature}")
     if not 0.0 < params.top_p <= 1.0:
@@ -31,6 +38,19 @@ def validate(params: SamplingParams) -> None:
         raise ValueError(f"min_p must be in [0, 1], got {params.min_p}")
     if not params.repetition_penalty > 0.0:
         raise ValueError(f"repetition_penalty must be > 0, got {params.repetition_penalty}")
+    for name, value in (("presence_penalty", params.presence_penalty),
+                        ("frequency_penalty", params.frequency_penalty)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    for token, bias in params.logit_bias.items():
+        if not 0 <= token < vocab_size:
+            raise ValueError(f"logit_bias token id {token} is out of range for vocab size {vocab_size}")
+        if not math.isfinite(bias):
+            raise ValueError(f"logit_bias of token {token} must be finite, got {bias}")
+    if not 0 <= params.top_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {params.top_logprobs}")
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
 
 
 def new_generator(seed: int, draws_done: int = 0) -> torch.Generator:
@@ -52,11 +72,23 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float32, 1 = off
     min_p: torch.Tensor  # [B] float32, 0 = off
     repetition_penalty: torch.Tensor  # [B, 1] float32, 1 = off
+    presence_penalty: torch.Tensor  # [B, 1] float32, 0 = off
+    frequency_penalty: torch.Tensor  # [B, 1] float32, 0 = off
+    logit_bias: LogitBias | None  # None: no row has a bias
     sampling_rows: list[int]  # rows with temperature > 0
+    top_rows: list[int]  # rows that report top logprobs
+    top_logprobs: list[int]  # per row, how many
     max_top_k: int
     uses_top_p: bool
     uses_min_p: bool
-    uses_penalty: bool
+    uses_penalty: bool  # some row has a repetition penalty (needs the seen matrix)
+    uses_counts: bool  # some row has a frequency or presence penalty (needs the counts matrix)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Argmax of the raw logits and its logprob is all the batch needs."""
+        return not (self.uses_penalty or self.uses_counts or self.logit_bias is not None
+                    or self.sampling_rows or self.top_rows)
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingBatch:
@@ -69,12 +101,40 @@ class SamplingBatch:
             top_p=column([p.top_p for p in params], torch.float32),
             min_p=column([p.min_p for p in params], torch.float32),
             repetition_penalty=column([p.repetition_penalty for p in params], torch.float32)[:, None],
+            presence_penalty=column([p.presence_penalty for p in params], torch.float32)[:, None],
+            frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)[:, None],
+            logit_bias=LogitBias.from_params(params, device),
             sampling_rows=[i for i, p in enumerate(params) if p.temperature > 0],
+            top_rows=[i for i, p in enumerate(params) if p.top_logprobs > 0],
+            top_logprobs=[p.top_logprobs for p in params],
             max_top_k=max((p.top_k for p in params if p.temperature > 0), default=0),
             uses_top_p=any(p.top_p < 1.0 for p in params if p.temperature > 0),
             uses_min_p=any(p.min_p > 0.0 for p in params if p.temperature > 0),
             uses_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            uses_counts=any(uses_counts(p) for p in params),
         )
+
+
+class Sampled(NamedTuple):
+    tokens: torch.Tensor  # [B] long
+    logprobs: torch.Tensor  # [B] float32, raw log_softmax at the tokens
+    top: TopTokens | None = None  # the rows that asked for top logprobs
+
+
+def process_scores(
+    logits: torch.Tensor, params: SamplingBatch, seen: torch.Tensor | None = None, counts: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The penalties and logit_bias on float32 logits [B, V] (never modified in place)."""
+    scores = logits
+    if params.uses_penalty:
+        assert seen is not None, "rows with a repetition penalty need their seen tokens"
+        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if params.uses_counts:
+        assert counts is not None, "rows with frequency/presence penalties need their generated counts"
+        scores = apply_frequency_presence(scores, counts, params.frequency_penalty, params.presence_penalty)
+    if params.logit_bias is not None:
+        scores = params.logit_bias.apply(scores)
+    return scores
 
 
 def sample(
@@ -83,29 +143,21 @@ def sample(
     generators: Sequence[torch.Generator],
     seen: torch.Tensor | None = None,
     ops: KernelOps | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    counts: torch.Tensor | None = None,
+) -> Sampled:
     """logits [B, V]; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
-    repetition penalty); ops: the shard's (None: plain torch throughout). Returns (tokens [B]
-    long, logprobs [B] float32)."""
+    repetition penalty); counts [B, V] float32 (generated tokens, needed when a row has a
+    frequency or presence penalty); ops: the shard's (None: plain torch throughout)."""
     logits = logits.float()
-    if not params.uses_penalty and not params.sampling_rows:
-        return ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)
-    scores = logits
-    if params.uses_penalty:
-        assert seen is not None, "rows with a repetition penalty need their seen tokens"
-        scores = apply_repetition_penalty(scores, seen, params.repetition_penalty)
+    if params.plain_greedy:
+        return Sampled(*(ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)))
+    scores = process_scores(logits, params, seen, counts)
     tokens = scores.argmax(dim=-1)
     if params.sampling_rows:
         sampled = _draw(warp_scores(scores, params), params, generators)
         tokens = torch.where(params.temperature > 0, sampled, tokens)
-    return tokens, logprob_at(logits, tokens)
-
-
-def apply_repetition_penalty(scores: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """transformers' RepetitionPenaltyLogitsProcessor: a seen token's logit is divided by the
-    penalty if positive and multiplied by it if negative. penalty [B, 1]."""
-    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(seen, penalised, scores)
+    logprobs, top = raw_logprobs(logits, tokens, params.top_rows, max(params.top_logprobs))
+    return Sampled(tokens, logprobs, top)
 
 
 def warp_scores(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from grpc import aio
 
-from quiver_server.batch_types import ModelInfo, RequestSpec, SamplingParams, StepResult
+from quiver_server.batch_types import ModelInfo, RequestSpec, SamplingParams, StepResult, TokenLogprob, TokenOut
 from quiver_server.engine_thread import EngineThread
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 
@@ -43,9 +43,14 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
             repetition_penalty=sampling.repetition_penalty,
             seed=sampling.seed,
             draws_done=sampling.draws_done,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            logit_bias=dict(sampling.logit_bias),
+            top_logprobs=sampling.top_logprobs,
         ),
         max_new_tokens=request.max_new_tokens,
         adapter_id=request.adapter_id,
+        prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
     )
 
 
@@ -64,11 +69,25 @@ def info_to_pb(info: ModelInfo) -> shard_pb2.InfoResponse:
     )
 
 
+def _token_logprobs_to_pb(tokens: list[TokenLogprob]) -> list[shard_pb2.TokenLogprob]:
+    return [shard_pb2.TokenLogprob(token_id=t.token_id, logprob=t.logprob) for t in tokens]
+
+
+def generation_to_pb(generation: TokenOut) -> shard_pb2.Generation:
+    return shard_pb2.Generation(
+        request_id=generation.request_id,
+        token_id=generation.token_id,
+        logprob=generation.logprob,
+        top_logprobs=_token_logprobs_to_pb(generation.top_logprobs),
+        prompt_logprobs=[
+            shard_pb2.PromptPosition(logprob=p.logprob, top=_token_logprobs_to_pb(p.top))
+            for p in generation.prompt_logprobs
+        ],
+    )
+
+
 def _generations_to_pb(step: StepResult) -> list[shard_pb2.Generation]:
-    return [
-        shard_pb2.Generation(request_id=g.request_id, token_id=g.token_id, logprob=g.logprob)
-        for g in step.generations
-    ]
+    return [generation_to_pb(g) for g in step.generations]
 
 
 def _batch_to_pb(batch_id: int, request_ids: list[int]) -> shard_pb2.CachedBatch:

@@ -76,13 +76,13 @@ def test_draws_follow_the_filtered_distribution() -> None:
     logits = probs.log().expand(rows, 4)
     generators = [new_generator(seed) for seed in range(rows)]
     batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, CPU)
-    tokens, logprobs = sample(logits, batch, generators)
+    tokens, logprobs, _ = sample(logits, batch, generators)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)
     torch.testing.assert_close(logprobs, probs.log()[tokens])
     generators = [new_generator(seed) for seed in range(rows)]
     top2 = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2)] * rows, CPU)
-    tokens, _ = sample(logits, top2, generators)
+    tokens, _, _ = sample(logits, top2, generators)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]), atol=0.03, rtol=0)
 

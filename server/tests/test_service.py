@@ -239,3 +239,52 @@ def test_unexpected_errors_are_internal_with_a_message(tmp_path: Path) -> None:
         message = expect_status(grpc.StatusCode.INTERNAL, stub.Decode, decode)
         assert "illegal memory access" in message and "shutting down" in message
         assert [type(e) for e in fatal] == [torch.AcceleratorError]
+
+
+def test_logprobs_penalties_and_bias_cross_the_proto(shard: Shard, reference_model: torch.nn.Module) -> None:
+    """Every new field of the contract, over gRPC: top and prompt logprobs come back as the
+    reference's log_softmax; a bias and the penalties reach the sampler; prompt_logprobs=0 (set)
+    differs from absent."""
+    prompt = [9, 40, 41, 7, 7]
+    asking = greedy_request(21, prompt, 2, shard.pool)
+    asking.sampling.top_logprobs = 3
+    asking.prompt_logprobs = 2
+    no_alternatives = greedy_request(22, prompt, 2, shard.pool)
+    no_alternatives.prompt_logprobs = 0
+    biased = greedy_request(23, prompt, 2, shard.pool)
+    biased.sampling.logit_bias[77] = 100.0
+    penalised = greedy_request(24, prompt, 2, shard.pool)
+    penalised.sampling.frequency_penalty = 2.0
+    penalised.sampling.presence_penalty = 2.0
+    plain = greedy_request(25, prompt, 2, shard.pool)
+    requests = [asking, no_alternatives, biased, penalised, plain]
+    prefill = shard.stub.Prefill(shard_pb2.PrefillRequest(batch_id=201, requests=requests))
+    decode = shard.stub.Decode(shard_pb2.DecodeRequest(batches=[prefill.batch]))
+    shard.stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=201))
+    first = {g.request_id: g for g in prefill.generations}
+    second = {g.request_id: g for g in decode.generations}
+    with torch.no_grad():
+        reference = torch.log_softmax(reference_model(torch.tensor([prompt])).logits[0], dim=-1)
+
+    top = [(t.token_id, t.logprob) for t in first[21].top_logprobs]
+    expected = torch.topk(reference[-1], 3)
+    assert [t for t, _ in top] == expected.indices.tolist()
+    assert [lp for _, lp in top] == pytest.approx(expected.values.tolist(), abs=1e-4)
+    assert [len(g.top_logprobs) for g in prefill.generations] == [3, 0, 0, 0, 0]
+    for g in (first[21], first[22]):
+        assert [p.logprob for p in g.prompt_logprobs] == pytest.approx(
+            [reference[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)
+    assert [len(p.top) for p in first[21].prompt_logprobs] == [2] * (len(prompt) - 1)
+    assert [p.top[0].token_id for p in first[21].prompt_logprobs] == reference[:-1].argmax(dim=-1).tolist()
+    assert all(len(p.top) == 0 for p in first[22].prompt_logprobs)
+    assert [len(g.prompt_logprobs) for g in prefill.generations] == [4, 4, 0, 0, 0]
+    assert first[23].token_id == second[23].token_id == 77
+    # Same first token as the plain request (nothing generated yet, the prompt does not count),
+    # then that token is penalised by frequency + presence = 4.
+    assert first[24].token_id == first[25].token_id
+    with torch.no_grad():
+        logits = reference_model(torch.tensor([prompt + [first[24].token_id]])).logits[0, -1]
+    assert second[25].token_id == int(logits.argmax())
+    logits[first[24].token_id] -= 4.0
+    assert second[24].token_id == int(logits.argmax())
+    assert len(decode.generations[0].prompt_logprobs) == 0
