@@ -5,11 +5,15 @@ them). Greedy requests only: there the sampled token is the most likely one."""
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any
+
+import reference
 
 # The chosen token's logprob and the best top_logprobs entry are one number sent twice; only
 # float formatting may separate them.
 SAME_NUMBER = 1e-6
+REPLACEMENT = "\ufffd"
 
 
 def _check_token_bytes(entry: dict[str, Any]) -> bytes:
@@ -21,14 +25,23 @@ def _check_token_bytes(entry: dict[str, Any]) -> bytes:
     return raw
 
 
-def check_chat_logprobs(content: list[dict[str, Any]], top_logprobs: int, text: str) -> None:
-    """`choices[].logprobs.content` of a greedy chat completion (or all of a stream's, joined)
-    whose every token is visible text."""
+@lru_cache(maxsize=8)
+def special_tokens(model_dir: str) -> frozenset[str]:
+    """Tokens that are generated (and so have logprobs) but are not text (EOS)."""
+    return frozenset(reference.load_tokenizer(model_dir).all_special_tokens)
+
+
+def check_chat_logprobs(content: list[dict[str, Any]], top_logprobs: int, text: str, model_dir: str) -> None:
+    """`choices[].logprobs.content` of a greedy chat completion (or all of a stream's, joined):
+    the bytes of its tokens, special tokens left out, spell `text`, bytes that are no UTF-8
+    shown as U+FFFD."""
     assert content, "logprobs were asked for but the choice has none"
     joined = b""
     for entry in content:
         assert math.isfinite(entry["logprob"]) and entry["logprob"] <= 0.0, entry
-        joined += _check_token_bytes(entry)
+        token_bytes = _check_token_bytes(entry)
+        if entry["token"] not in special_tokens(model_dir):
+            joined += token_bytes
         tops = entry["top_logprobs"]
         assert len(tops) == top_logprobs, f"{len(tops)} top_logprobs, asked for {top_logprobs}: {entry}"
         values = [top["logprob"] for top in tops]
@@ -38,7 +51,8 @@ def check_chat_logprobs(content: list[dict[str, Any]], top_logprobs: int, text: 
         if tops:
             assert tops[0]["token"] == entry["token"], f"greedy chose {entry['token']!r}, not the top one: {entry}"
             assert abs(tops[0]["logprob"] - entry["logprob"]) <= SAME_NUMBER, entry
-    assert joined.decode("utf-8") == text, f"the tokens' bytes spell {joined!r}, the content is {text!r}"
+    spelled = joined.decode("utf-8", errors="replace")
+    assert spelled == text, f"the tokens' bytes spell {spelled!r} ({joined!r}), the content is {text!r}"
 
 
 def check_completion_logprobs(
@@ -67,8 +81,12 @@ def check_completion_logprobs(
         assert isinstance(token, str)
         assert logprob is not None and math.isfinite(logprob) and logprob <= 0.0, logprobs
         # OpenAI gives the `logprobs` most likely tokens; vLLM adds the sampled one if it is not
-        # among them.
-        assert top <= len(tops) <= top + 1, f"{len(tops)} top_logprobs, asked for {top}: {tops}"
-        assert token in tops and abs(tops[token] - logprob) <= SAME_NUMBER, f"{token!r} {logprob} {tops}"
+        # among them. Tokens that are part of a UTF-8 character all read U+FFFD, so they share
+        # one key.
+        assert 1 <= len(tops) <= top + 1, f"{len(tops)} top_logprobs, asked for {top}: {tops}"
+        assert token in tops, f"{token!r} is not among its own top_logprobs {tops}"
+        if REPLACEMENT in token:
+            continue
+        assert abs(tops[token] - logprob) <= SAME_NUMBER, f"{token!r} {logprob} {tops}"
         if position >= prompt_tokens:
             assert logprob >= max(tops.values()) - SAME_NUMBER, f"greedy token {token!r} is not its top one: {tops}"

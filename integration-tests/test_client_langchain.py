@@ -64,7 +64,7 @@ def test_invoke_logprobs(llama):
     logprobs = message.response_metadata.get("logprobs")
     assert logprobs is not None, f"no logprobs in response_metadata: {message.response_metadata}"
     assert len(logprobs["content"]) == MAX_TOKENS
-    check_chat_logprobs(logprobs["content"], 2, str(message.content))
+    check_chat_logprobs(logprobs["content"], 2, str(message.content), str(llama.model_dir))
 
 
 def test_stream_logprobs(llama):
@@ -73,4 +73,4 @@ def test_stream_logprobs(llama):
         text += str(chunk.content)
         entries += (chunk.response_metadata.get("logprobs") or {}).get("content") or []
     assert len(entries) == MAX_TOKENS
-    check_chat_logprobs(entries, 2, text)
+    check_chat_logprobs(entries, 2, text, str(llama.model_dir))

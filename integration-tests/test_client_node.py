@@ -56,10 +56,10 @@ def test_chat_stream_helper(node_output):
     assert final["finish_reason"] == "length"
 
 
-def test_chat_stream_helper_logprobs(node_output):
+def test_chat_stream_helper_logprobs(node_output, llama):
     joined = join_chat(node_output["chat"]["chunks"])
     assert len(joined.logprobs) == node_output["maxTokens"]
-    check_chat_logprobs(joined.logprobs, 2, joined.text)
+    check_chat_logprobs(joined.logprobs, 2, joined.text, str(llama.model_dir))
     # The helper gathers the chunks' logprobs into its final completion.
     assert node_output["chat"]["final"]["choices"][0]["logprobs"]["content"] == joined.logprobs
 

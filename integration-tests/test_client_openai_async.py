@@ -13,6 +13,7 @@ from openai.types.chat import ChatCompletionMessageParam
 import openai_schema
 from client_streams import ChatStream, CompletionStream, join_chat, join_completion
 from logprob_checks import check_chat_logprobs, check_completion_logprobs
+from openai_schema import COMPLETION_ECHO
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Count to three."}]
 PROMPT = "One, two,"
@@ -58,7 +59,7 @@ async def _completion(client: openai.AsyncOpenAI, model: str, options: dict[str,
         model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0, extra_body=ALL_TOKENS, **options
     )
     body = raw.http_response.json()
-    openai_schema.validate(body, "CreateCompletionResponse")
+    openai_schema.validate(body, COMPLETION_ECHO if options.get("echo") else "CreateCompletionResponse")
     return body
 
 
@@ -95,7 +96,7 @@ def test_concurrent_requests_with_logprobs(llama):
     chat_choice = answers.chat["choices"][0]
     assert chat_choice["logprobs"] is not None, "logprobs: true answered with logprobs: null"
     plain = chat_choice["logprobs"]["content"]
-    check_chat_logprobs(plain, 4, chat_choice["message"]["content"])
+    check_chat_logprobs(plain, 4, chat_choice["message"]["content"], str(llama.model_dir))
     streamed = answers.chat_stream.logprobs
     assert [entry["token"] for entry in streamed] == [entry["token"] for entry in plain]
     for one, other in zip(streamed, plain, strict=True):

@@ -11,6 +11,7 @@ from openai.types.chat import ChatCompletionMessageParam
 import openai_schema
 from client_streams import join_chat, join_completion
 from logprob_checks import check_chat_logprobs, check_completion_logprobs
+from openai_schema import COMPLETION_ECHO
 from served import raw_json
 
 MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Tell me about the sea."}]
@@ -60,7 +61,7 @@ def test_chat_logprobs(client, llama):
     choice = body["choices"][0]
     assert choice["logprobs"] is not None, "logprobs: true answered with logprobs: null"
     assert len(choice["logprobs"]["content"]) == MAX_TOKENS
-    check_chat_logprobs(choice["logprobs"]["content"], 3, choice["message"]["content"])
+    check_chat_logprobs(choice["logprobs"]["content"], 3, choice["message"]["content"], str(llama.model_dir))
     # The SDK parses the same body into its own types.
     parsed = raw.parse().choices[0].logprobs
     assert parsed is not None and parsed.content is not None
@@ -74,7 +75,7 @@ def test_chat_stream_logprobs(client, llama):
     )  # fmt: skip
     joined = join_chat(chunk.to_dict() for chunk in stream)
     assert len(joined.logprobs) == MAX_TOKENS
-    check_chat_logprobs(joined.logprobs, 2, joined.text)
+    check_chat_logprobs(joined.logprobs, 2, joined.text, str(llama.model_dir))
 
 
 def test_completion(client, llama):
@@ -113,7 +114,7 @@ def test_completion_echo(client, llama):
 
 def test_completion_echo_logprobs(client, llama):
     body = raw_json(_completion(client, llama.model, logprobs=2, echo=True))
-    openai_schema.validate(body, "CreateCompletionResponse")
+    openai_schema.validate(body, COMPLETION_ECHO)
     choice, usage = body["choices"][0], body["usage"]
     assert len(choice["logprobs"]["tokens"]) == usage["prompt_tokens"] + MAX_TOKENS
     check_completion_logprobs(
@@ -124,7 +125,7 @@ def test_completion_echo_logprobs(client, llama):
 def test_completion_echo_without_generating(client, llama):
     """lm-eval's log-likelihood request: `echo` with `max_tokens: 0` scores the prompt only."""
     body = raw_json(_completion(client, llama.model, max_tokens=0, logprobs=1, echo=True))
-    openai_schema.validate(body, "CreateCompletionResponse")
+    openai_schema.validate(body, COMPLETION_ECHO)
     choice, usage = body["choices"][0], body["usage"]
     assert choice["text"] == PROMPT and usage["completion_tokens"] == 0
     assert choice["finish_reason"] == "length"

@@ -23,7 +23,9 @@ async function chatThroughHelper(client, model) {
   });
   const chunks = [];
   for await (const chunk of stream) {
-    chunks.push(chunk);
+    // A copy: the helper appends later chunks' logprobs to the arrays of the first chunk it
+    // accumulated from, so the chunk objects it handed over change afterwards.
+    chunks.push(structuredClone(chunk));
   }
   return { chunks, final: await stream.finalChatCompletion() };
 }
