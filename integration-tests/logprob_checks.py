@@ -80,9 +80,10 @@ def check_completion_logprobs(
             continue
         assert isinstance(token, str)
         assert logprob is not None and math.isfinite(logprob) and logprob <= 0.0, logprobs
-        # OpenAI gives the `logprobs` most likely tokens; vLLM adds the sampled one if it is not
-        # among them. Tokens that are part of a UTF-8 character all read U+FFFD, so they share
-        # one key.
+        # OpenAI (CreateCompletionRequest.logprobs): the `logprobs` most likely tokens "as well
+        # the chosen tokens ... so there may be up to logprobs+1 elements"; with `echo` the
+        # prompt's tokens are the chosen ones (vLLM lists them too). Tokens that are part of a
+        # UTF-8 character all read U+FFFD, so they share one key.
         assert 1 <= len(tops) <= top + 1, f"{len(tops)} top_logprobs, asked for {top}: {tops}"
         assert token in tops, f"{token!r} is not among its own top_logprobs {tops}"
         if REPLACEMENT in token:
