@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py serve test test-rust test-server test-integration soak bench lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients serve test test-rust test-server test-integration soak bench lint clean
 
 install: python rust
 
@@ -42,6 +42,18 @@ rust: | $(UV)
 	$(CARGO) build --release --workspace
 	install -m 755 target/release/quiver-router target/release/quiver-launcher $(VENV)/bin/
 
+# The official openai Node SDK for integration-tests/test_client_node.py, at the version its
+# package-lock.json pins, installed into .cache (npm's downloads cached there too).
+NODE_CLIENT := integration-tests/node
+NODE_CLIENT_DIR := .cache/node-clients
+$(NODE_CLIENT_DIR)/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/package-lock.json
+	mkdir -p $(NODE_CLIENT_DIR)
+	cp $^ $(NODE_CLIENT_DIR)/
+	npm ci --prefix $(NODE_CLIENT_DIR) --cache $(CURDIR)/.cache/npm --ignore-scripts --no-audit --no-fund
+	touch $@
+
+node-clients: $(NODE_CLIENT_DIR)/.installed
+
 serve: install
 	$(VENV)/bin/quiver-launcher
 
@@ -57,7 +69,7 @@ test-server: python
 	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
-test-integration: install
+test-integration: install node-clients
 	$(PY) -m pytest integration-tests -q
 
 # The reliability suite (integration-tests/test_reliability_*.py) at ten times its `make test`

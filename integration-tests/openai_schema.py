@@ -22,6 +22,10 @@ _BASE_URI = "urn:openai-openapi"
 # OpenAI has no schema for legacy-completion stream chunks; they are completion objects whose
 # choices carry `finish_reason: null` until the last one (this is what the API sends).
 COMPLETION_CHUNK = "CreateCompletionStreamChunk"
+# OpenAI's API answers `echo` + `logprobs` with `null` as the first prompt token's logprob and
+# top_logprobs (nothing precedes it), which its published schema does not allow: a completion
+# response where those two arrays may hold nulls.
+COMPLETION_ECHO = "CreateCompletionEchoResponse"
 
 
 def _rewrite_nullable(node: Any) -> Any:
@@ -49,6 +53,15 @@ def _completion_chunk_schema(schemas: dict) -> dict:
     return chunk
 
 
+def _completion_echo_schema(schemas: dict) -> dict:
+    echo = copy.deepcopy(schemas["CreateCompletionResponse"])
+    logprobs = echo["properties"]["choices"]["items"]["properties"]["logprobs"]
+    [fields] = [branch["properties"] for branch in logprobs["anyOf"] if branch.get("type") == "object"]
+    for name in ("token_logprobs", "top_logprobs"):
+        fields[name]["items"] = {"anyOf": [fields[name]["items"], {"type": "null"}]}
+    return echo
+
+
 @lru_cache(maxsize=1)
 def _registry() -> tuple[Registry, dict]:
     if not OPENAPI_PATH.exists():
@@ -61,6 +74,7 @@ def _registry() -> tuple[Registry, dict]:
         document = _rewrite_nullable(yaml.load(f, Loader=loader))
     schemas = document["components"]["schemas"]
     schemas[COMPLETION_CHUNK] = _completion_chunk_schema(schemas)
+    schemas[COMPLETION_ECHO] = _completion_echo_schema(schemas)
     resource = Resource.from_contents(document, default_specification=DRAFT202012)
     return Registry().with_resource(_BASE_URI, resource), schemas
 
