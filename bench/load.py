@@ -38,6 +38,7 @@ class Workload:
     max_tokens: int
     requests_per_client: int
     adapters: tuple[str, ...] = ()  # requests spread over these `model` names (adapter ids)
+    logprobs: int = 0  # completions' `logprobs` (alternatives per token); 0: not asked
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -55,21 +56,42 @@ class Workload:
 
 
 async def _stream_once(conn: SseConnection, model: str, prompt: list[int],
-                       max_tokens: int) -> StreamTiming:
+                       max_tokens: int, logprobs: int = 0) -> StreamTiming:
     timing = StreamTiming(sent_at=time.perf_counter())
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+    if logprobs:
+        body["logprobs"] = logprobs
+    reported = 0  # tokens whose logprobs came back
     async for chunk in conn.post_stream("/completions", body):
         now = time.perf_counter()
         choices = chunk.get("choices")
         if choices and choices[0].get("text"):
             timing.token_times.append(now)
             timing.text += choices[0]["text"]
+        if choices and logprobs:
+            reported += _logprob_entries(choices[0], logprobs)
         if chunk.get("usage"):
             timing.completion_tokens = chunk["usage"]["completion_tokens"]
     if timing.completion_tokens != max_tokens:
         raise RuntimeError(f"stream ended after {timing.completion_tokens} of {max_tokens} tokens")
+    if logprobs and reported != max_tokens:
+        raise RuntimeError(f"logprobs came back for {reported} of {max_tokens} tokens")
     return timing
+
+
+def _logprob_entries(choice: dict, alternatives: int) -> int:
+    """Tokens a streamed choice reports logprobs for; each must carry its alternatives, so a
+    server that drops them fails the scenario instead of timing a cheaper run."""
+    logprobs = choice.get("logprobs")
+    if not logprobs:
+        return 0
+    tops = logprobs["top_logprobs"]
+    # At least one alternative each: completions key them by text, and two tokens may decode to
+    # the same text (partial UTF-8), so fewer than `alternatives` keys is legitimate.
+    if any(not top for top in tops):
+        raise RuntimeError(f"a token came back without its top {alternatives} logprobs")
+    return len(logprobs["token_logprobs"])
 
 
 async def _client_loop(conn: SseConnection, workload: Workload, client_index: int,
@@ -78,7 +100,7 @@ async def _client_loop(conn: SseConnection, workload: Workload, client_index: in
     for round_index in range(workload.requests_per_client):
         index = round_index * concurrency + client_index
         model, prompt = workload.request(index)
-        timings.append((index, await _stream_once(conn, model, prompt, workload.max_tokens)))
+        timings.append((index, await _stream_once(conn, model, prompt, workload.max_tokens, workload.logprobs)))
     return timings
 
 

@@ -19,6 +19,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # Issue 3's targets for the adapter scenario with the most adapters.
 TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
 TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
+# Issue 13's target for the logprobs scenario: × the same streams without logprobs.
+TARGET_LOGPROBS_VS_BASE = 0.9
 
 
 def cpu_description() -> dict:
@@ -91,6 +93,9 @@ def build_row(args, shape, scenario, quiver: dict, baselines: dict[str, dict]) -
                      for name, b in row["baselines"].items()}
     if scenario.adapters:
         row["adapter_ranks"] = _adapter_ranks(scenario)
+    if scenario.logprobs:
+        row["logprobs"] = scenario.logprobs
+    if scenario.adapters or scenario.logprobs:
         base = quiver.get(f"base-c{scenario.concurrency}")
         if base and "error" not in base:  # quiver itself serving the base model at the same concurrency
             row["ratios"][f"quiver/quiver_base-c{scenario.concurrency}"] = _ratio(
@@ -125,6 +130,17 @@ def multi_lora_summary(rows: list[dict]) -> dict | None:
     if "error" in row["quiver"]:
         summary["quiver_error"] = row["quiver"]["error"]
     return summary
+
+
+def logprobs_summary(rows: list[dict]) -> dict | None:
+    """Issue 13's target: streams asking for top-k logprobs against the same streams without."""
+    row = next((r for r in rows if r.get("logprobs")), None)
+    if row is None:
+        return None
+    ratio = row["ratios"].get(f"quiver/quiver_base-c{row['concurrency']}")
+    return {"scenario": row["scenario"], "vs_base_only": ratio, "target": TARGET_LOGPROBS_VS_BASE,
+            "met": None if ratio is None else ratio >= TARGET_LOGPROBS_VS_BASE,
+            "base_scenario": f"base-c{row['concurrency']}"}
 
 
 def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict]) -> dict:
@@ -165,4 +181,6 @@ def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict
             "(in the scenario's order, so adapters switch as in the scenario): one request at a "
             "time, its rate does not depend on how many requests there are. Best of `repeats`.")
         report["multi_lora"] = multi_lora_summary(rows)
+    if any(s.logprobs for s in scenarios):
+        report["logprobs"] = logprobs_summary(rows)
     return report

@@ -41,6 +41,8 @@ import report as reports  # noqa: E402
 from stack import Stack, StackConfig  # noqa: E402
 
 SERVED_NAME = "bench"
+# Alternatives per token in the logprobs scenario (issue 13: 32 streams with top-5 logprobs).
+LOGPROBS = 5
 
 
 @dataclass(frozen=True)
@@ -48,9 +50,16 @@ class Scenario:
     name: str
     concurrency: int
     adapters: tuple[str, ...] = ()  # adapter ids the requests cycle through; () = base model
+    logprobs: int = 0  # alternatives per token the requests ask for (completions' `logprobs`)
 
     def workload(self, prompts, max_tokens: int, requests_per_client: int) -> load.Workload:
-        return load.Workload(SERVED_NAME, prompts, max_tokens, requests_per_client, self.adapters)
+        return load.Workload(SERVED_NAME, prompts, max_tokens, requests_per_client, self.adapters,
+                             self.logprobs)
+
+    @property
+    def base_only(self) -> bool:
+        """A plain base-model scenario, the kind transformers' generate is timed against."""
+        return not self.adapters and not self.logprobs
 
 
 def log(message: str) -> None:
@@ -70,6 +79,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--naive-requests", type=int, default=8,
                    help="requests of each adapter scenario the transformers+peft baseline serves, "
                         "one at a time (0: all of them)")
+    p.add_argument("--logprobs-concurrency", type=int, default=32,
+                   help="streams of the logprobs scenario (base model, `logprobs: 5`); 0: no such scenario")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -111,7 +122,7 @@ def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args,
         extra_args=adapters.server_flags(adapter_root, args.max_active_adapters),
     )
     quiver_runs: dict[str, list] = {s.name: [] for s in scenarios}
-    generate_runs: dict[str, list] = {s.name: [] for s in scenarios if not s.adapters}
+    generate_runs: dict[str, list] = {s.name: [] for s in scenarios if s.base_only}
     errors: dict[str, dict] = {}
     stack = Stack(config, logs / "quiver.log")
     log(f"starting quiver ({shape.name}, {args.device}); log: {stack.log_path}")
@@ -127,7 +138,7 @@ def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args,
                     quiver_runs[scenario.name].append(
                         load.measure(stack.base_url + "/v1", workload, scenario.concurrency, 1))
                 except Exception as err:  # noqa: BLE001 - reported, not hidden
-                    if not scenario.adapters:
+                    if scenario.base_only:
                         raise
                     errors[scenario.name] = {"error": f"{type(err).__name__}: {err}"}
                     log(f"quiver {scenario.name} FAILED: {errors[scenario.name]['error']}")
@@ -184,9 +195,14 @@ def main() -> None:
     shape = bench_model.SHAPES["tiny" if args.quick else args.device]
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     adapter_counts = [int(n) for n in args.adapters.split(",") if n.strip() and int(n) > 0]
-    if adapter_counts and args.adapter_concurrency not in concurrencies:
-        concurrencies.append(args.adapter_concurrency)  # the base-only reference of the ratio
+    # The base-only references of the adapter and logprobs scenarios' ratios.
+    for reference in (args.adapter_concurrency if adapter_counts else 0, args.logprobs_concurrency):
+        if reference and reference not in concurrencies:
+            concurrencies.append(reference)
     scenarios = [Scenario(f"base-c{c}", c) for c in concurrencies]
+    if args.logprobs_concurrency:
+        c = args.logprobs_concurrency
+        scenarios.append(Scenario(f"logprobs{LOGPROBS}-c{c}", c, logprobs=LOGPROBS))
     log(f"model {shape.name} ({shape.parameters() / 1e6:.0f}M params) under {args.model_root}")
     model_dir = bench_model.ensure_model(shape, args.model_root, args.device)
     adapter_root = None
