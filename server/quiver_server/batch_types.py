@@ -55,6 +55,8 @@ class PromptPosition:
 
     logprob: float
     top: list[TokenLogprob] = field(default_factory=list)
+    # 1 + how many tokens are strictly more likely here (vLLM reports a prompt token's rank).
+    rank: int = 0
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,7 @@ def prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> list[l
     targets = torch.tensor([t for s in spans for t in s.targets], dtype=torch.long).to(device)
     max_top = max(s.top for s in spans)
     chosen: list[float] = []
+    ranks: list[int] = []
     alternatives: list[list[TokenLogprob]] = []
     for first in range(0, len(rows), PROMPT_CHUNK_ROWS):
         chunk = slice(first, first + PROMPT_CHUNK_ROWS)
@@ -112,6 +113,8 @@ def prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> list[l
         count = picked.shape[0]
         logprobs, top = raw_logprobs(picked, targets[chunk], range(count), max_top)
         chosen += logprobs.tolist()
+        target_logits = picked.gather(1, targets[chunk][:, None])
+        ranks += ((picked > target_logits).sum(dim=-1) + 1).tolist()
         if top is None:
             alternatives += [[] for _ in range(count)]
         else:
@@ -119,8 +122,9 @@ def prompt_logprobs(logits: torch.Tensor, spans: Sequence[PromptSpan]) -> list[l
     out, offset = [], 0
     for span in spans:
         end = offset + len(span.targets)
-        out.append([PromptPosition(lp, top[: span.top])
-                    for lp, top in zip(chosen[offset:end], alternatives[offset:end], strict=True)])
+        out.append([PromptPosition(lp, top[: span.top], rank)
+                    for lp, top, rank in zip(chosen[offset:end], alternatives[offset:end], ranks[offset:end],
+                                             strict=True)])
         offset = end
     return out
 

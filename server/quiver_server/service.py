@@ -80,7 +80,7 @@ def generation_to_pb(generation: TokenOut) -> shard_pb2.Generation:
         logprob=generation.logprob,
         top_logprobs=_token_logprobs_to_pb(generation.top_logprobs),
         prompt_logprobs=[
-            shard_pb2.PromptPosition(logprob=p.logprob, top=_token_logprobs_to_pb(p.top))
+            shard_pb2.PromptPosition(logprob=p.logprob, top=_token_logprobs_to_pb(p.top), rank=p.rank)
             for p in generation.prompt_logprobs
         ],
     )

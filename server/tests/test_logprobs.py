@@ -172,6 +172,12 @@ def test_prompt_logprobs_equal_reference_beside_a_normal_request(setup: Setup) -
             what = f"request {rid} prompt position {i}"
             assert position.logprob == pytest.approx(reference[i - 1, prompt[i]].item(), abs=ATOL), what
             assert_top_matches(position.top, reference[i - 1], asked, what)
+            # Rank: 1 + the tokens strictly more likely; a token within ATOL of the prompt
+            # token's logprob may fall on either side.
+            row, target = reference[i - 1], reference[i - 1, prompt[i]]
+            surely_above = int((row > target + ATOL).sum())
+            maybe_above = int((row > target - ATOL).sum()) - 1  # minus the prompt token itself
+            assert 1 + surely_above <= position.rank <= 1 + maybe_above, what
 
 
 def test_prompt_logprobs_of_a_long_prompt_across_blocks(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:

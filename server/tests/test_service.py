@@ -276,6 +276,10 @@ def test_logprobs_penalties_and_bias_cross_the_proto(shard: Shard, reference_mod
             [reference[i - 1, prompt[i]].item() for i in range(1, len(prompt))], abs=1e-4)
     assert [len(p.top) for p in first[21].prompt_logprobs] == [2] * (len(prompt) - 1)
     assert [p.top[0].token_id for p in first[21].prompt_logprobs] == reference[:-1].argmax(dim=-1).tolist()
+    # The rank crosses too: 1 where the prompt token is the reference's most likely, more elsewhere.
+    expected_top = reference[:-1].argmax(dim=-1).tolist()
+    for position, token, top in zip(first[21].prompt_logprobs, prompt[1:], expected_top, strict=True):
+        assert (position.rank == 1) == (token == top), (position.rank, token, top)
     assert all(len(p.top) == 0 for p in first[22].prompt_logprobs)
     assert [len(g.prompt_logprobs) for g in prefill.generations] == [4, 4, 0, 0, 0]
     assert first[23].token_id == second[23].token_id == 77
