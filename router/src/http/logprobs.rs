@@ -73,9 +73,9 @@ fn top_map(
         .iter()
         .take(k as usize)
         .map(|alt| (alt.token_id, alt.logprob));
-    let (id, logprob) = chosen;
-    std::iter::once((id, logprob))
-        .chain(alternatives)
+    // The chosen token last: where two tokens decode to the same text, its logprob is kept.
+    alternatives
+        .chain(std::iter::once(chosen))
         .map(|(id, logprob)| (token_piece(tokenizer, id).text, finite(logprob)))
         .collect()
 }
