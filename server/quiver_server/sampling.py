@@ -21,7 +21,7 @@ import torch
 from quiver_server.batch_types import SamplingParams
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kernels.torch_ops import greedy_logprob
-from quiver_server.logprobs import MAX_LOGPROBS, TopTokens, raw_logprobs
+from quiver_server.logprobs import MAX_LOGPROBS, TopTokens, raw_logprobs, top_alternatives
 from quiver_server.penalties import LogitBias, apply_frequency_presence, apply_repetition_penalty, uses_counts
 
 MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
@@ -85,10 +85,14 @@ class SamplingBatch:
     uses_counts: bool  # some row has a frequency or presence penalty (needs the counts matrix)
 
     @property
+    def greedy_on_raw_logits(self) -> bool:
+        """Every row takes the argmax of the raw logits: no sampling, penalty or bias."""
+        return not (self.uses_penalty or self.uses_counts or self.logit_bias is not None or self.sampling_rows)
+
+    @property
     def plain_greedy(self) -> bool:
         """Argmax of the raw logits and its logprob is all the batch needs."""
-        return not (self.uses_penalty or self.uses_counts or self.logit_bias is not None
-                    or self.sampling_rows or self.top_rows)
+        return self.greedy_on_raw_logits and not self.top_rows
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], device: torch.device) -> SamplingBatch:
@@ -149,8 +153,12 @@ def sample(
     repetition penalty); counts [B, V] float32 (generated tokens, needed when a row has a
     frequency or presence penalty); ops: the shard's (None: plain torch throughout)."""
     logits = logits.float()
-    if params.plain_greedy:
-        return Sampled(*(ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)))
+    if params.greedy_on_raw_logits:
+        # The fused argmax + logprob pass; only the rows asking for alternatives add a top-k.
+        tokens, logprobs = ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)
+        if params.plain_greedy:
+            return Sampled(tokens, logprobs)
+        return Sampled(tokens, logprobs, top_of_rows(logits, tokens, logprobs, params))
     scores = process_scores(logits, params, seen, counts)
     tokens = scores.argmax(dim=-1)
     if params.sampling_rows:
@@ -158,6 +166,13 @@ def sample(
         tokens = torch.where(params.temperature > 0, sampled, tokens)
     logprobs, top = raw_logprobs(logits, tokens, params.top_rows, max(params.top_logprobs))
     return Sampled(tokens, logprobs, top)
+
+
+def top_of_rows(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingBatch):
+    """The alternatives of the rows that ask, given the chosen tokens' raw logprobs: each row's
+    log-normaliser is logit[token] - logprob[token], so no second logsumexp pass is needed."""
+    normaliser = logits.gather(1, tokens[:, None])[:, 0] - logprobs
+    return top_alternatives(logits, normaliser, params.top_rows, max(params.top_logprobs))
 
 
 def warp_scores(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:

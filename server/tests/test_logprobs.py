@@ -91,6 +91,25 @@ def test_top_tokens_break_ties_by_lower_id() -> None:
             assert values[row].tolist() == [finite[i] for i in expected]
 
 
+def test_top_tokens_order_ties_inside_the_cut_by_lower_id() -> None:
+    """Distinct values at every cut, equal ones among the kept (the one-topk path, which the
+    many boundary ties above send to the exact one): still (value descending, id ascending)."""
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.stack([torch.randperm(50, generator=generator).float() for _ in range(4)])
+    for row in range(4):  # the two largest of each row become equal, the third joins in row 2
+        order = logits[row].argsort(descending=True)
+        logits[row, order[1]] = logits[row, order[0]]
+        if row == 2:
+            logits[row, order[2]] = logits[row, order[0]]
+    for k in (3, 4, 10, 50):
+        ids, values = top_tokens(logits, k)
+        for row in range(4):
+            scores = logits[row].tolist()
+            expected = sorted(range(50), key=lambda i, r=scores: (-r[i], i))[:k]
+            assert ids[row].tolist() == expected, (row, k)
+            assert values[row].tolist() == [scores[i] for i in expected]
+
+
 def _collect(outputs: dict[int, list[TokenOut]], generations: list[TokenOut]) -> None:
     for generation in generations:
         outputs.setdefault(generation.request_id, []).append(generation)
