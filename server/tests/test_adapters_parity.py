@@ -20,6 +20,7 @@ from tiny_adapters import (
     peft_reference,
     reference_greedy,
 )
+from block_tables import Blocks
 from tiny_models import build_tiny_model
 
 from quiver_server.batch_types import RequestSpec, StepResult
@@ -68,17 +69,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         engine.activate_adapter(kind, slot)
     yield Setup(base_dir, adapters, engine)
 
-
-class Blocks:
-    """Disjoint block tables, as the router hands them out."""
-
-    def __init__(self) -> None:
-        self.next = 0
-
-    def table(self, num_tokens: int) -> list[int]:
-        count = -(-num_tokens // BLOCK_SIZE)
-        self.next += count
-        return list(range(self.next - count, self.next))
 
 
 def _collect(outputs: dict[int, list[int]], step: StepResult) -> None:

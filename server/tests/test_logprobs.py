@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from tiny_adapters import ALL_PROJECTIONS, build_adapter, peft_reference
+from block_tables import Blocks
 from tiny_models import build_tiny_model
 
 from quiver_server.batch_types import RequestSpec, SamplingParams, TokenLogprob, TokenOut
@@ -48,15 +49,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     engine.activate_adapter(ADAPTER, 0)
     return Setup(engine, {"": peft_reference(base, None), ADAPTER: peft_reference(base, adapter)})
 
-
-class Blocks:
-    def __init__(self) -> None:
-        self.next = 0
-
-    def table(self, num_tokens: int) -> list[int]:
-        count = -(-num_tokens // BLOCK_SIZE)
-        self.next += count
-        return list(range(self.next - count, self.next))
 
 
 def assert_top_matches(got: list[TokenLogprob], reference: torch.Tensor, k: int, what: str) -> None:
