@@ -20,6 +20,7 @@ pub mod stop;
 pub mod template;
 pub mod token_pieces;
 pub mod tokenizer;
+pub mod tool_calls;
 pub mod validation;
 
 /// Code generated from `proto/quiver/v1/shard.proto` by build.rs.
