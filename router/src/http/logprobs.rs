@@ -165,32 +165,13 @@ pub fn prompt_logprobs(
         }
         let own = PromptLogprobEntry {
             logprob: finite(position.logprob),
-            rank: rank_of(id, position),
+            rank: position.rank,
             decoded_token: decoded(id),
         };
         entries.insert(id.to_string(), own);
         out.push(Some(entries));
     }
     out
-}
-
-/// The shard's rank of the prompt token. A shard that does not report it (0) leaves what the
-/// alternatives tell: the token's place among them, else one past those more likely (then only
-/// a lower bound).
-fn rank_of(id: u32, position: &PromptPosition) -> u32 {
-    if position.rank > 0 {
-        return position.rank;
-    }
-    match position.top.iter().position(|alt| alt.token_id == id) {
-        Some(at) => at as u32 + 1,
-        None => {
-            let above = position
-                .top
-                .iter()
-                .filter(|alt| alt.logprob > position.logprob);
-            above.count() as u32 + 1
-        }
-    }
 }
 
 /// `best_of`: of each prompt's `best_of` consecutive outputs, the `n` with the highest
