@@ -384,6 +384,7 @@ impl Batcher {
                 adapter_id: request.adapter_id.clone(),
                 // A resumed request reported its prompt's logprobs before it was preempted.
                 prompt_logprobs: request.prompt_logprobs.filter(|_| resumed_after == 0),
+                grammar: request.grammar.clone(),
             });
             ids.push(id);
             self.active.insert(

@@ -95,6 +95,10 @@ pub struct GenerationRequest {
     pub adapter_id: String,
     /// Report the prompt's logprobs (with this many alternatives) on the first event.
     pub prompt_logprobs: Option<u32>,
+    /// Constrains the output (structured output, tool calls); compiled on the shards before
+    /// the request was queued. EOS then ends the request even with `ignore_eos` or before
+    /// `min_tokens`: the grammar allows nothing else once the output is complete.
+    pub grammar: Option<crate::pb::Grammar>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -38,6 +38,7 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
         min_tokens: 0,
         adapter_id: String::new(),
         prompt_logprobs: None,
+        grammar: None,
     }
 }
 

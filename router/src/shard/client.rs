@@ -248,4 +248,12 @@ impl ShardBackend for ShardClient {
         self.fan_out(request, |mut c, r| async move { c.unload_adapter(r).await })
             .boxed()
     }
+
+    fn compile_grammar(
+        &self,
+        request: pb::CompileGrammarRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
+        self.fan_out(request, |mut c, r| async move { c.compile_grammar(r).await })
+            .boxed()
+    }
 }

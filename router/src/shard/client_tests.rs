@@ -101,6 +101,17 @@ impl Shard for Served {
             .map(Response::new)
             .map_err(to_status)
     }
+    async fn compile_grammar(
+        &self,
+        r: Request<pb::CompileGrammarRequest>,
+    ) -> Answer<pb::CompileGrammarResponse> {
+        let r = r.into_inner();
+        self.0
+            .compile_grammar(r)
+            .await
+            .map(Response::new)
+            .map_err(to_status)
+    }
 }
 
 /// A fresh socket directory per test (no tempfile crate in the workspace).
@@ -176,6 +187,7 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
         max_new_tokens,
         adapter_id: String::new(),
         prompt_logprobs: None,
+        grammar: None,
     }
 }
 
@@ -313,6 +325,7 @@ async fn the_scheduler_runs_over_grpc() {
             min_tokens: 0,
             adapter_id: String::new(),
             prompt_logprobs: None,
+            grammar: None,
         })
         .unwrap();
     let mut tokens = Vec::new();

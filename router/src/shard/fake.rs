@@ -636,4 +636,12 @@ impl ShardBackend for FakeShard {
     ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>> {
         async move { self.unload_adapter_now(request) }.boxed()
     }
+
+    fn compile_grammar(
+        &self,
+        _request: pb::CompileGrammarRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
+        // The fake generates no text a grammar could constrain: every grammar "compiles".
+        async move { Ok(pb::CompileGrammarResponse::default()) }.boxed()
+    }
 }

@@ -30,6 +30,7 @@ fn req(id: u64, prompt: u32, block: u32, adapter_id: &str) -> pb::Request {
         max_new_tokens: 4,
         adapter_id: adapter_id.to_string(),
         prompt_logprobs: None,
+        grammar: None,
     }
 }
 

@@ -12,6 +12,7 @@ fn req(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> pb::
         max_new_tokens,
         adapter_id: String::new(),
         prompt_logprobs: None,
+        grammar: None,
     }
 }
 

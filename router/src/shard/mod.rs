@@ -128,4 +128,10 @@ pub trait ShardBackend: Send + Sync {
         &self,
         request: pb::UnloadAdapterRequest,
     ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>>;
+    /// Compiles (and caches) a request's grammar on every rank before the request is admitted;
+    /// a grammar that does not compile comes back in the response's `error` (rank 0's).
+    fn compile_grammar(
+        &self,
+        request: pb::CompileGrammarRequest,
+    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>>;
 }

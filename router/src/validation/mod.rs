@@ -190,6 +190,7 @@ impl Validator {
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
                     prompt_logprobs,
+                    grammar: None,
                 });
             }
         }
