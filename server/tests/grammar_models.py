@@ -39,7 +39,7 @@ def permuted_tokenizer(tokenizer: Tokenizer) -> Tokenizer:
     one maps to a different string in the other."""
     data = json.loads(tokenizer.to_str())
     vocab: dict[str, int] = data["model"]["vocab"]
-    ordinary = sorted((i for i in vocab.values() if i > EOS))
+    ordinary = sorted(i for i in vocab.values() if i > EOS)
     remap = dict(zip(ordinary, reversed(ordinary), strict=True))
     data["model"]["vocab"] = {token: remap.get(i, i) for token, i in vocab.items()}
     return Tokenizer.from_str(json.dumps(data))
@@ -71,7 +71,9 @@ def request(
     )
 
 
-def generate(engine: Engine, requests: list[RequestSpec], batch_id: int = 1, steps: int | None = None) -> dict[int, list[int]]:
+def generate(
+    engine: Engine, requests: list[RequestSpec], batch_id: int = 1, steps: int | None = None
+) -> dict[int, list[int]]:
     """Runs `requests` as one batch as the router would: a request leaves the batch after EOS or
     its max_new_tokens (or after `steps` tokens, to preempt it). Returns each one's tokens."""
     limits = {r.id: r.max_new_tokens if steps is None else min(steps, r.max_new_tokens) for r in requests}

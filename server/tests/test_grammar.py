@@ -11,6 +11,7 @@ import json
 import math
 import re
 from pathlib import Path
+from typing import Any
 
 import jsonschema
 import pytest
@@ -118,7 +119,7 @@ SCHEMAS: dict[str, dict] = {
     },
 }
 
-SAMPLINGS = {
+SAMPLINGS: dict[str, dict[str, Any]] = {
     "greedy": {},
     "seeded": {"temperature": 1.0, "seed": 1234},
     "hot_top_k": {"temperature": 1.5, "top_k": 50, "seed": 7},
@@ -188,7 +189,7 @@ def test_regex_and_lark_outputs_match(engine: Engine, model: tuple[Path, Tokeniz
 
 
 def test_free_rows_of_a_mixed_batch_get_their_tokens_alone(engine: Engine) -> None:
-    free = {"greedy": {}, "seeded": {"temperature": 0.9, "seed": 99}}
+    free: dict[str, dict[str, Any]] = {"greedy": {}, "seeded": {"temperature": 0.9, "seed": 99}}
     alone = {}
     for rid, (name, sampling) in enumerate(free.items()):
         alone[name] = generate(engine, [request(rid, PROMPT, Blocks(), max_new_tokens=24, **sampling)])[rid]
@@ -299,5 +300,5 @@ def test_compiles_are_cached_and_each_request_has_its_own_state(engine: Engine) 
     # Two requests of the same grammar, both greedy on the same prompt: the same output, so
     # neither advanced the other's state.
     blocks = Blocks()
-    outputs = generate(engine, [request(1, PROMPT, blocks, grammar=grammar), request(2, PROMPT, blocks, grammar=grammar)])
+    outputs = generate(engine, [request(rid, PROMPT, blocks, grammar=grammar) for rid in (1, 2)])
     assert outputs[1] == outputs[2] and outputs[1][-1] == EOS
