@@ -146,7 +146,6 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         """Waits for the engine calls in progress (if any), then stops the worker threads."""
         self._loader.shutdown(wait=True)
         self._compiler.shutdown(wait=True)
-        self._engine.grammars.shutdown()
         self._worker.shutdown()
 
     async def Info(

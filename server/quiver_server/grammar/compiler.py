@@ -116,9 +116,6 @@ class GrammarCompiler:
             for key in [k for k in self._cache if k[0] == source_key]:
                 del self._cache[key]
 
-    def shutdown(self) -> None:
-        self._builders.shutdown(wait=False, cancel_futures=True)
-
     def _cached(self, key: CacheKey) -> llguidance.LLMatcher | None:
         with self._lock:
             entry = self._cache.get(key)

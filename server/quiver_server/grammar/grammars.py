@@ -71,9 +71,6 @@ class Grammars:
             self.compiler.forget(source.key)
             self.compiler.tokenizers.forget(source.key)
 
-    def shutdown(self) -> None:
-        self.compiler.shutdown()
-
     def _source(self, adapter_id: str) -> TokenizerSource:
         if not adapter_id:
             return self._base
