@@ -19,6 +19,7 @@ from quiver_server.adapters.confined import read_confined
 from quiver_server.grammar.errors import GrammarError
 
 TOKENIZER_FILE = "tokenizer.json"
+MAX_REASON_CHARS = 200
 
 
 @dataclass(frozen=True)
@@ -94,4 +95,6 @@ class TokenizerCache:
         try:
             return llguidance.LLTokenizer(data.decode(), n_vocab=self.n_vocab, eos_token=list(eos_token_ids))
         except (ValueError, UnicodeDecodeError) as error:
-            raise GrammarError(f"the tokenizer of {source.what} cannot be used for grammars: {error}") from None
+            # Cut short: llguidance may quote the file's text back.
+            reason = str(error)[:MAX_REASON_CHARS]
+            raise GrammarError(f"the tokenizer of {source.what} cannot be used for grammars: {reason}") from None
