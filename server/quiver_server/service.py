@@ -178,11 +178,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> shard_pb2.PrefillResponse:
         specs = [request_from_pb(r) for r in request.requests]
-        for spec in specs:
-            if spec.grammar is not None:
-                # Normally cached by CompileGrammar already; a GrammarError is the request's
-                # INVALID_ARGUMENT, before the engine thread is involved.
-                await self._compile(spec.adapter_id, spec.grammar)
+        # Normally cached by CompileGrammar already; a GrammarError is the request's
+        # INVALID_ARGUMENT, before the engine thread is involved.
+        await asyncio.gather(*(self._compile(s.adapter_id, s.grammar) for s in specs if s.grammar is not None))
         step = await self._run(self._engine.prefill, request.batch_id, specs)
         return shard_pb2.PrefillResponse(
             generations=_generations_to_pb(step),
