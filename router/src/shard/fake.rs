@@ -385,6 +385,7 @@ impl FakeShard {
                 request_ids: ids,
             }),
             forward_ns: 0,
+            grammar_ns: 0,
         })
     }
 
@@ -449,6 +450,7 @@ impl FakeShard {
                 request_ids: merged,
             }),
             forward_ns: 0,
+            grammar_ns: 0,
         })
     }
 
