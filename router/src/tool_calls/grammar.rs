@@ -70,7 +70,10 @@ fn call_rules(parser: ToolCallParser, functions: &[&FunctionSpec]) -> Vec<String
             Value::String(function.name.clone())
         );
         rules.push(format!("fn_{i}: {} args_{i} \"}}\"", string(&opening)));
-        rules.push(format!("args_{i}: %json {}", compact_schema(&function.parameters)));
+        rules.push(format!(
+            "args_{i}: %json {}",
+            compact_schema(&function.parameters)
+        ));
     }
     rules
 }

@@ -14,6 +14,8 @@ mod llama3_json;
 mod mistral;
 mod partial;
 mod plan;
+#[cfg(test)]
+mod plan_tests;
 mod request;
 mod stream;
 #[cfg(test)]
@@ -28,7 +30,7 @@ pub use detect::{detect_parser, parser_for};
 pub use grammar::tool_grammar;
 pub use plan::ToolPlan;
 pub use quiver_flags::ToolCallParser;
-pub use request::{check_tool_request, FunctionSpec, ToolChoice, ToolRequest};
+pub use request::{check_tool_request, FunctionSpec, ToolChoice, ToolFields, ToolRequest};
 pub use stream::{ToolCallStream, ToolDelta};
 
 use crate::openai::common::random_id;
@@ -104,9 +106,7 @@ fn read_call(
     if declared.is_some_and(|names| !names.iter().any(|declared| *declared == name)) {
         return None;
     }
-    let arguments = argument_keys
-        .iter()
-        .find_map(|key| fields.get(*key))?;
+    let arguments = argument_keys.iter().find_map(|key| fields.get(*key))?;
     Some(ParsedCall {
         name,
         arguments: argument_text(arguments)?,

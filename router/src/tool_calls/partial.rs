@@ -34,7 +34,8 @@ fn scan_hermes(text: &str) -> Scan<'_> {
     let mut rest = text;
     loop {
         let Some(start) = rest.find(hermes::START) else {
-            scan.content.push_str(without_marker_start(rest, hermes::START));
+            scan.content
+                .push_str(without_marker_start(rest, hermes::START));
             return scan;
         };
         scan.content.push_str(&rest[..start]);
@@ -54,7 +55,8 @@ fn scan_hermes(text: &str) -> Scan<'_> {
 fn scan_mistral(text: &str) -> Scan<'_> {
     let mut scan = Scan::default();
     let Some(start) = text.find(mistral::MARKER) else {
-        scan.content.push_str(without_marker_start(text, mistral::MARKER));
+        scan.content
+            .push_str(without_marker_start(text, mistral::MARKER));
         return scan;
     };
     scan.content.push_str(&text[..start]);

@@ -161,12 +161,7 @@ fn check_tools(tools: &Value) -> Result<Vec<FunctionSpec>, ValidationError> {
                     &format!("`{kind}` is not supported: only \"function\" tools are"),
                 ))
             }
-            _ => {
-                return Err(invalid(
-                    &format!("{param}.type"),
-                    "must be \"function\"",
-                ))
-            }
+            _ => return Err(invalid(&format!("{param}.type"), "must be \"function\"")),
         }
         let function = tool
             .get("function")
@@ -201,7 +196,10 @@ fn check_unique(
     if specs.iter().any(|other| other.name == spec.name) {
         return Err(invalid(
             param,
-            &format!("`{}` is declared twice; function names must be unique", spec.name),
+            &format!(
+                "`{}` is declared twice; function names must be unique",
+                spec.name
+            ),
         ));
     }
     Ok(())
@@ -224,13 +222,16 @@ fn check_function(param: &str, function: &Value) -> Result<FunctionSpec, Validat
             "must be 1 to 64 characters of a-z, A-Z, 0-9, underscores and dashes",
         ));
     }
-    if !matches!(function.get("description"), None | Some(Value::Null | Value::String(_))) {
-        return Err(invalid(
-            &format!("{param}.description"),
-            "must be a string",
-        ));
+    if !matches!(
+        function.get("description"),
+        None | Some(Value::Null | Value::String(_))
+    ) {
+        return Err(invalid(&format!("{param}.description"), "must be a string"));
     }
-    if !matches!(function.get("strict"), None | Some(Value::Null | Value::Bool(_))) {
+    if !matches!(
+        function.get("strict"),
+        None | Some(Value::Null | Value::Bool(_))
+    ) {
         return Err(invalid(&format!("{param}.strict"), "must be a boolean"));
     }
     let parameters = match function.get("parameters") {

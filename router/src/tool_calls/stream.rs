@@ -129,6 +129,9 @@ fn send_call(
                 sent_arguments.push_str(new);
             }
         }
-        _ => tracing::warn!(index, "a streamed tool call and the finished reply's differ"),
+        _ => tracing::warn!(
+            index,
+            "a streamed tool call and the finished reply's differ"
+        ),
     }
 }

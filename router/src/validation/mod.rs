@@ -33,6 +33,7 @@ use crate::openai::common::GenerationParams;
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
+use crate::tool_calls::{parser_for, ToolCallParser, ToolPlan};
 
 /// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
 pub const MAX_N: u32 = 128;
@@ -70,6 +71,8 @@ pub struct ValidRequest {
     /// Per prompt: its ids, and with `echo` the text echoed before the completion (the prompt
     /// as sent, or the decoded ids).
     pub prompts: Vec<ValidPrompt>,
+    /// Chat with `tools`: how replies are constrained and read for calls.
+    pub tools: Option<ToolPlan>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -90,6 +93,8 @@ pub struct Validator {
     pub max_stop_sequences: u32,
     /// Choices per request and the share of the KV cache one request may reserve.
     pub bounds: RequestBounds,
+    /// `--tool-call-parser`; unset, each model's (or adapter's) chat template decides.
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl Validator {
@@ -99,10 +104,15 @@ impl Validator {
         &self,
         assets: &ModelAssets,
         adapter_id: &str,
-        fields: F,
+        mut fields: F,
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let logprob_fields = fields.logprob_fields();
+        let tools = fields.tool_request()?.map(|request| {
+            let template = assets.template.as_ref().map(ChatTemplate::source);
+            let parser = parser_for(self.tool_call_parser, template);
+            ToolPlan::new(request, parser, &assets.tokenizer)
+        });
         let control_limits = ControlLimits {
             vocab_size: self.vocab_size,
             max_stop_sequences: self.max_stop_sequences,
@@ -131,7 +141,15 @@ impl Validator {
             };
             prompts.push(ValidPrompt { ids, echo });
         }
-        self.build(prompts, F::PARAM, checked, adapter_id, assets)
+        let mut valid = self.build(prompts, F::PARAM, checked, adapter_id, assets)?;
+        if let Some(plan) = &tools {
+            let grammar = plan.grammar();
+            for choice in &mut valid.choices {
+                choice.grammar = grammar.clone();
+            }
+        }
+        valid.tools = tools;
+        Ok(valid)
     }
 
     /// The model's EOS ids plus those of the tokenizer in use (an adapter's own tokenizer may
@@ -199,6 +217,7 @@ impl Validator {
             prompt_tokens,
             options: checked.options,
             prompts,
+            tools: None,
         })
     }
 
