@@ -343,3 +343,7 @@ impl ChunkFormat for Chat {
         self.chunk(Vec::new(), Some(usage), None)
     }
 }
+
+#[cfg(test)]
+#[path = "chat_tool_tests.rs"]
+mod tool_tests;
