@@ -33,11 +33,23 @@ async fn malformed_tool_fields_are_refused_with_the_field_named() {
             json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}),
             "tools[0].function.parameters",
         ),
-        (json!({"tools": tools(), "tool_choice": "sometimes"}), "tool_choice"),
-        (json!({"tools": tools(), "tool_choice": named}), "tool_choice"),
+        (
+            json!({"tools": tools(), "tool_choice": "sometimes"}),
+            "tool_choice",
+        ),
+        (
+            json!({"tools": tools(), "tool_choice": named}),
+            "tool_choice",
+        ),
         (json!({"tool_choice": "required"}), "tool_choice"),
-        (json!({"tools": tools(), "parallel_tool_calls": 1}), "parallel_tool_calls"),
-        (json!({"functions": [{"name": "f"}], "tools": tools()}), "functions"),
+        (
+            json!({"tools": tools(), "parallel_tool_calls": 1}),
+            "parallel_tool_calls",
+        ),
+        (
+            json!({"functions": [{"name": "f"}], "tools": tools()}),
+            "functions",
+        ),
         (json!({"functions": [{}]}), "functions[0].name"),
     ] {
         let (status, body) = app.post(CHAT, &chat_body("Hi", extra.clone())).await;
@@ -58,7 +70,10 @@ async fn requests_with_tools_are_answered_in_openais_shapes() {
         assert_eq!(status, StatusCode::OK, "{body}");
         assert_schema(&body, "CreateChatCompletionResponse");
         // The fake writes no call: its text is the content.
-        assert!(body["choices"][0]["message"]["content"].is_string(), "{body}");
+        assert!(
+            body["choices"][0]["message"]["content"].is_string(),
+            "{body}"
+        );
         let mut streamed = extra.clone();
         streamed["stream"] = json!(true);
         let (status, chunks) = app.stream(CHAT, &chat_body("Hi", streamed)).await;
@@ -71,7 +86,10 @@ async fn requests_with_tools_are_answered_in_openais_shapes() {
             .iter()
             .filter_map(|chunk| chunk["choices"][0]["delta"]["content"].as_str())
             .collect();
-        assert_eq!(text, body["choices"][0]["message"]["content"].as_str().unwrap());
+        assert_eq!(
+            text,
+            body["choices"][0]["message"]["content"].as_str().unwrap()
+        );
     }
     let legacy = json!({"functions": [{"name": "get_weather"}], "function_call": "auto",
                         "max_tokens": 4});

@@ -13,7 +13,8 @@ use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::{check_tool_request, ToolCallParser, ToolFields, ToolPlan};
 use crate::validation::{LogprobOptions, ResponseOptions};
 
-const CALL: &str = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>";
+const CALL: &str =
+    "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>";
 
 fn setup(body: Value, logprobs: bool) -> ResponseSetup {
     let request = check_tool_request(ToolFields {

@@ -103,7 +103,7 @@ fn read_call(
 ) -> Option<ParsedCall> {
     let fields: HashMap<String, &RawValue> = serde_json::from_str(raw.get()).ok()?;
     let name: String = serde_json::from_str(fields.get("name")?.get()).ok()?;
-    if declared.is_some_and(|names| !names.iter().any(|declared| *declared == name)) {
+    if declared.is_some_and(|names| !names.contains(&name)) {
         return None;
     }
     let arguments = argument_keys.iter().find_map(|key| fields.get(*key))?;
