@@ -7,11 +7,11 @@
 //! Every call is written name first (`{"name": "f", "arguments": {…}}`), the order the
 //! families' chat templates print calls in, so that a call's name streams before its arguments.
 //!
-//! A marker that is a special token of the request's tokenizer (Llama's `<|python_tag|>`,
-//! Mistral's `[TOOL_CALLS]`) is written by id (`<[128010]>`): the token, not its spelling in
-//! ordinary text, is what the model emits. A marker that is plain text (`<tool_call>` in Qwen's
-//! tokenizer is an added token but not a special one) is a string; in `auto` it is a lazy
-//! lexeme, which ends the free text as soon as the marker appears.
+//! A marker that is an added token of the request's tokenizer (Llama's `<|python_tag|>`,
+//! Mistral's `[TOOL_CALLS]`, Qwen's `<tool_call>`, special or not) is written by id
+//! (`<[128010]>`): the token, not its spelling in ordinary text, is what the model emits, and
+//! llguidance matches an added token only as itself. A marker that is plain text is a string; in
+//! `auto` it is a lazy lexeme, which ends the free text as soon as the marker appears.
 
 use serde_json::{json, Value};
 
@@ -21,7 +21,7 @@ use super::{hermes, llama3_json, mistral, FunctionSpec, ToolCallParser, ToolChoi
 const TEXT: &str = r"TEXT: /(.|\n)*/";
 
 /// The Lark grammar for `request` in `parser`'s format; `None` for `tool_choice: "none"`.
-/// `special_id` gives the id of a marker that is a special token of the tokenizer.
+/// `special_id` gives the id of a marker that is an added token of the tokenizer.
 pub fn tool_grammar(
     parser: ToolCallParser,
     request: &ToolRequest,
@@ -95,7 +95,7 @@ fn string(text: &str) -> String {
     Value::String(text.to_owned()).to_string()
 }
 
-/// A marker: its special token by id, else its text.
+/// A marker: its added token by id, else its text.
 fn marker(text: &str, special_id: &dyn Fn(&str) -> Option<u32>) -> String {
     match special_id(text) {
         Some(id) => format!("<[{id}]>"),

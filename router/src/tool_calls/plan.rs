@@ -1,6 +1,8 @@
 //! One request's tool calling, settled: its checked tools, the family format its replies are
-//! constrained to and read in, and whether the family's markers are special tokens of the
-//! request's tokenizer (then the detokenizer must keep them, or the parser would never see them).
+//! constrained to and read in, and how the family's markers are tokens of the request's
+//! tokenizer: an added token is written by id in the grammar (llguidance matches every added
+//! token, special or not, only as that token), and a special one must be kept by the
+//! detokenizer, or the parser would never see it.
 
 use super::{
     hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallFormat, ToolCallParser,
@@ -21,9 +23,11 @@ pub struct ToolPlan {
 
 impl ToolPlan {
     pub fn new(request: ToolRequest, parser: ToolCallParser, tokenizer: &TextTokenizer) -> Self {
-        let special_id = |text: &str| special_token_id(tokenizer, text);
-        let grammar = tool_grammar(parser, &request, &special_id);
-        let special_markers = markers(parser).iter().any(|m| special_id(m).is_some());
+        let token_id = |text: &str| added_token(tokenizer, text).map(|(id, _)| id);
+        let grammar = tool_grammar(parser, &request, &token_id);
+        let special_markers = markers(parser)
+            .iter()
+            .any(|m| added_token(tokenizer, m).is_some_and(|(_, special)| special));
         Self {
             request,
             parser,
@@ -94,12 +98,12 @@ fn markers(parser: ToolCallParser) -> &'static [&'static str] {
     }
 }
 
-/// The id of `text` when it is a special added token of the tokenizer.
-fn special_token_id(tokenizer: &TextTokenizer, text: &str) -> Option<u32> {
+/// The id of `text` when it is an added token of the tokenizer, and whether it is special.
+fn added_token(tokenizer: &TextTokenizer, text: &str) -> Option<(u32, bool)> {
     tokenizer
         .inner()
         .get_added_tokens_decoder()
         .into_iter()
-        .find(|(_, token)| token.special && token.content == text)
-        .map(|(id, _)| id)
+        .find(|(_, token)| token.content == text)
+        .map(|(id, token)| (id, token.special))
 }
