@@ -509,3 +509,33 @@ fn arguments_written_as_a_string_arrive_at_the_end() {
         vec![("get_weather".into(), r#"{"city":"Paris"}"#.into())]
     );
 }
+
+// ---- markers as tokens ----
+
+fn tokenizer_with(marker: &str, special: bool) -> crate::tokenizer::TextTokenizer {
+    let mut tokenizer = crate::tokenizer::test_support::byte_level_bpe();
+    tokenizer.add_tokens([tokenizers::AddedToken::from(marker, special)]);
+    crate::tokenizer::TextTokenizer::from_tokenizer(tokenizer)
+}
+
+#[test]
+fn markers_that_are_tokens_are_written_by_id() {
+    let request = request(json!("required"), true);
+    // Qwen's `<tool_call>` is an added token that is not special: by id, and the detokenizer
+    // keeps it anyway.
+    let qwen = tokenizer_with("<tool_call>", false);
+    let id = qwen.inner().token_to_id("<tool_call>").unwrap();
+    let plan = super::ToolPlan::new(request.clone(), ToolCallParser::Hermes, &qwen);
+    assert!(plan.grammar_text().unwrap().contains(&format!("<[{id}]>")));
+    assert!(plan.grammar_text().unwrap().contains("\"</tool_call>\""));
+    assert!(!plan.keeps_special_tokens());
+    // Mistral's `[TOOL_CALLS]` is special: the detokenizer must keep it for the parser.
+    let mistral = tokenizer_with("[TOOL_CALLS]", true);
+    let id = mistral.inner().token_to_id("[TOOL_CALLS]").unwrap();
+    let plan = super::ToolPlan::new(request, ToolCallParser::Mistral, &mistral);
+    assert!(plan.grammar_text().unwrap().contains(&format!("<[{id}]>")));
+    assert!(plan.keeps_special_tokens());
+    let grammar = plan.grammar().unwrap();
+    assert_eq!(grammar.kind, crate::pb::grammar::Kind::Lark as i32);
+    assert!(grammar.eos_token_ids.is_empty());
+}
