@@ -514,7 +514,9 @@ fn arguments_written_as_a_string_arrive_at_the_end() {
 
 fn tokenizer_with(marker: &str, special: bool) -> crate::tokenizer::TextTokenizer {
     let mut tokenizer = crate::tokenizer::test_support::byte_level_bpe();
-    tokenizer.add_tokens([tokenizers::AddedToken::from(marker, special)]);
+    tokenizer
+        .add_tokens([tokenizers::AddedToken::from(marker, special)])
+        .expect("the marker is added");
     crate::tokenizer::TextTokenizer::from_tokenizer(tokenizer)
 }
 
