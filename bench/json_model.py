@@ -2,7 +2,7 @@
 
 The bench model's own tokenizer has only words ("w3" … "w31999") and no decoder: no `{`, no
 `"`, and llguidance cannot even read it ("can't determine decoder type"). This writes a sibling
-model directory (`<model>-json`) whose weights are the bench model's (symlinked, the same
+model directory (`<model>-json`) whose weights are the bench model's (hard-linked, the same
 random weights) and whose tokenizer is a byte-level BPE of the same size, every token printable
 ASCII:
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import schemas
@@ -75,13 +76,24 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
     fast.save_pretrained(out)
 
 
+def _link_or_copy(source: Path, target: Path) -> None:
+    """A hard link (the weights are not copied; a symlink would be refused, the router reads no
+    model file that leads outside the model's directory), a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def ensure_json_model(model_dir: Path, vocab_size: int) -> Path:
-    """`<model_dir>-json`, written once per recipe: the bench model's files linked, the JSON
-    tokenizer written."""
+    """`<model_dir>-json`, written once per recipe (RECIPE, the bench model's path and shape):
+    the bench model's files linked, the JSON tokenizer written."""
     model_dir = model_dir.resolve()
     out = model_dir.parent / f"{model_dir.name}-json"
     marker = out / "bench-json-tokenizer.json"
+    shape_marker = model_dir / "bench-shape.json"
     recipe = {"recipe": RECIPE, "model": str(model_dir), "vocab_size": vocab_size,
+              "shape": json.loads(shape_marker.read_text()) if shape_marker.exists() else None,
               "keys": list(schemas.KEYS), "enum_values": list(schemas.ENUM_VALUES)}
     if marker.exists() and json.loads(marker.read_text()) == recipe:
         return out
@@ -90,10 +102,10 @@ def ensure_json_model(model_dir: Path, vocab_size: int) -> Path:
         if source.name.startswith("tokenizer") or source.name == "special_tokens_map.json" \
                 or source.name.startswith("bench-"):
             continue
-        link = out / source.name
-        if link.is_symlink() or link.exists():
-            link.unlink()
-        os.symlink(source, link)
+        target = out / source.name
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        _link_or_copy(source, target)
     _write_tokenizer(out, vocab_size)
     marker.write_text(json.dumps(recipe))
     return out

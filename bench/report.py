@@ -166,9 +166,10 @@ def structured_output_summary(model: str, mixed: dict | None, stall: dict | None
             }
             block["mask_cost"] = mixed["mask_cost"]
     if stall is not None:
-        ratio = stall.get("p99_ratio")
+        ratio, vs_control = stall.get("p99_ratio"), stall.get("during_p99_vs_control")
         block["compile_stall"] = stall if "error" in stall else {
-            **stall, "target": TARGET_STALL_P99, "met": None if ratio is None else ratio <= TARGET_STALL_P99}
+            **stall, "target": TARGET_STALL_P99, "met": None if ratio is None else ratio <= TARGET_STALL_P99,
+            "met_vs_control": None if vs_control is None else vs_control <= TARGET_STALL_P99}
     return block
 
 

@@ -92,6 +92,9 @@ def parse_args() -> argparse.Namespace:
                    help="free streams of the compile-stall measurement; 0: no such measurement")
     p.add_argument("--stall-arrivals", type=int, default=8,
                    help="requests with never-seen schemas arriving while the free streams run")
+    p.add_argument("--stall-prompt-tokens", type=int, default=16,
+                   help="prompt length of the arriving requests (short: the window measures their "
+                        "compiles more than their prefill; a control run without schemas shows the latter)")
     p.add_argument("--stall-window-tokens", type=int, default=16,
                    help="tokens of each free stream in the window before the arrivals")
     p.add_argument("--stall-stream-tokens", type=int, default=512,
@@ -226,7 +229,8 @@ def run_structured(model_dir: Path, shape: bench_model.Shape, args, prompts, log
         model=SERVED_NAME, adapters=tuple(adapter_ids), prompts=prompts, max_tokens=args.max_tokens,
         requests_per_client=args.requests_per_client, concurrency=args.structured_concurrency,
         stall_streams=args.stall_streams, stall_arrivals=args.stall_arrivals,
-        stall_window_tokens=args.stall_window_tokens, stall_stream_tokens=args.stall_stream_tokens)
+        stall_window_tokens=args.stall_window_tokens, stall_stream_tokens=args.stall_stream_tokens,
+        stall_prompt_tokens=args.stall_prompt_tokens)
     stack = Stack(config, logs / "quiver-structured.log")
     log(f"starting quiver for structured output ({json_dir.name}); log: {stack.log_path}")
     # A shard beside the other stack's teardown on a loaded box can take minutes to load.

@@ -50,6 +50,8 @@ class Setup:
     def models(self) -> tuple[str, ...]:
         return self.adapters or (self.model,)
 
+    stall_prompt_tokens: int  # prompt length of the arriving requests
+
     def schema_of(self, model: str) -> dict:
         """One schema per adapter (the base model's is the first)."""
         return schemas.object_schema(self.models.index(model), self.max_tokens)
@@ -116,6 +118,10 @@ def _check(result: Stream, schema: dict | None, max_tokens: int) -> None:
                                f"{str(err)[:200]}") from err
     elif result.finish_reason != "length":
         raise RuntimeError(f"a constrained stream ended with finish_reason {result.finish_reason!r}")
+    elif not result.text.startswith('{"'):
+        # Cut short by max_tokens: every bench schema is an object with a required property, so
+        # even a cut output starts so (a server ignoring response_format sends words).
+        raise RuntimeError(f"a constrained output that ran out of tokens is no JSON object: {result.text[:200]!r}")
 
 
 # ---- /metrics ---------------------------------------------------------------------------------
@@ -308,7 +314,7 @@ async def _stall_run(base_url: str, setup: Setup, nonce: str | None) -> dict:
             progressed.set()
 
     async def arrival(k: int) -> Stream:
-        prompt = setup.prompts[(n + k) % len(setup.prompts)]
+        prompt = setup.prompts[(n + k) % len(setup.prompts)][:setup.stall_prompt_tokens]
         schema = None if nonce is None else schemas.object_schema(k, setup.max_tokens, f"{nonce}{k}_")
         result = await _stream(arrival_conns[k], _body(setup.model, prompt, setup.max_tokens, schema, f"new{k}"))
         _check(result, schema, setup.max_tokens)
@@ -358,12 +364,18 @@ def compile_stall(base_url: str, setup: Setup, repeats: int, nonce: str) -> dict
     ratios = [r["p99_ratio"] for r in runs if r["p99_ratio"] is not None]
     control_ratios = [r["p99_ratio"] for r in controls if r["p99_ratio"] is not None]
     ratio = round(statistics.median(ratios), 3) if ratios else None
+    # The same arrivals without a schema still add a prefill step to the window: during-p99 over
+    # the control's during-p99 is what the compiles themselves add.
+    vs_control = [r["during"]["p99"] / c["during"]["p99"] for r, c in zip(runs, controls, strict=True)
+                  if r["during"].get("p99") and c["during"].get("p99")]
     return {
         "free_streams": setup.stall_streams,
         "new_schema_arrivals": setup.stall_arrivals,
         "window_tokens": setup.stall_window_tokens,
         "p99_ratio": ratio,
+        "arrival_prompt_tokens": setup.stall_prompt_tokens,
         "p99_ratio_control_free_arrivals": round(statistics.median(control_ratios), 3) if control_ratios else None,
+        "during_p99_vs_control": round(statistics.median(vs_control), 3) if vs_control else None,
         "runs": runs,
         "control_free_arrivals": controls,
     }
