@@ -45,12 +45,11 @@ class Setup:
     stall_arrivals: int  # requests with new schemas arriving during it
     stall_window_tokens: int  # tokens per free stream in the "before" window
     stall_stream_tokens: int  # max_tokens of the long free streams (cancelled once measured)
+    stall_prompt_tokens: int  # prompt length of the arriving requests
 
     @property
     def models(self) -> tuple[str, ...]:
         return self.adapters or (self.model,)
-
-    stall_prompt_tokens: int  # prompt length of the arriving requests
 
     def schema_of(self, model: str) -> dict:
         """One schema per adapter (the base model's is the first)."""
@@ -198,6 +197,23 @@ def _half(results: list[tuple[Stream, bool]], constrained: bool) -> dict:
     }
 
 
+def _steady_throughput(per_client: list[list[tuple[Stream, bool]]]) -> float | None:
+    """Tokens per second while every client is busy: from the moment every stream has its first
+    token to the moment the first client gets its last one. Constrained outputs are a little
+    shorter than max_tokens, so their clients finish sooner and the run's tail has only free
+    streams; the whole-run rate would charge that emptier tail to the grammar. (Every token of
+    the JSON tokenizer is its own chunk, so chunk times are token times.)"""
+    firsts = [done[0][0].token_times[0] for done in per_client if done and done[0][0].token_times]
+    lasts = [done[-1][0].token_times[-1] for done in per_client if done and done[-1][0].token_times]
+    if len(firsts) != len(per_client) or len(lasts) != len(per_client):
+        return None
+    start, end = max(firsts), min(lasts)
+    if end <= start:
+        return None
+    count = sum(1 for done in per_client for r, _ in done for t in r.token_times if start < t <= end)
+    return round(count / (end - start), 2)
+
+
 async def _warm_up(conns: list[SseConnection], setup: Setup, constrained: bool) -> None:
     """One short request per model (and per schema when constrained) before timing: adapters in
     their slots, every schema compiled and cached, as in steady state."""
@@ -240,6 +256,7 @@ async def _mixed_run(base_url: str, setup: Setup, constrained_half: bool) -> tup
         "generated_tokens": tokens,
         "wall_s": round(elapsed, 3),
         "throughput_tok_s": round(tokens / elapsed, 2),
+        "steady_throughput_tok_s": _steady_throughput(per_client),
         "inter_token_s": percentiles([g for r, _ in results for g in r.inter_token()]),
     }
     if constrained_half:
@@ -267,6 +284,9 @@ def mixed_vs_free(base_url: str, setup: Setup, repeats: int) -> dict:
     free = max(free_runs, key=lambda r: r["throughput_tok_s"])
     mixed = max(mixed_runs, key=lambda r: r["throughput_tok_s"])
     ratio = round(mixed["throughput_tok_s"] / free["throughput_tok_s"], 3)
+    steady_mixed = max((r["steady_throughput_tok_s"] or 0.0) for r in mixed_runs)
+    steady_free = max((r["steady_throughput_tok_s"] or 0.0) for r in free_runs)
+
     return {
         "streams": setup.concurrency,
         "constrained_streams": (setup.concurrency + 1) // 2,
@@ -275,6 +295,7 @@ def mixed_vs_free(base_url: str, setup: Setup, repeats: int) -> dict:
         "mixed": {**mixed, "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in mixed_runs]},
         "all_free": {**free, "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in free_runs]},
         "ratio": ratio,
+        "steady_ratio": round(steady_mixed / steady_free, 3) if steady_mixed and steady_free else None,
         "mask_cost": mask_cost(mask_before, mask_after, mixed_wall),
     }
 
@@ -295,7 +316,7 @@ async def _stall_run(base_url: str, setup: Setup, nonce: str | None) -> dict:
             progressed.clear()
             await progressed.wait()
         if not predicate():
-            raise RuntimeError(f"a free stream ended before {what}; raise --structured-stall-tokens")
+            raise RuntimeError(f"a free stream ended before {what}; raise --stall-stream-tokens")
         return time.perf_counter()
 
     free_conns = [SseConnection(base_url + "/v1") for _ in range(n)]
