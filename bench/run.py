@@ -13,6 +13,12 @@ progress goes to stderr.
 
 Scenarios are data (`Scenario`): base scenarios have no adapters, adapter scenarios name the
 adapter ids their requests cycle through.
+
+The structured-output measurements (issue 14, structured.py) run last, on a second stack that
+serves the same weights with a tokenizer that can spell JSON (json_model.py): 32 streams, half
+under a JSON schema, against the same streams all free; the stall of 8 new schemas on 16 free
+streams; the per-step mask cost from /metrics. They make the report's `structured_output` block;
+`--structured-concurrency 0 --stall-streams 0` leaves them out.
 """
 
 from __future__ import annotations

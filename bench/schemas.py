@@ -2,17 +2,18 @@
 
 On a random-weight model only the grammar shapes the output, and a greedy random model almost
 never picks the one token that closes a string or an array while thousands of others are
-allowed: strings run to their `maxLength`, arrays to their `maxItems`. So a schema whose every
-field is bounded and required has a predictable length, and `object_schema` adds fields until
-its estimated length reaches the target (about `--max-tokens`), so the constrained streams
-generate about as many tokens as the free ones and the grammar completes (`finish_reason:
-"stop"`) rather than running out.
+allowed: strings run to their `maxLength`, arrays towards their `maxItems`. So a schema whose
+every field is bounded and required has a predictable length, and `object_schema` adds fields
+while its estimated length stays within 90% of the target (`--max-tokens`), so the constrained
+streams generate about as many tokens as the free ones and the grammar completes
+(`finish_reason: "stop"`) rather than running out.
 
 Estimates are in tokens of bench/json_model.py's vocabulary: property names and enum values
 are whole tokens there (KEYS, ENUM_VALUES), JSON punctuation comes in pieces (`{"`, `":"`,
 `","`...), string content in words of about 6 characters (" w1234"), digits one by one.
 Checked by sampling uniformly among the allowed tokens with llguidance (a random model's argmax
-is such a draw): outputs landed within about 15% of the estimate.
+is such a draw), 24 outputs per target: mean 57 tokens for 64 (49-70), 15 for 16; in the first
+bench run the constrained streams averaged 56.8 of 64.
 """
 
 from __future__ import annotations
