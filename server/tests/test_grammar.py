@@ -6,10 +6,12 @@ are errors that say why."""
 
 from __future__ import annotations
 
+
 import dataclasses
 import json
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -287,10 +289,22 @@ def test_bad_grammars_are_errors_that_say_why(engine: Engine, model: tuple[Path,
 
 
 def test_a_compile_over_the_time_budget_is_refused(model: tuple[Path, Tokenizer]) -> None:
-    # No grammar builds in a microsecond (an empty one takes hundreds): every compile is over.
-    engine = new_engine(model[0], grammar_budget_s=1e-6)
-    message = _error(engine, json_grammar(SCHEMAS["nested"]))
+    # Every build thread is held until the refusal came, so the build cannot finish within
+    # the budget however fast it is or however the threads are scheduled.
+    engine = new_engine(model[0], grammar_budget_s=0.05)
+    compiler = engine.grammars.compiler
+    release = threading.Event()
+    holders = [compiler._builders.submit(release.wait) for _ in range(compiler._builders._max_workers)]
+    try:
+        message = _error(engine, json_grammar(SCHEMAS["nested"]))
+    finally:
+        release.set()
     assert message.startswith("grammar too complex") and "budget" in message
+    for holder in holders:
+        holder.result()
+    # The build goes on once a thread is free and is cached: asking again succeeds.
+    engine.grammars.compiler.budget_s = 60.0
+    engine.compile_grammar("", json_grammar(SCHEMAS["nested"]))
 
 
 def test_compiles_are_cached_and_each_request_has_its_own_state(engine: Engine) -> None:
