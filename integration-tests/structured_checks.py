@@ -1,7 +1,7 @@
 """What the structured-output tests share: the schemas of testdata/structured/, their validation
 with `jsonschema` (Draft 2020-12, formats checked), and the stack they run against.
 
-The stack serves the adapter tests' tiny Llama base with a root of two adapters of its own:
+The stack serves a tiny random Llama (the adapter tests' base: same builder and seed) with adapters:
 
     lora              a plain LoRA adapter (the base's tokenizer)
     own-tokenizer     a LoRA adapter whose tokenizer.json maps some JSON punctuation to each
@@ -23,7 +23,8 @@ from typing import Any
 import openai
 from jsonschema import Draft202012Validator
 
-from adapter_models import ADAPTER_KINDS, SERVED_NAME, SHARD_ENV, adapter_set, build_adapter
+from adapter_models import ADAPTER_KINDS, BASE_SEED, SERVED_NAME, SHARD_ENV, build_adapter
+from model_builders import build_model_dir
 from stack import Stack, StackConfig
 
 SCHEMA_DIR = Path(__file__).resolve().parent / "testdata" / "structured"
@@ -96,10 +97,11 @@ _SETS: dict[str, StructuredSet] = {}
 
 
 def structured_set(tmp_path_factory) -> StructuredSet:
-    """The base model (shared with the adapter tests) and this tier's adapter root, built once."""
+    """This tier's base model (the adapter tests' tiny Llama) and adapter root, built once."""
     if "set" not in _SETS:
-        base_dir = adapter_set(tmp_path_factory).base_dir
-        root = tmp_path_factory.mktemp("structured-adapters")
+        tmp = tmp_path_factory.mktemp("structured-models")
+        base_dir = build_model_dir("llama", tmp / "base", seed=BASE_SEED)
+        root = tmp / "adapters"
         build_adapter(base_dir, root / LORA, seed=500, **ADAPTER_KINDS["rank8"])
         own = build_adapter(base_dir, root / OWN_TOKENIZER, seed=501, **ADAPTER_KINDS["qv-only"])
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

@@ -120,3 +120,12 @@ def test_constrained_output_differs_from_free(stack):
     text = post(stack, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     with pytest.raises(AssertionError):
         validate(load_schema("person"), text)
+
+
+def test_mask_cost_is_exported(stack, runs):
+    """The router exports the shard's per-step grammar cost as a Prometheus histogram."""
+    for future in runs["cases"].values():
+        future.result()
+    metrics = stack.metrics()
+    counts = [value for series, value in metrics.items() if series.startswith("quiver_grammar_mask_seconds_count")]
+    assert counts and sum(counts) > 0, sorted(s for s in metrics if "grammar" in s)

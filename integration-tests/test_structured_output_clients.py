@@ -5,7 +5,10 @@ model (as `response_format`, and as a strict function tool), and langchain-opena
 forced tool_choice. Each returns instances that pydantic itself validated.
 
 The pydantic models bound every field (max_length, Literal, integer ranges, list lengths): a
-random model only finishes text the schema bounds."""
+random model only finishes text the schema bounds. For the same reason langchain's tool paths pass
+`strict=True`: without it langchain sends objects open to additional properties, through which a
+random model wanders until max_tokens (JSON Schema's default, which llguidance follows; strict
+mode is how OpenAI clients ask for closed objects)."""
 
 from __future__ import annotations
 
@@ -117,7 +120,7 @@ def test_sdk_parse_forced_function_tool(stack):
 @pytest.mark.parametrize("model", [MODELS[0], LORA])
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(stack, model, method):
-    structured = langchain_chat(stack, model).with_structured_output(Trip, method=method)
+    structured = langchain_chat(stack, model).with_structured_output(Trip, method=method, strict=True)
     result = structured.invoke(QUESTION)
     assert isinstance(result, Trip), result
 
@@ -131,7 +134,7 @@ def test_langchain_with_structured_output_include_raw(stack):
 
 @pytest.mark.parametrize("tool_choice", ["GetWeather", "required", "any"])
 def test_langchain_bind_tools_forced(stack, tool_choice):
-    bound = langchain_chat(stack, OWN_TOKENIZER).bind_tools([GetWeather], tool_choice=tool_choice)
+    bound = langchain_chat(stack, OWN_TOKENIZER).bind_tools([GetWeather], tool_choice=tool_choice, strict=True)
     message = bound.invoke("What is the weather?")
     assert isinstance(message, AIMessage)
     assert message.tool_calls, message
