@@ -120,8 +120,10 @@ def start_structured_stack(tmp_path_factory, name: str, extra_args: list[str] | 
     config = StackConfig(
         model_id=str(models.base_dir),
         served_model_name=SERVED_NAME,
-        max_input_tokens=512,
-        max_total_tokens=1024,
+        # Tool-use templates render long prompts (~1400 tokens with this small vocabulary); the
+        # model's positions end at 2048.
+        max_input_tokens=1536,
+        max_total_tokens=2048,
         extra_args=["--adapter-source", "local", "--adapter-root", str(models.root), "--max-lora-rank", "64",
                     *(extra_args or [])],
         extra_env=SHARD_ENV,

@@ -235,7 +235,8 @@ def test_legacy_function_call(stack):
 HISTORY: list[dict[str, Any]] = TOOL_CHAT + [
     {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": json.dumps({"a": 1, "b": 2})}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "3"},
+    # Hermes 2 Pro's template reads the tool's name from its result message.
+    {"role": "tool", "tool_call_id": "call_1", "name": "add", "content": "3"},
 ]
 
 
