@@ -223,3 +223,19 @@ def test_complete_grammar_ends_despite_ignore_eos(stack):
     body = chat(response_format=json_schema_format("booleans", load_schema("booleans")), ignore_eos=True,
                 min_tokens=200)
     validate(load_schema("booleans"), content(post(stack, "/v1/chat/completions", body)))
+
+
+def test_penalties_keep_output_valid(stack):
+    """Penalties reshape the logits before the mask; the grammar still decides what is allowed."""
+    schema = load_schema("nested_arrays")
+    body = chat(response_format=json_schema_format("matrix", schema), frequency_penalty=1.5, presence_penalty=1.0,
+                repetition_penalty=1.3)
+    validate(schema, content(post(stack, "/v1/chat/completions", body)))
+
+
+def test_logit_bias_cannot_break_the_grammar(stack, base_dir):
+    """A huge bias toward a token the regex never allows changes nothing about validity."""
+    vocab = json.loads((base_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    body = chat(structured_outputs={"regex": "[0-9]{4}"}, logit_bias={str(vocab["x"]): 100, str(vocab["{"]): 100})
+    text = content(post(stack, "/v1/chat/completions", body))
+    assert re.fullmatch("[0-9]{4}", text), repr(text)
