@@ -8,7 +8,9 @@ The pydantic models bound every field (max_length, Literal, integer ranges, list
 random model only finishes text the schema bounds. For the same reason langchain's tool paths pass
 `strict=True`: without it langchain sends objects open to additional properties, through which a
 random model wanders until max_tokens (JSON Schema's default, which llguidance follows; strict
-mode is how OpenAI clients ask for closed objects)."""
+mode is how OpenAI clients ask for closed objects). `bind_tools` turns parallel calls off: with
+them, `required` allows any number of calls, and a random model may go on calling until
+max_tokens."""
 
 from __future__ import annotations
 
@@ -134,7 +136,8 @@ def test_langchain_with_structured_output_include_raw(stack):
 
 @pytest.mark.parametrize("tool_choice", ["GetWeather", "required", "any"])
 def test_langchain_bind_tools_forced(stack, tool_choice):
-    bound = langchain_chat(stack, OWN_TOKENIZER).bind_tools([GetWeather], tool_choice=tool_choice, strict=True)
+    bound = langchain_chat(stack, OWN_TOKENIZER).bind_tools([GetWeather], tool_choice=tool_choice, strict=True,
+                                                          parallel_tool_calls=False)
     message = bound.invoke("What is the weather?")
     assert isinstance(message, AIMessage)
     assert message.tool_calls, message

@@ -55,11 +55,15 @@ TOOLS: list[dict[str, Any]] = [
 ]
 PARAMETERS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
 MAX_TOKENS = 400
+# <|im_end|>, the EOS of every model here (model_builders; the adapters' tokenizers keep its id).
+EOS_ID = 2
 TOOL_CHAT = CHAT + [{"role": "user", "content": "Use a tool."}]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    eos = AutoTokenizer.from_pretrained(structured_set(tmp_path_factory).base_dir).eos_token_id
+    assert eos == EOS_ID, f"the models' EOS is {eos}, not {EOS_ID}"
     stack = start_structured_stack(tmp_path_factory, "tool-calls")
     yield stack
     stack.stop()
@@ -76,8 +80,15 @@ CALLING_MODELS = MODELS + list(TEMPLATE_ADAPTERS)
 
 
 def body(model: str, tool_choice: Any, **extra: Any) -> dict[str, Any]:
-    return {"model": model, "messages": TOOL_CHAT, "tools": TOOLS, "tool_choice": tool_choice,
-            "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    request = {"model": model, "messages": TOOL_CHAT, "tools": TOOLS, "tool_choice": tool_choice,
+               "max_tokens": MAX_TOKENS, "temperature": 0, **extra}
+    if tool_choice == "required" and request.get("parallel_tool_calls", True):
+        # `required` with parallel calls allows any number of calls: after each, a random model
+        # may as well start another until max_tokens. The grammar allows EOS only after a whole
+        # call, so favouring it ends the reply after its first complete call(s) without making
+        # anything valid that was not.
+        request["logit_bias"] = {str(EOS_ID): 30}
+    return request
 
 
 def named(name: str) -> dict[str, Any]:
