@@ -21,6 +21,10 @@ pub struct Metrics {
     pub preemptions_total: AtomicU64,
     pub adapters_active: AtomicU64,
     pub adapter_slots: AtomicU64,
+    /// Steps with a grammar in the batch, and the shard's time computing and applying their
+    /// token masks: rendered as the summary `quiver_grammar_mask_seconds` (sum and count).
+    pub grammar_mask_steps: AtomicU64,
+    pub grammar_mask_ns: AtomicU64,
 }
 
 struct Series {
@@ -156,6 +160,17 @@ impl Metrics {
             let _ = writeln!(out, "# TYPE {} {}", series.name, series.kind);
             let _ = writeln!(out, "{} {}", series.name, value.load(Ordering::Relaxed));
         }
+        let name = "quiver_grammar_mask_seconds";
+        let _ = writeln!(
+            out,
+            "# HELP {name} Shard time per step spent on grammar token masks (steps with a \
+             constrained request only)."
+        );
+        let _ = writeln!(out, "# TYPE {name} summary");
+        let seconds = self.grammar_mask_ns.load(Ordering::Relaxed) as f64 / 1e9;
+        let _ = writeln!(out, "{name}_sum {seconds}");
+        let steps = self.grammar_mask_steps.load(Ordering::Relaxed);
+        let _ = writeln!(out, "{name}_count {steps}");
         out
     }
 }
@@ -163,6 +178,17 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renders_the_grammar_mask_summary_in_seconds() {
+        let m = Metrics::default();
+        Metrics::set(&m.grammar_mask_steps, 4);
+        Metrics::set(&m.grammar_mask_ns, 2_500_000);
+        let text = m.render();
+        assert!(text.contains("# TYPE quiver_grammar_mask_seconds summary\n"));
+        assert!(text.contains("quiver_grammar_mask_seconds_sum 0.0025\n"));
+        assert!(text.contains("quiver_grammar_mask_seconds_count 4\n"));
+    }
 
     #[test]
     fn renders_every_series_with_help_and_type() {
@@ -173,7 +199,7 @@ mod tests {
         let text = m.render();
         assert!(text.contains("# TYPE quiver_kv_blocks_free gauge\nquiver_kv_blocks_free 7\n"));
         assert!(text.contains("quiver_generated_tokens_total 5\n"));
-        assert_eq!(text.matches("# HELP ").count(), 13);
-        assert_eq!(text.matches("# TYPE ").count(), 13);
+        assert_eq!(text.matches("# HELP ").count(), 14);
+        assert_eq!(text.matches("# TYPE ").count(), 14);
     }
 }

@@ -56,9 +56,9 @@ async fn refused_fields_name_their_param() {
             "unsupported_parameter",
         ),
         (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-            "unsupported_value",
+            json!({"grammar": {"type": "json", "value": {}}}),
+            "grammar",
+            "unsupported_parameter",
         ),
         (
             json!({"tool_choice": "required"}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import llguidance
 import torch
 
 from quiver_server.batch_types import SamplingParams
@@ -28,6 +29,8 @@ class RequestState:
     counts: torch.Tensor | None = None
     adapter_id: str = ""  # "" = base model
     lora_slot: int = -1  # device slot of the adapter, fixed for the request's life
+    # The request's own grammar state (None: free); it has consumed every token sampled so far.
+    matcher: llguidance.LLMatcher | None = None
 
 
 class CachedBatch:
@@ -63,6 +66,15 @@ class CachedBatch:
             self._lora = build_lora_meta(slots, [1] * len(slots), max_rank, device)
             self._lora_built = True
         return self._lora
+
+    @property
+    def matchers(self) -> list[llguidance.LLMatcher | None]:
+        """Each row's grammar matcher (None for free rows)."""
+        return [r.matcher for r in self.requests]
+
+    @property
+    def has_grammar(self) -> bool:
+        return any(r.matcher is not None for r in self.requests)
 
     def sampling(self, device: torch.device) -> SamplingBatch:
         if self._sampling is None:

@@ -25,6 +25,18 @@ class SamplingParams:
     top_logprobs: int = 0
 
 
+GRAMMAR_KINDS = ("json_schema", "regex", "lark")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on a request's output (shard.proto's Grammar)."""
+
+    kind: str  # one of GRAMMAR_KINDS ("" when the router left it unspecified: refused)
+    text: str  # a JSON schema document, a regex, or an llguidance Lark grammar
+    eos_token_ids: tuple[int, ...]  # the tokens that end the request once the output is complete
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     """One request entering a prefill.
@@ -41,6 +53,8 @@ class RequestSpec:
     adapter_id: str = ""  # "" is the base model
     # Alternatives per prompt position to report; None: no prompt logprobs (last-row logits only).
     prompt_logprobs: int | None = None
+    # Constrains every generated token; None: free.
+    grammar: GrammarSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,8 @@ class StepResult:
     batch_id: int
     request_ids: list[int]
     forward_ns: int = 0
+    # Part of forward_ns spent on grammar masks: computing, applying, advancing the matchers.
+    grammar_ns: int = 0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
     quiver-server serve MODEL_ID --uds-path PATH [--revision REV] [--dtype ...] [--device ...]
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
-                        [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64] [--json-logs]
+                        [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64]
+                        [--grammar-compile-timeout 5.0] [--grammar-cache-size 256] [--json-logs]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
     quiver-server demo-model DIR                          # tiny random Llama + real tokenizer
 
@@ -55,6 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="LoRA adapters kept in host memory (least recently used evicted first)")
     serve.add_argument("--adapter-root",
                        help="directory of local adapters: their files are read only if they resolve inside it")
+    serve.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
+                       help="a grammar (JSON schema, regex, Lark) that takes longer to compile is refused "
+                            "as too complex")
+    serve.add_argument("--grammar-cache-size", type=int, default=256,
+                       help="compiled grammars kept (least recently used evicted first)")
 
     download = commands.add_parser("download", parents=[common],
                                    help="fetch a model from the hub and print its local path")
@@ -138,6 +144,8 @@ def _serve(args: argparse.Namespace) -> int:
             gpu_memory_fraction=args.gpu_memory_fraction,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
+            grammar_budget_s=args.grammar_compile_timeout,
+            grammar_cache_size=args.grammar_cache_size,
         )
     except (ValueError, NotImplementedError, OSError) as error:
         # Unsupported model_type, missing or malformed files: the message says it all.

@@ -8,6 +8,10 @@ merged batches, writes its K/V and samples the next; `filter_batch` drops finish
 LoRA adapters (`adapters/`, held by `self.lora`): `load_adapter` reads one into host memory
 (thread-safe, so the service runs it beside the steps), `activate_adapter` copies it into a
 device slot between steps, and a request names its adapter by id and keeps that slot for life.
+
+Grammars (`grammar/`, held by `self.grammars`): `compile_grammar` builds and caches one for a
+request's tokenizer (thread-safe, so the service runs it off this thread); a request with a
+grammar gets its own matcher at prefill, and each step masks its logits and advances it.
 """
 
 from __future__ import annotations
@@ -16,12 +20,21 @@ import logging
 import time
 from pathlib import Path
 
+import llguidance
 import torch
 
 from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
 from quiver_server.batch_state import CachedBatch, RequestState
-from quiver_server.batch_types import AdapterInfo, ModelInfo, PromptPosition, RequestSpec, StepResult, TokenOut
+from quiver_server.batch_types import (
+    AdapterInfo,
+    GrammarSpec,
+    ModelInfo,
+    PromptPosition,
+    RequestSpec,
+    StepResult,
+    TokenOut,
+)
 from quiver_server.forward_batch import (
     ForwardBatch,
     build_decode,
@@ -29,6 +42,9 @@ from quiver_server.forward_batch import (
     build_prefill,
     logits_rows_per_sequence,
 )
+from quiver_server.grammar import Grammars
+from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
+from quiver_server.grammar.grammars import validate_grammar
 from quiver_server.kernels.ops import select_ops
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
@@ -69,6 +85,8 @@ class Engine:
         gpu_memory_fraction: float = 0.9,
         max_cpu_adapters: int = 64,
         adapter_root: str | None = None,
+        grammar_budget_s: float = DEFAULT_BUDGET_S,
+        grammar_cache_size: int = DEFAULT_CACHE_SIZE,
     ) -> None:
         path = Path(model_path)
         config = load_config(path)
@@ -98,6 +116,9 @@ class Engine:
         self.kv_cache: PagedKVCache | None = None
         self.batches: dict[int, CachedBatch] = {}
         self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root)
+        self.grammars = Grammars(
+            path, self.vocab_size, self.lora.registry.location, grammar_budget_s, grammar_cache_size
+        )
 
     # ---- warmup -------------------------------------------------------------------------------
 
@@ -258,6 +279,8 @@ class Engine:
         """prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
         logits = self.model(input_ids, forward, kv_cache)
         params = batch.sampling(self.device)
+        matchers = batch.matchers
+        grammar = self.grammars.masks.step_mask(matchers, self.device) if batch.has_grammar else None
         sampled = sampling.sample(
             logits if forward.sample_rows is None else logits[forward.sample_rows],
             params,
@@ -265,6 +288,7 @@ class Engine:
             batch.seen_matrix(self.vocab_size, self.device),
             self.ops,
             batch.counts_matrix(self.vocab_size, self.device),
+            grammar,
         )
         prompt: dict[int, list[PromptPosition]] = {}
         if prompt_spans:
@@ -272,6 +296,7 @@ class Engine:
                               strict=True))
         token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
         batch.record(sampled.tokens, token_list, fed_last_token)
+        grammar_ns = grammar.ns + self.grammars.masks.advance(matchers, token_list) if grammar is not None else 0
         tops = logprobs.top_lists(sampled.top, params.top_logprobs)
         generations = [
             TokenOut(request_id=r.id, token_id=t, logprob=lp, top_logprobs=tops[row],
@@ -283,6 +308,7 @@ class Engine:
             batch_id=batch_id,
             request_ids=batch.request_ids,
             forward_ns=time.perf_counter_ns() - start,
+            grammar_ns=grammar_ns,
         )
 
     # ---- batch bookkeeping --------------------------------------------------------------------
@@ -347,6 +373,8 @@ class Engine:
         if min(request.blocks) < 0 or max(request.blocks) >= num_blocks:
             raise ValueError(f"request {rid}: block ids must be in [0, {num_blocks})")
         sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
+        if request.grammar is not None:
+            validate_grammar(request.grammar, self.vocab_size)
 
     def _new_state(self, request: RequestSpec) -> RequestState:
         seen = None
@@ -370,7 +398,26 @@ class Engine:
             counts=counts,
             adapter_id=request.adapter_id,
             lora_slot=self.lora.slot_for(request.id, request.adapter_id),
+            matcher=self._new_matcher(request),
         )
+
+    def _new_matcher(self, request: RequestSpec) -> llguidance.LLMatcher | None:
+        """The request's matcher, past the tokens a resumed request generated before (the last
+        `draws_done` prompt tokens, as for the penalties). Normally the service compiled the
+        grammar already; after a cache eviction it is compiled here."""
+        if request.grammar is None:
+            return None
+        draws_done = min(request.sampling.draws_done, len(request.input_ids))
+        generated = request.input_ids[len(request.input_ids) - draws_done :]
+        return self.grammars.matcher(request.adapter_id, request.grammar, generated)
+
+    # ---- grammars -----------------------------------------------------------------------------
+
+    def compile_grammar(self, adapter_id: str, grammar: GrammarSpec) -> int:
+        """Compiles and caches a grammar for the tokenizer of `adapter_id` ("" = the base model);
+        returns the ns spent (0 when cached). GrammarError (a ValueError) says why it cannot be
+        used. Safe to call while steps run on another thread."""
+        return self.grammars.compile(adapter_id, grammar)
 
     # ---- adapters -----------------------------------------------------------------------------
 
@@ -390,7 +437,11 @@ class Engine:
     @torch.inference_mode()
     def unload_adapter(self, adapter_id: str) -> None:
         """Forgets an adapter (slots, host copy); refused while requests use it; idempotent."""
-        self.lora.unload(adapter_id, self._running_adapters_by_slot())
+        running = self._running_adapters_by_slot()
+        if adapter_id not in running.values():
+            # Its directory may hold another tokenizer when an adapter of that id comes back.
+            self.grammars.forget_adapter(adapter_id)
+        self.lora.unload(adapter_id, running)
 
     def _running_adapters_by_slot(self) -> dict[int, str]:
         return {

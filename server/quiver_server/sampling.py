@@ -7,6 +7,10 @@ one tensor; only the uniform draws loop over rows (one per sampling row), so a r
 do not depend on what else is in the batch. The reported logprobs are of the raw logits
 (`logprobs.py`). A batch where nobody asks for any of that takes the shard's
 `KernelOps.greedy_logprob` (one fused pass per row with the C++ kernels).
+
+A grammar's mask (`grammar/masks.py`) comes first of all: the tokens it forbids are -inf before
+the penalties, bias and warpers, so a greedy row takes the argmax of what its grammar allows.
+A batch with grammar rows therefore never takes the raw-logits fast path.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -23,6 +27,9 @@ from quiver_server.kernels.ops import KernelOps
 from quiver_server.kernels.torch_ops import greedy_logprob
 from quiver_server.logprobs import MAX_LOGPROBS, TopTokens, raw_logprobs, top_alternatives
 from quiver_server.penalties import LogitBias, apply_frequency_presence, apply_repetition_penalty, uses_counts
+
+if TYPE_CHECKING:
+    from quiver_server.grammar.masks import StepMask
 
 MAX_PENALTY = 2.0  # OpenAI's bound on |presence_penalty| and |frequency_penalty|
 
@@ -148,18 +155,20 @@ def sample(
     seen: torch.Tensor | None = None,
     ops: KernelOps | None = None,
     counts: torch.Tensor | None = None,
+    grammar: StepMask | None = None,
 ) -> Sampled:
     """logits [B, V]; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
     repetition penalty); counts [B, V] float32 (generated tokens, needed when a row has a
-    frequency or presence penalty); ops: the shard's (None: plain torch throughout)."""
+    frequency or presence penalty); ops: the shard's (None: plain torch throughout); grammar:
+    the allowed tokens of the rows with a grammar (None: no row has one)."""
     logits = logits.float()
-    if params.greedy_on_raw_logits:
+    if params.greedy_on_raw_logits and grammar is None:
         # The fused argmax + logprob pass; only the rows asking for alternatives add a top-k.
         tokens, logprobs = ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)
         if params.plain_greedy:
             return Sampled(tokens, logprobs)
         return Sampled(tokens, logprobs, top_of_rows(logits, tokens, logprobs, params))
-    scores = process_scores(logits, params, seen, counts)
+    scores = process_scores(logits if grammar is None else grammar.apply(logits), params, seen, counts)
     tokens = scores.argmax(dim=-1)
     if params.sampling_rows:
         sampled = _draw(warp_scores(scores, params), params, generators)

@@ -6,7 +6,9 @@ to answer `Health` during a long prefill, and the engine never sees two calls at
 state and KV cache are not thread-safe, and the router never overlaps steps anyway).
 `LoadAdapter` is the exception: a hub download or a disk read must not stall decoding, so it runs
 on a thread of its own (`Engine.load_adapter` is thread-safe); activating and unloading touch the
-device slots and run on the engine thread, between steps.
+device slots and run on the engine thread, between steps. `CompileGrammar` runs on a compile
+pool too (a grammar can take seconds to build), and so does the compile a Prefill with a grammar
+needs when its grammar is no longer cached: the engine thread then finds it ready.
 """
 
 from __future__ import annotations
@@ -19,14 +21,36 @@ from typing import TYPE_CHECKING, TypeVar
 
 from grpc import aio
 
-from quiver_server.batch_types import ModelInfo, RequestSpec, SamplingParams, StepResult, TokenLogprob, TokenOut
+from quiver_server.batch_types import (
+    GrammarSpec,
+    ModelInfo,
+    RequestSpec,
+    SamplingParams,
+    StepResult,
+    TokenLogprob,
+    TokenOut,
+)
 from quiver_server.engine_thread import EngineThread
+from quiver_server.grammar import GrammarError
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 
 if TYPE_CHECKING:
     from quiver_server.engine import Engine
 
 T = TypeVar("T")
+
+GRAMMAR_KINDS = {
+    shard_pb2.Grammar.KIND_JSON_SCHEMA: "json_schema",
+    shard_pb2.Grammar.KIND_REGEX: "regex",
+    shard_pb2.Grammar.KIND_LARK: "lark",
+}
+
+
+def grammar_from_pb(grammar: shard_pb2.Grammar) -> GrammarSpec:
+    # An unspecified kind becomes "", which validation refuses with a message.
+    return GrammarSpec(
+        kind=GRAMMAR_KINDS.get(grammar.kind, ""), text=grammar.text, eos_token_ids=tuple(grammar.eos_token_ids)
+    )
 
 
 def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
@@ -51,6 +75,7 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
         max_new_tokens=request.max_new_tokens,
         adapter_id=request.adapter_id,
         prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+        grammar=grammar_from_pb(request.grammar) if request.HasField("grammar") else None,
     )
 
 
@@ -108,6 +133,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         # The thread that built `engine`, where there is one (see engine_thread.py).
         self._worker = engine_thread or EngineThread()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-adapter-load")
+        self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-grammar")
 
     @property
     def info(self) -> ModelInfo:
@@ -119,6 +145,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def close(self) -> None:
         """Waits for the engine calls in progress (if any), then stops the worker threads."""
         self._loader.shutdown(wait=True)
+        self._compiler.shutdown(wait=True)
         self._worker.shutdown()
 
     async def Info(
@@ -151,11 +178,15 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> shard_pb2.PrefillResponse:
         specs = [request_from_pb(r) for r in request.requests]
+        # Normally cached by CompileGrammar already; a GrammarError is the request's
+        # INVALID_ARGUMENT, before the engine thread is involved.
+        await asyncio.gather(*(self._compile(s.adapter_id, s.grammar) for s in specs if s.grammar is not None))
         step = await self._run(self._engine.prefill, request.batch_id, specs)
         return shard_pb2.PrefillResponse(
             generations=_generations_to_pb(step),
             batch=_batch_to_pb(step.batch_id, step.request_ids),
             forward_ns=step.forward_ns,
+            grammar_ns=step.grammar_ns,
         )
 
     async def Decode(
@@ -168,6 +199,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             generations=_generations_to_pb(step),
             batch=_batch_to_pb(step.batch_id, step.request_ids),
             forward_ns=step.forward_ns,
+            grammar_ns=step.grammar_ns,
         )
 
     async def FilterBatch(
@@ -205,3 +237,17 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     ) -> shard_pb2.UnloadAdapterResponse:
         await self._run(self._engine.unload_adapter, request.adapter_id)
         return shard_pb2.UnloadAdapterResponse()
+
+    async def CompileGrammar(
+        self, request: shard_pb2.CompileGrammarRequest, context: aio.ServicerContext
+    ) -> shard_pb2.CompileGrammarResponse:
+        try:
+            compile_ns = await self._compile(request.adapter_id, grammar_from_pb(request.grammar))
+        except GrammarError as error:
+            return shard_pb2.CompileGrammarResponse(error=str(error))
+        return shard_pb2.CompileGrammarResponse(compile_ns=compile_ns)
+
+    async def _compile(self, adapter_id: str, grammar: GrammarSpec) -> int:
+        return await asyncio.get_running_loop().run_in_executor(
+            self._compiler, self._engine.compile_grammar, adapter_id, grammar
+        )

@@ -82,4 +82,10 @@ impl pb::shard_server::Shard for HealthyShard {
     ) -> Result<tonic::Response<pb::UnloadAdapterResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+    async fn compile_grammar(
+        &self,
+        _: tonic::Request<pb::CompileGrammarRequest>,
+    ) -> Result<tonic::Response<pb::CompileGrammarResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
 }

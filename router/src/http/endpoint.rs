@@ -13,6 +13,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
+use super::grammar::compile_grammar;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
@@ -145,6 +146,15 @@ async fn answer<E: Endpoint>(
         .validator
         .validate(&assets, &adapter_id, fields, &params)
         .await?;
+    if let (Some(source), Some(grammar)) = (
+        &valid.grammar,
+        valid
+            .choices
+            .first()
+            .and_then(|choice| choice.grammar.clone()),
+    ) {
+        compile_grammar(state.shard.as_ref(), &adapter_id, source, grammar).await?;
+    }
     let options = valid.options;
     let settings = ChoiceSettings {
         stop: options.stop.clone(),

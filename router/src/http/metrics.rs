@@ -20,6 +20,8 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.prefill_steps_total, stats.prefill_steps);
     Metrics::set(&metrics.decode_steps_total, stats.decode_steps);
     Metrics::set(&metrics.preemptions_total, stats.preemptions);
+    Metrics::set(&metrics.grammar_mask_steps, stats.grammar_steps);
+    Metrics::set(&metrics.grammar_mask_ns, stats.grammar_ns);
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
         metrics.render(),

@@ -18,6 +18,7 @@ mod completions;
 mod cutoff;
 mod endpoint;
 mod generation;
+mod grammar;
 mod health;
 mod json;
 mod logprobs;

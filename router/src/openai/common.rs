@@ -55,6 +55,17 @@ pub struct GenerationParams {
     pub stop_token_ids: Option<Vec<u32>>,
     /// vLLM's extension: the prompt's logprobs with this many alternatives per position.
     pub prompt_logprobs: Option<i64>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    /// "strict"}}`: the output is JSON (valid for the schema), enforced by a grammar.
+    pub response_format: Option<serde_json::Value>,
+    /// vLLM's extension: exactly one of `json` (a schema), `regex`, `choice` (strings),
+    /// `grammar` (llguidance's Lark dialect), `json_object` (`true`).
+    pub structured_outputs: Option<serde_json::Value>,
+    /// vLLM's older aliases of `structured_outputs.json`, `.regex`, `.choice`, `.grammar`.
+    pub guided_json: Option<serde_json::Value>,
+    pub guided_regex: Option<serde_json::Value>,
+    pub guided_choice: Option<serde_json::Value>,
+    pub guided_grammar: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]

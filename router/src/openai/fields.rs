@@ -102,14 +102,19 @@ pub const SHARED: &[Field] = &[
     implemented("return_token_ids"),
     implemented("prompt_logprobs"),
     implemented("adapter_source"),
+    // Structured output: OpenAI's field, vLLM's extension and its older aliases.
+    implemented("response_format"),
+    implemented("structured_outputs"),
+    implemented("guided_json"),
+    implemented("guided_regex"),
+    implemented("guided_choice"),
+    implemented("guided_grammar"),
     // Other servers' extensions a client relies on when it sends them: refused by name rather
     // than ignored as unknown, since ignoring them changes the answer the client expects.
-    refused("guided_json", STRUCTURED_OUTPUT),
-    refused("guided_regex", STRUCTURED_OUTPUT),
-    refused("guided_choice", STRUCTURED_OUTPUT),
-    refused("guided_grammar", STRUCTURED_OUTPUT),
-    refused("structured_outputs", STRUCTURED_OUTPUT),
-    refused("grammar", STRUCTURED_OUTPUT),
+    refused(
+        "grammar",
+        "TGI's grammar field is not supported; use `response_format` or `structured_outputs`",
+    ),
     refused(
         "use_beam_search",
         "beam search is not supported; use `n` or `best_of`",
@@ -119,9 +124,6 @@ pub const SHARED: &[Field] = &[
         "stop strings are never part of the output",
     ),
 ];
-
-/// Why vLLM's and TGI's constrained-decoding fields are refused.
-const STRUCTURED_OUTPUT: &str = "constrained decoding (structured output) is not supported yet";
 
 /// `/v1/chat/completions`' own fields.
 pub const CHAT: &[Field] = &[
@@ -140,13 +142,6 @@ pub const CHAT: &[Field] = &[
     ),
     implemented("logprobs"),
     implemented("top_logprobs"),
-    some_values(
-        no_effect(
-            "response_format",
-            "`{\"type\": \"text\"}` is what is always returned",
-        ),
-        refuse_structured_output,
-    ),
     some_values(
         no_effect("modalities", "`[\"text\"]` is what is always returned"),
         refuse_non_text_modalities,
@@ -282,15 +277,6 @@ fn refuse_required_tool_choice(value: &Value) -> Option<&'static str> {
              or a named tool cannot be guaranteed",
         ),
     }
-}
-
-/// JSON mode and JSON schemas need a grammar, which is not there yet (structured output).
-fn refuse_structured_output(value: &Value) -> Option<&'static str> {
-    let text = value.get("type").and_then(Value::as_str) == Some("text");
-    (!text).then_some(
-        "only {\"type\": \"text\"} is accepted; JSON mode and JSON schemas (structured output) \
-         are not supported yet",
-    )
 }
 
 fn refuse_non_text_modalities(value: &Value) -> Option<&'static str> {

@@ -128,7 +128,7 @@ fn refused_and_unknown_fields_are_named() {
         ),
         (json!({"web_search_options": {}}), "web_search_options"),
         (json!({"reasoning_effort": "low"}), "reasoning_effort"),
-        (json!({"guided_json": {}}), "guided_json"),
+        (json!({"grammar": {"type": "json"}}), "grammar"),
         (json!({"use_beam_search": true}), "use_beam_search"),
     ] {
         let (named, _) = refusal(CHAT, body.clone()).unwrap_or_else(|| panic!("{body}"));
@@ -162,14 +162,6 @@ fn unknown_fields_are_accepted_and_named() {
 #[test]
 fn fields_taken_with_some_values_refuse_the_others() {
     for (body, param) in [
-        (
-            json!({"response_format": {"type": "json_object"}}),
-            "response_format",
-        ),
-        (
-            json!({"response_format": {"type": "json_schema", "json_schema": {}}}),
-            "response_format",
-        ),
         (json!({"tool_choice": "required"}), "tool_choice"),
         (
             json!({"tool_choice": {"type": "function", "function": {"name": "f"}}}),

@@ -40,7 +40,7 @@ pub(super) type Permit = Arc<OwnedSemaphorePermit>;
 /// What the `Scheduler` handles send to the loop. One channel for both keeps them in order: a
 /// request submitted before an unload is queued before the unload is looked at.
 pub(super) enum Command {
-    Submit(Entry),
+    Submit(Box<Entry>),
     /// Unload the adapter once none of its requests is queued or running.
     Unload {
         adapter_id: String,
@@ -123,12 +123,16 @@ impl Running {
     /// Whether `token`, the request's latest token, ends it. EOS and stop tokens count only
     /// once at least `min_tokens` tokens came before them (as vLLM's `min_tokens`);
     /// `ignore_eos` ignores EOS, not the stop tokens the client named. One that is also the
-    /// last allowed token reports `Eos`, the more specific reason.
+    /// last allowed token reports `Eos`, the more specific reason. Under a grammar, EOS is
+    /// only possible once the output is complete, and then nothing else is: it always ends.
     fn finish_reason(&self, token: u32) -> Option<FinishReason> {
         let generated = self.tokens.len() as u32;
         let request = &self.request;
-        let stops = request.stop_token_ids.contains(&token)
-            || (!request.ignore_eos && request.eos_token_ids.contains(&token));
+        let eos = request.eos_token_ids.contains(&token);
+        if eos && request.grammar.is_some() {
+            return Some(FinishReason::Eos);
+        }
+        let stops = request.stop_token_ids.contains(&token) || (!request.ignore_eos && eos);
         if stops && generated > request.min_tokens {
             Some(FinishReason::Eos)
         } else if generated >= request.max_new_tokens {
@@ -407,6 +411,7 @@ impl Batcher {
         self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
         match self.shard.prefill(request).await {
             Ok(response) => {
+                self.gauges.record_grammar(response.grammar_ns);
                 self.on_generations(&response.generations);
                 match response.batch {
                     Some(batch) if batch.request_ids.len() == ids.len() => {
@@ -441,8 +446,10 @@ impl Batcher {
                 tracing::trace!(
                     size = response.generations.len(),
                     forward_us = response.forward_ns / 1000,
+                    grammar_us = response.grammar_ns / 1000,
                     "decode step"
                 );
+                self.gauges.record_grammar(response.grammar_ns);
                 self.on_generations(&response.generations);
                 match response.batch {
                     Some(batch) => self.running = self.drop_finished(batch).await,

@@ -226,6 +226,9 @@ pub struct SchedulerStats {
     pub decode_steps: u64,
     /// Running requests taken out of the batch to make room, since start.
     pub preemptions: u64,
+    /// Steps whose batch had a grammar, and the time the shard spent on grammar masks in them.
+    pub grammar_steps: u64,
+    pub grammar_ns: u64,
 }
 
 /// Load figures the batcher publishes after every step (read without asking the loop).
@@ -238,6 +241,18 @@ struct Gauges {
     prefill_steps: AtomicU64,
     decode_steps: AtomicU64,
     preemptions: AtomicU64,
+    grammar_steps: AtomicU64,
+    grammar_ns: AtomicU64,
+}
+
+impl Gauges {
+    /// A step's grammar-mask time, as the shard reported it (0: no grammar in the batch).
+    fn record_grammar(&self, grammar_ns: u64) {
+        if grammar_ns > 0 {
+            self.grammar_steps.fetch_add(1, Ordering::Relaxed);
+            self.grammar_ns.fetch_add(grammar_ns, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Cheap, cloneable handle to the batching loop. The loop runs until every handle is dropped
@@ -348,7 +363,7 @@ impl Scheduler {
             // Fails only if the loop is gone; the entries (and the permit) go with the error.
             inner
                 .commands
-                .send(Command::Submit(entry))
+                .send(Command::Submit(Box::new(entry)))
                 .map_err(|_| AdmissionError::ShuttingDown)?;
             tracing::debug!(request_id = id, blocks = needed, "request queued");
             receivers.push(receiver);
@@ -413,6 +428,8 @@ impl Scheduler {
             prefill_steps: gauges.prefill_steps.load(Ordering::Relaxed),
             decode_steps: gauges.decode_steps.load(Ordering::Relaxed),
             preemptions: gauges.preemptions.load(Ordering::Relaxed),
+            grammar_steps: gauges.grammar_steps.load(Ordering::Relaxed),
+            grammar_ns: gauges.grammar_ns.load(Ordering::Relaxed),
         }
     }
 }

@@ -109,6 +109,28 @@ async fn ignore_eos_and_min_tokens_defer_eos() {
     assert_all_released(&shard, &scheduler).await;
 }
 
+/// Under a grammar the shard allows EOS only once the output is complete, and then nothing
+/// else: EOS ends the request whatever `ignore_eos` and `min_tokens` say.
+#[tokio::test]
+async fn eos_ends_a_constrained_request_despite_ignore_eos_and_min_tokens() {
+    let shard = Arc::new(FakeShard::new(VOCAB));
+    let scheduler = start(&shard, config(16, 64));
+    let (prompt, eos) = eos_case();
+    let mut constrained = request(&prompt, 12);
+    constrained.eos_token_ids = vec![eos];
+    constrained.ignore_eos = true;
+    constrained.min_tokens = 5;
+    constrained.grammar = Some(crate::pb::Grammar {
+        kind: crate::pb::grammar::Kind::Regex as i32,
+        text: "[a-z]+".to_owned(),
+        eos_token_ids: vec![eos],
+    });
+    let outcome = collect(scheduler.submit(constrained).unwrap()).await;
+    assert_eq!(outcome.tokens, reference_tokens(&prompt, 3));
+    assert_eq!(outcome.finish, Ok(FinishReason::Eos));
+    assert_all_released(&shard, &scheduler).await;
+}
+
 #[tokio::test]
 async fn stop_token_ids_end_even_with_ignore_eos_but_wait_for_min_tokens() {
     let shard = Arc::new(FakeShard::new(VOCAB));

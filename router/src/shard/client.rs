@@ -253,7 +253,10 @@ impl ShardBackend for ShardClient {
         &self,
         request: pb::CompileGrammarRequest,
     ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
-        self.fan_out(request, |mut c, r| async move { c.compile_grammar(r).await })
-            .boxed()
+        self.fan_out(
+            request,
+            |mut c, r| async move { c.compile_grammar(r).await },
+        )
+        .boxed()
     }
 }

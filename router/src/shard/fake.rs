@@ -136,6 +136,17 @@ struct State {
     fail_next: Option<FakeRpc>,
     stats: FakeShardStats,
     adapters: AdapterState,
+    grammars: GrammarLog,
+}
+
+/// What the fake saw of grammars: it generates no text a grammar could constrain.
+#[derive(Debug, Default)]
+struct GrammarLog {
+    /// `CompileGrammar` answers this error when set.
+    refusal: Option<String>,
+    compiled: Vec<pb::CompileGrammarRequest>,
+    /// The grammar of every prefilled request, in order (`None`: free).
+    prefilled: Vec<Option<pb::Grammar>>,
 }
 
 /// The in-memory shard; see the module documentation for its rules.
@@ -231,6 +242,21 @@ impl FakeShard {
         self.lock().stats.clone()
     }
 
+    /// Makes every later `CompileGrammar` answer `error` (the shard's refusal).
+    pub fn refuse_grammars(&self, error: impl Into<String>) {
+        self.lock().grammars.refusal = Some(error.into());
+    }
+
+    /// The `CompileGrammar` calls so far.
+    pub fn compiled_grammars(&self) -> Vec<pb::CompileGrammarRequest> {
+        self.lock().grammars.compiled.clone()
+    }
+
+    /// The grammar of every request prefilled so far (`None` for a free one).
+    pub fn prefilled_grammars(&self) -> Vec<Option<pb::Grammar>> {
+        self.lock().grammars.prefilled.clone()
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panicking test thread must not hide the state from the others.
         self.state
@@ -316,6 +342,8 @@ impl FakeShard {
         let mut guard = self.begin(FakeRpc::Prefill)?;
         let state = &mut *guard;
         state.stats.prefill_calls += 1;
+        let grammars = request.requests.iter().map(|r| r.grammar.clone());
+        state.grammars.prefilled.extend(grammars);
         if state.batches.contains_key(&request.batch_id) {
             return Err(invalid(format!(
                 "batch {} is already live",
@@ -385,6 +413,7 @@ impl FakeShard {
                 request_ids: ids,
             }),
             forward_ns: 0,
+            grammar_ns: 0,
         })
     }
 
@@ -449,6 +478,7 @@ impl FakeShard {
                 request_ids: merged,
             }),
             forward_ns: 0,
+            grammar_ns: 0,
         })
     }
 
@@ -639,9 +669,17 @@ impl ShardBackend for FakeShard {
 
     fn compile_grammar(
         &self,
-        _request: pb::CompileGrammarRequest,
+        request: pb::CompileGrammarRequest,
     ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
-        // The fake generates no text a grammar could constrain: every grammar "compiles".
-        async move { Ok(pb::CompileGrammarResponse::default()) }.boxed()
+        async move {
+            let mut state = self.lock();
+            state.grammars.compiled.push(request);
+            let error = state.grammars.refusal.clone().unwrap_or_default();
+            Ok(pb::CompileGrammarResponse {
+                error,
+                compile_ns: 0,
+            })
+        }
+        .boxed()
     }
 }

@@ -24,7 +24,7 @@ pub enum ValidationError {
 }
 
 impl ValidationError {
-    pub(super) fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
+    pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
         Self::Invalid {
             param: param.into(),
             code: "invalid_value",

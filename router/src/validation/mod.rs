@@ -13,6 +13,7 @@ mod messages;
 mod params;
 mod prompt;
 mod sources;
+mod structured;
 mod tokens;
 mod tool_turns;
 
@@ -24,12 +25,14 @@ pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
 pub use logprobs::{LogprobFields, LogprobOptions, MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS};
 pub use sources::PromptSource;
+pub use structured::OutputGrammar;
 pub use tokens::{tokenize_ids, vocabulary_ids};
 
 use logprobs::{apply_logprobs, check_best_of_bound};
 use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
+use crate::pb;
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
@@ -70,6 +73,9 @@ pub struct ValidRequest {
     /// Per prompt: its ids, and with `echo` the text echoed before the completion (the prompt
     /// as sent, or the decoded ids).
     pub prompts: Vec<ValidPrompt>,
+    /// The constraint every choice carries (the shards compile it before admission), with the
+    /// field it came from.
+    pub grammar: Option<OutputGrammar>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -165,6 +171,11 @@ impl Validator {
         self.bounds
             .check_kv_demand(demand, checked.n, prompt_param)?;
         let eos_token_ids = self.eos_token_ids_for(assets);
+        let grammar = checked.grammar.as_ref().map(|grammar| pb::Grammar {
+            kind: grammar.kind as i32,
+            text: grammar.text.clone(),
+            eos_token_ids: eos_token_ids.clone(),
+        });
         let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
         let mut prompt_tokens = 0u32;
         let prompt_logprobs = checked.options.logprobs.shard_prompt_logprobs();
@@ -190,7 +201,7 @@ impl Validator {
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
                     prompt_logprobs,
-                    grammar: None,
+                    grammar: grammar.clone(),
                 });
             }
         }
@@ -199,6 +210,7 @@ impl Validator {
             prompt_tokens,
             options: checked.options,
             prompts,
+            grammar: checked.grammar,
         })
     }
 

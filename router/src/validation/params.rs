@@ -1,6 +1,7 @@
 //! Range checks of the parameters chat and completions share, with OpenAI's defaults.
 
 use super::controls::{check_controls, ControlLimits};
+use super::structured::{output_grammar, OutputGrammar};
 use super::{ResponseOptions, ValidationError, MAX_N};
 use crate::openai::common::GenerationParams;
 use crate::scheduler::SamplingParams;
@@ -19,6 +20,8 @@ pub(super) struct CheckedParams {
     /// The client's `stop_token_ids`, in the vocabulary; honoured even with `ignore_eos`.
     pub stop_token_ids: Vec<u32>,
     pub options: ResponseOptions,
+    /// The output constraint, if the request asks for one.
+    pub grammar: Option<OutputGrammar>,
 }
 
 /// Range checks of the shared parameters; OpenAI's defaults where absent. `max_tokens: 0` is
@@ -88,6 +91,7 @@ pub(super) fn check_params(
         _ => {}
     }
     let controls = check_controls(params, limits)?;
+    let grammar = output_grammar(params)?;
     let stream = params.stream.unwrap_or(false);
     Ok(CheckedParams {
         sampling: SamplingParams {
@@ -120,6 +124,7 @@ pub(super) fn check_params(
             n,
             ..ResponseOptions::default()
         },
+        grammar,
     })
 }
 

@@ -64,6 +64,14 @@ class AdapterRegistry:
         with self._lock:
             return self._known.get(adapter_id)
 
+    def location(self, adapter_id: str) -> tuple[Path, Path] | None:
+        """(directory, what its files must resolve inside) of a known adapter, None if unknown."""
+        with self._lock:
+            known, root = self._known.get(adapter_id), self._roots.get(adapter_id)
+        if known is None or root is None:
+            return None
+        return Path(known.path), root
+
     def load(self, adapter_id: str, source: str, path: str, revision: str) -> AdapterInfo:
         """Idempotent: loading a known id again from the same place returns what it has."""
         if not adapter_id:

@@ -37,7 +37,7 @@ pub(super) struct PendingUnload {
 impl Batcher {
     pub(super) fn accept(&mut self, command: Command) {
         match command {
-            Command::Submit(entry) => self.queue.push(entry),
+            Command::Submit(entry) => self.queue.push(*entry),
             Command::Unload { adapter_id, done } => {
                 tracing::info!(adapter = ?adapter_id, "adapter unload requested");
                 match self.unloads.iter_mut().find(|u| u.adapter_id == adapter_id) {

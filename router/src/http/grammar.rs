@@ -1,0 +1,68 @@
+//! A request's grammar is compiled on the shards before the request is queued: a schema,
+//! regex or grammar the engine cannot use is the client's 400, named by the field it came
+//! from, and never a failure in the middle of a running batch. The shards cache what they
+//! compiled, so the Prefill that carries the grammar finds it ready.
+
+use std::time::Duration;
+
+use crate::error::ApiError;
+use crate::pb;
+use crate::shard::{ShardBackend, ShardError};
+use crate::validation::{OutputGrammar, ValidationError};
+
+/// How long the router waits for a compile. The shards refuse a grammar over their own budget
+/// well before this; it only bounds a shard that stopped answering.
+const COMPILE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Compiles `grammar` (the constraint of every choice of one request) for the tokenizer of
+/// `adapter_id` on every shard.
+pub async fn compile_grammar(
+    shard: &dyn ShardBackend,
+    adapter_id: &str,
+    source: &OutputGrammar,
+    grammar: pb::Grammar,
+) -> Result<(), ApiError> {
+    let request = pb::CompileGrammarRequest {
+        adapter_id: adapter_id.to_owned(),
+        grammar: Some(grammar),
+    };
+    let refused =
+        |message: String| ApiError::Validation(ValidationError::invalid(source.param, message));
+    let response = match tokio::time::timeout(COMPILE_TIMEOUT, shard.compile_grammar(request)).await
+    {
+        Ok(Ok(response)) => response,
+        Ok(Err(ShardError::InvalidArgument(message))) => {
+            return Err(refused(describe(source, &message)))
+        }
+        Ok(Err(error)) => return Err(ApiError::ShardUnavailable(error.message().to_owned())),
+        Err(_) => {
+            return Err(refused(describe(
+                source,
+                &format!(
+                    "compiling it took longer than {} s",
+                    COMPILE_TIMEOUT.as_secs()
+                ),
+            )))
+        }
+    };
+    if response.error.is_empty() {
+        tracing::debug!(
+            param = source.param,
+            compile_us = response.compile_ns / 1000,
+            "grammar compiled"
+        );
+        Ok(())
+    } else {
+        Err(refused(describe(source, &response.error)))
+    }
+}
+
+/// The client's message: what could not be used, then the engine's reason.
+fn describe(source: &OutputGrammar, reason: &str) -> String {
+    let what = match source.kind {
+        pb::grammar::Kind::JsonSchema => "the JSON schema",
+        pb::grammar::Kind::Regex => "the regular expression",
+        pb::grammar::Kind::Lark | pb::grammar::Kind::Unspecified => "the grammar",
+    };
+    format!("{what} in `{}` cannot be enforced: {reason}", source.param)
+}

@@ -1,0 +1,88 @@
+"""The per-step mask against llguidance's own one-byte-per-token mask, and the rules for matchers
+that cannot go on: a completed or failed matcher allows only EOS; ids past the tokenizer's
+vocabulary never; free rows everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import llguidance
+import pytest
+import torch
+from grammar_models import EOS, MODEL_VOCAB, TOKENIZER_VOCAB, build_grammar_model
+from tokenizers import Tokenizer
+
+from quiver_server.grammar.masks import GrammarMasks
+from quiver_server.grammar.tokenizers import TokenizerCache, base_source
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer]:
+    return build_grammar_model(tmp_path_factory.mktemp("grammar-masks"))
+
+
+@pytest.fixture(scope="module")
+def lltokenizer(model: tuple[Path, Tokenizer]) -> llguidance.LLTokenizer:
+    return TokenizerCache(MODEL_VOCAB).get(base_source(model[0]), (EOS,))
+
+
+def _matcher(tokenizer: llguidance.LLTokenizer, grammar: str) -> llguidance.LLMatcher:
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    return matcher
+
+
+def _allowed_ids(row: torch.Tensor) -> list[int]:
+    return row.nonzero().flatten().tolist()
+
+
+def test_the_mask_is_llguidances_and_free_rows_allow_everything(lltokenizer: llguidance.LLTokenizer) -> None:
+    json_mode = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
+    regex = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("[0-9]+(cm|mm)"))
+    masks = GrammarMasks(MODEL_VOCAB)
+    step = masks.step_mask([json_mode, None, regex], CPU)
+    assert step is not None and step.allowed.shape == (3, MODEL_VOCAB) and step.allowed.dtype == torch.bool
+    for row, matcher in ((0, json_mode), (2, regex)):
+        reference = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
+        assert torch.equal(step.allowed[row, : reference.numel()], reference[:MODEL_VOCAB])
+        assert not step.allowed[row, TOKENIZER_VOCAB:].any(), "ids past the tokenizer's vocabulary"
+        assert 0 < int(step.allowed[row].sum()) < TOKENIZER_VOCAB
+    assert step.allowed[1].all()
+    assert masks.step_mask([None, None], CPU) is None
+
+
+def test_applying_a_mask_leaves_the_scores_it_was_given(lltokenizer: llguidance.LLTokenizer) -> None:
+    regex = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("[0-9]+"))
+    step = GrammarMasks(MODEL_VOCAB).step_mask([regex, None], CPU)
+    assert step is not None
+    logits = torch.randn(2, MODEL_VOCAB)
+    before = logits.clone()
+    masked = step.apply(logits)
+    assert torch.equal(logits, before)
+    assert torch.equal(masked[1], logits[1])
+    assert torch.equal(masked[0].isfinite(), step.allowed[0])
+
+
+def test_complete_and_failed_matchers_allow_only_eos(
+    lltokenizer: llguidance.LLTokenizer, model: tuple[Path, Tokenizer]
+) -> None:
+    tokenizer = model[1]
+    masks = GrammarMasks(MODEL_VOCAB)
+    complete = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("abc"))
+    failed = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("abc"))
+    partial = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("abc"))
+    masks.advance([complete, failed, partial], [tokenizer.encode("a").ids[0]] * 3)
+    for token in tokenizer.encode("bc").ids:
+        masks.advance([complete], [token])
+    masks.advance([failed], [tokenizer.encode("z").ids[0]])
+    assert complete.is_stopped() and not complete.is_error()
+    assert failed.is_error()
+    step = masks.step_mask([complete, failed, partial], CPU)
+    assert step is not None
+    assert _allowed_ids(step.allowed[0]) == [EOS]
+    assert _allowed_ids(step.allowed[1]) == [EOS]
+    assert EOS not in _allowed_ids(step.allowed[2])
+    allowed_text = {tokenizer.decode([t]) for t in _allowed_ids(step.allowed[2])}
+    assert allowed_text and all("bc".startswith(t) for t in allowed_text), allowed_text
