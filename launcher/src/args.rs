@@ -62,6 +62,16 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_CPU_KV_CACHE_GIB")]
     pub cpu_kv_cache_gib: Option<f64>,
 
+    /// Seconds a shard may spend compiling one request's grammar (structured output, tool
+    /// calls); a grammar over it is refused with 400 (shard default: 5).
+    #[arg(long, env = "QUIVER_GRAMMAR_COMPILE_TIMEOUT")]
+    pub grammar_compile_timeout: Option<f64>,
+
+    /// Compiled grammars each shard keeps, least recently used dropped first (shard default:
+    /// 256).
+    #[arg(long, env = "QUIVER_GRAMMAR_CACHE_SIZE")]
+    pub grammar_cache_size: Option<u32>,
+
     /// Share of GPU memory the shard may use for weights, activations and KV cache (shard
     /// default: 0.9).
     #[arg(long, env = "QUIVER_GPU_MEMORY_FRACTION")]

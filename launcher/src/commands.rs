@@ -75,6 +75,8 @@ pub fn shard_command(
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
+        .flag_if_set("--grammar-compile-timeout", args.grammar_compile_timeout)
+        .flag_if_set("--grammar-cache-size", args.grammar_cache_size)
         // The shards read local adapters' files only inside it, as the router does.
         .flag_if_set(
             "--adapter-root",
@@ -233,6 +235,8 @@ mod tests {
             "--cpu-kv-cache-gib",
             "--gpu-memory-fraction",
             "--max-cpu-adapters",
+            "--grammar-compile-timeout",
+            "--grammar-cache-size",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),

@@ -57,12 +57,8 @@ pub async fn compile_grammar(
     }
 }
 
-/// The client's message: what could not be used, then the engine's reason.
+/// The client's message: the field, then the engine's reason (which says what did not
+/// compile and why).
 fn describe(source: &OutputGrammar, reason: &str) -> String {
-    let what = match source.kind {
-        pb::grammar::Kind::JsonSchema => "the JSON schema",
-        pb::grammar::Kind::Regex => "the regular expression",
-        pb::grammar::Kind::Lark | pb::grammar::Kind::Unspecified => "the grammar",
-    };
-    format!("{what} in `{}` cannot be enforced: {reason}", source.param)
+    format!("`{}` cannot be enforced: {reason}", source.param)
 }

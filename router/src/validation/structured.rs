@@ -142,11 +142,13 @@ fn json_schema(
     what: &str,
 ) -> Result<OutputGrammar, ValidationError> {
     match schema {
-        Value::Object(_) | Value::Bool(true) => Ok(OutputGrammar::new(
+        Value::Object(_) => Ok(OutputGrammar::new(
             Kind::JsonSchema,
             schema.to_string(),
             param,
         )),
+        // The schema every JSON value satisfies, spelt as the object the engine takes.
+        Value::Bool(true) => Ok(OutputGrammar::new(Kind::JsonSchema, "{}".to_owned(), param)),
         Value::Bool(false) => Err(ValidationError::invalid(
             param,
             format!("`{what}` is `false`, which no output satisfies"),
