@@ -21,6 +21,10 @@ TARGET_VS_BASE = 0.8  # × quiver's base-only throughput at the same concurrency
 TARGET_VS_NAIVE = 8.0  # × transformers + peft one request at a time
 # Issue 13's target for the logprobs scenario: × the same streams without logprobs.
 TARGET_LOGPROBS_VS_BASE = 0.9
+# Issue 14's targets: half the streams under a JSON schema × the same streams all free, and the
+# free streams' inter-token p99 while 8 new schemas compile × just before (at most).
+TARGET_STRUCTURED_VS_FREE = 0.9
+TARGET_STALL_P99 = 1.10
 
 
 def cpu_description() -> dict:
@@ -141,6 +145,35 @@ def logprobs_summary(rows: list[dict]) -> dict | None:
     return {"scenario": row["scenario"], "vs_base_only": ratio, "target": TARGET_LOGPROBS_VS_BASE,
             "met": None if ratio is None else ratio >= TARGET_LOGPROBS_VS_BASE,
             "base_scenario": f"base-c{row['concurrency']}"}
+
+
+def structured_output_summary(model: str, mixed: dict | None, stall: dict | None) -> dict:
+    """Issue 14's block: the mixed run against the all-free one, the compile stall, and the
+    per-step mask cost (read off /metrics around the mixed runs). A scenario that failed is
+    {"error": ...} and the other one is still reported."""
+    block: dict = {"model": model}
+    if mixed is not None:
+        if "error" in mixed:
+            block["throughput"] = mixed
+        else:
+            ratio, steady = mixed["ratio"], mixed["steady_ratio"]
+            block["throughput"] = {
+                "ratio": ratio, "target": TARGET_STRUCTURED_VS_FREE, "met": ratio >= TARGET_STRUCTURED_VS_FREE,
+                # While every stream is busy (the whole-run rate also charges the grammar for the
+                # emptier tail left when the shorter constrained outputs end first).
+                "steady_ratio": steady, "met_steady": None if steady is None else steady >= TARGET_STRUCTURED_VS_FREE,
+                "mean_completion_tokens": {
+                    "constrained": mixed["mixed"]["constrained"]["mean_completion_tokens"],
+                    "free": mixed["mixed"]["free"]["mean_completion_tokens"]},
+                **{k: v for k, v in mixed.items() if k not in ("ratio", "steady_ratio", "mask_cost")},
+            }
+            block["mask_cost"] = mixed["mask_cost"]
+    if stall is not None:
+        ratio, vs_control = stall.get("p99_ratio"), stall.get("during_p99_vs_control")
+        block["compile_stall"] = stall if "error" in stall else {
+            **stall, "target": TARGET_STALL_P99, "met": None if ratio is None else ratio <= TARGET_STALL_P99,
+            "met_vs_control": None if vs_control is None else vs_control <= TARGET_STALL_P99}
+    return block
 
 
 def build_report(args, shape, scenarios, quiver: dict, baselines: dict[str, dict]) -> dict:

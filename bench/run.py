@@ -13,6 +13,12 @@ progress goes to stderr.
 
 Scenarios are data (`Scenario`): base scenarios have no adapters, adapter scenarios name the
 adapter ids their requests cycle through.
+
+The structured-output measurements (issue 14, structured.py) run last, on a second stack that
+serves the same weights with a tokenizer that can spell JSON (json_model.py): 32 streams, half
+under a JSON schema, against the same streams all free; the stall of 8 new schemas on 16 free
+streams; the per-step mask cost from /metrics. They make the report's `structured_output` block;
+`--structured-concurrency 0 --stall-streams 0` leaves them out.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ import adapters  # noqa: E402
 import bench_model  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
+import json_model  # noqa: E402
 import peft_baseline  # noqa: E402
 import report as reports  # noqa: E402
+import structured  # noqa: E402
 from stack import Stack, StackConfig  # noqa: E402
 
 SERVED_NAME = "bench"
@@ -81,6 +89,22 @@ def parse_args() -> argparse.Namespace:
                         "one at a time (0: all of them)")
     p.add_argument("--logprobs-concurrency", type=int, default=32,
                    help="streams of the logprobs scenario (base model, `logprobs: 5`); 0: no such scenario")
+    p.add_argument("--structured-concurrency", type=int, default=32,
+                   help="streams of the structured-output scenario (every other one under a JSON schema, "
+                        "against the same streams all free); 0: no such scenario")
+    p.add_argument("--structured-adapters", type=int, default=8,
+                   help="adapters the structured-output streams spread over, one schema each (0: base model)")
+    p.add_argument("--stall-streams", type=int, default=16,
+                   help="free streams of the compile-stall measurement; 0: no such measurement")
+    p.add_argument("--stall-arrivals", type=int, default=8,
+                   help="requests with never-seen schemas arriving while the free streams run")
+    p.add_argument("--stall-prompt-tokens", type=int, default=16,
+                   help="prompt length of the arriving requests (short: the window measures their "
+                        "compiles more than their prefill; a control run without schemas shows the latter)")
+    p.add_argument("--stall-window-tokens", type=int, default=16,
+                   help="tokens of each free stream in the window before the arrivals")
+    p.add_argument("--stall-stream-tokens", type=int, default=512,
+                   help="max_tokens of the compile-stall free streams (cut once the window closes)")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -96,6 +120,8 @@ def parse_args() -> argparse.Namespace:
         args.max_tokens = min(args.max_tokens, 16)
         args.requests_per_client = 1
         args.repeats = 1
+        args.stall_window_tokens = min(args.stall_window_tokens, 8)
+        args.stall_stream_tokens = min(args.stall_stream_tokens, 256)
     return args
 
 
@@ -190,10 +216,59 @@ def cpu_matmul_report(shape: bench_model.Shape, repeats: int) -> dict:
     return json.loads(done.stdout)
 
 
+def run_structured(model_dir: Path, shape: bench_model.Shape, args, prompts, logs: Path,
+                   adapter_ids: list[str], adapter_root: Path | None) -> dict:
+    """Issue 14's scenarios on a stack of their own: the bench weights with a tokenizer that can
+    spell JSON (json_model.py; the bench tokenizer's words cannot), so its all-free reference
+    runs on that same stack."""
+    json_dir = json_model.ensure_json_model(model_dir, shape.vocab_size)
+    stream_tokens = max(args.max_tokens, args.stall_stream_tokens if args.stall_streams else 0)
+    config = StackConfig(
+        model_id=str(json_dir), served_model_name=SERVED_NAME, dtype=shape.dtype, device=args.device,
+        cpu_kv_cache_gib=1.0 if args.device == "cpu" else None,
+        max_total_tokens=args.prompt_tokens + stream_tokens + 16,
+        max_input_tokens=args.prompt_tokens + 8,
+        max_batch_size=max(args.structured_concurrency, args.stall_streams + args.stall_arrivals),
+        extra_args=adapters.server_flags(adapter_root, args.max_active_adapters),
+    )
+    setup = structured.Setup(
+        model=SERVED_NAME, adapters=tuple(adapter_ids), prompts=prompts, max_tokens=args.max_tokens,
+        requests_per_client=args.requests_per_client, concurrency=args.structured_concurrency,
+        stall_streams=args.stall_streams, stall_arrivals=args.stall_arrivals,
+        stall_window_tokens=args.stall_window_tokens, stall_stream_tokens=args.stall_stream_tokens,
+        stall_prompt_tokens=args.stall_prompt_tokens)
+    stack = Stack(config, logs / "quiver-structured.log")
+    log(f"starting quiver for structured output ({json_dir.name}); log: {stack.log_path}")
+    # A shard beside the other stack's teardown on a loaded box can take minutes to load.
+    stack.start(timeout_s=900 if args.device == "cuda" else 600)
+    mixed = stall = None
+    try:
+        if args.structured_concurrency:
+            log(f"structured output: {args.structured_concurrency} streams, half under a JSON schema, "
+                f"against all free ({args.repeats} repeats)")
+            try:
+                mixed = structured.mixed_vs_free(stack.base_url, setup, args.repeats)
+            except Exception as err:  # noqa: BLE001 - reported, not hidden
+                mixed = {"error": f"{type(err).__name__}: {err}"}
+                log(f"structured output FAILED: {mixed['error']}")
+        if args.stall_streams:
+            log(f"compile stall: {args.stall_streams} free streams, {args.stall_arrivals} new schemas arrive")
+            try:
+                stall = structured.compile_stall(stack.base_url, setup, args.repeats, f"n{time.time_ns():x}")
+            except Exception as err:  # noqa: BLE001 - reported, not hidden
+                stall = {"error": f"{type(err).__name__}: {err}"}
+                log(f"compile stall FAILED: {stall['error']}")
+    finally:
+        stack.stop()
+    return reports.structured_output_summary(
+        f"{json_dir.name}: the bench weights with a byte-level JSON-capable tokenizer (bench/json_model.py)",
+        mixed, stall)
+
+
 def main() -> None:
     args = parse_args()
     shape = bench_model.SHAPES["tiny" if args.quick else args.device]
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
     adapter_counts = [int(n) for n in args.adapters.split(",") if n.strip() and int(n) > 0]
     # The base-only references of the adapter and logprobs scenarios' ratios.
     for reference in (args.adapter_concurrency if adapter_counts else 0, args.logprobs_concurrency):
@@ -203,27 +278,41 @@ def main() -> None:
     if args.logprobs_concurrency:
         c = args.logprobs_concurrency
         scenarios.append(Scenario(f"logprobs{LOGPROBS}-c{c}", c, logprobs=LOGPROBS))
+    structured_wanted = bool(args.structured_concurrency or args.stall_streams)
+    structured_adapters = args.structured_adapters if args.structured_concurrency else 0
     log(f"model {shape.name} ({shape.parameters() / 1e6:.0f}M params) under {args.model_root}")
     model_dir = bench_model.ensure_model(shape, args.model_root, args.device)
-    adapter_root = None
-    if adapter_counts:
+    adapter_root, ids = None, []
+    if adapter_counts or structured_adapters:
         adapter_root = args.model_root / f"{shape.name}-adapters"
-        log(f"{max(adapter_counts)} LoRA adapters under {adapter_root}")
-        ids = adapters.ensure_adapters(model_dir, adapter_root, max(adapter_counts), shape.dtype)
+        count = max(adapter_counts + [structured_adapters])
+        log(f"{count} LoRA adapters under {adapter_root}")
+        ids = adapters.ensure_adapters(model_dir, adapter_root, count, shape.dtype)
         scenarios += [Scenario(f"lora{n}-c{args.adapter_concurrency}", args.adapter_concurrency,
                                tuple(ids[:n])) for n in adapter_counts]
-    count = max(s.concurrency for s in scenarios) * args.requests_per_client
-    prompts = bench_model.prompts(count, args.prompt_tokens, shape.vocab_size)
+    count = max([s.concurrency for s in scenarios] + [args.structured_concurrency,
+                                                       args.stall_streams + args.stall_arrivals])
+    prompts = bench_model.prompts(count * args.requests_per_client, args.prompt_tokens, shape.vocab_size)
 
+    quiver: dict = {}
+    generate: dict = {}
+    texts: dict = {}
+    structured_block = None
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
-        quiver, generate, texts = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
-                                                              Path(tmp), adapter_root)
+        if scenarios:
+            quiver, generate, texts = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
+                                                                  Path(tmp), adapter_root if adapter_counts else None)
+        if structured_wanted:
+            structured_block = run_structured(model_dir, shape, args, prompts, Path(tmp), ids[:structured_adapters],
+                                              adapter_root)
     baselines = {"transformers_generate": generate}
-    if adapter_root is not None:
+    if adapter_counts and adapter_root is not None:
         baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
                                                   texts)
     report = reports.build_report(args, shape, scenarios, quiver, baselines)
-    if args.device == "cpu":
+    if structured_block is not None:
+        report["structured_output"] = structured_block
+    if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)
 

@@ -6,6 +6,8 @@
 mod adapter_source;
 mod router_argv;
 mod serving;
+mod tool_call_parser;
 
 pub use adapter_source::{AdapterSource, UnknownAdapterSource};
 pub use serving::{ServingFlags, API_KEY_ENV};
+pub use tool_call_parser::ToolCallParser;

@@ -2,7 +2,7 @@
 
 use std::ffi::OsString;
 
-use crate::ServingFlags;
+use crate::{ServingFlags, ToolCallParser};
 
 impl ServingFlags {
     /// Arguments that make `quiver-router` parse these same flags: each flag that has a value,
@@ -36,6 +36,7 @@ impl ServingFlags {
             keep_alive_timeout_secs,
             max_connections,
             max_request_body_bytes,
+            tool_call_parser,
         } = self;
         let mut argv = Argv::default();
         argv.flag("--port", port.to_string())
@@ -95,6 +96,10 @@ impl ServingFlags {
             .flag(
                 "--max-request-body-bytes",
                 max_request_body_bytes.to_string(),
+            )
+            .flag_if_set(
+                "--tool-call-parser",
+                tool_call_parser.map(ToolCallParser::name),
             );
         argv.0
     }
@@ -169,6 +174,7 @@ mod tests {
             keep_alive_timeout_secs: 9,
             max_connections: 11,
             max_request_body_bytes: 12345,
+            tool_call_parser: Some(ToolCallParser::Mistral),
         }
     }
 

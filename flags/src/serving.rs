@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::AdapterSource;
+use crate::{AdapterSource, ToolCallParser};
 
 /// The variable the API key is read from. The launcher hands the key to the router through it,
 /// never on the command line, where `ps` shows it to every user.
@@ -126,6 +126,12 @@ pub struct ServingFlags {
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, env = "QUIVER_MAX_REQUEST_BODY_BYTES", default_value_t = 4 * 1024 * 1024)]
     pub max_request_body_bytes: usize,
+
+    /// The tool-call format (vLLM's parser names) chat replies are constrained to and read in
+    /// when a request declares `tools`. Default: detected from the chat template (an adapter's
+    /// own template gets its own detection), else hermes.
+    #[arg(long, env = "QUIVER_TOOL_CALL_PARSER", value_enum)]
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 /// A share of the KV cache: more than 0, at most 1.

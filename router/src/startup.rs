@@ -15,6 +15,8 @@ use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::shard::{ShardBackend, ShardError};
+use crate::template::ChatTemplate;
+use crate::tool_calls::{parser_for, ToolCallParser};
 use crate::validation::{Limits, ModelAssets, RequestBounds, RequestedLimits, Validator};
 
 /// The serving settings from the command line that shape the state.
@@ -29,6 +31,8 @@ pub struct Settings {
     pub api_key: Option<String>,
     pub adapters: AdapterSettings,
     pub admission: AdmissionSettings,
+    /// `--tool-call-parser`.
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 /// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
@@ -89,6 +93,7 @@ impl Settings {
                 max_active_adapters: args.serving.max_active_adapters,
                 max_lora_rank: args.serving.max_lora_rank,
             },
+            tool_call_parser: args.serving.tool_call_parser,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
@@ -205,6 +210,11 @@ pub async fn start(
             block_size: cache.block_size,
             num_blocks: cache.num_blocks,
         },
+        tool_call_parser: parser_for(
+            settings.tool_call_parser,
+            base.template.as_ref().map(ChatTemplate::source),
+        )
+        .name(),
         version: env!("CARGO_PKG_VERSION"),
     };
     let base = Arc::new(base);
@@ -232,6 +242,7 @@ pub async fn start(
                 cache.block_size,
                 usable_blocks,
             ),
+            tool_call_parser: settings.tool_call_parser,
         }),
         base,
         models: Arc::new(ServedModels {

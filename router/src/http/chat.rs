@@ -1,5 +1,8 @@
 //! `POST /v1/chat/completions`: text in `message` / `delta.content`, the role announced on
-//! each choice's opening chunk. The request path is `endpoint::generate`.
+//! each choice's opening chunk; with `tools`, calls in `message.tool_calls` / `delta.tool_calls`
+//! (legacy `functions`: `function_call`). The request path is `endpoint::generate`.
+
+use std::collections::HashMap;
 
 use super::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
 use super::generation::GeneratedToken;
@@ -7,15 +10,24 @@ use super::logprobs::chat_logprobs;
 use super::sse::{ChoiceStep, ChunkFormat};
 use crate::openai::chat::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
-    ChatDelta, ChatFields, CHUNK_OBJECT, ID_PREFIX, OBJECT,
+    ChatDelta, ChatFields, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, CHUNK_OBJECT,
+    ID_PREFIX, OBJECT,
 };
-use crate::openai::common::{ObjectHeader, Usage};
+use crate::openai::common::{FinishReason, ObjectHeader, Usage};
 use crate::openai::logprobs::ChatLogprobs;
+use crate::tool_calls::{call_id, ParsedOutput, ToolCallStream, ToolDelta, ToolPlan};
 
 /// One chat request's chunks and response.
 pub struct Chat {
     header: ObjectHeader,
     setup: ResponseSetup,
+    /// With tools, per streamed choice: its call reader and the tokens of text held back.
+    readers: HashMap<u32, ChoiceReader>,
+}
+
+struct ChoiceReader {
+    calls: ToolCallStream,
+    held: Vec<GeneratedToken>,
 }
 
 impl Chat {
@@ -36,6 +48,67 @@ impl Chat {
         self.setup
             .token_ids(|| tokens.iter().map(|token| token.id).collect())
     }
+
+    /// The plan, when replies are read for calls.
+    fn tools(&self) -> Option<&ToolPlan> {
+        self.setup.tools.as_ref().filter(|plan| plan.reads_calls())
+    }
+
+    /// Whether calls are answered in the legacy `function_call` shape.
+    fn legacy(&self) -> bool {
+        self.setup
+            .tools
+            .as_ref()
+            .is_some_and(|plan| plan.request.legacy)
+    }
+
+    /// The finish reason of a reply that holds calls (OpenAI's), unless it was cut short.
+    fn calls_finish(&self, reason: FinishReason) -> FinishReason {
+        match (reason, self.legacy()) {
+            (FinishReason::Stop, true) => FinishReason::FunctionCall,
+            (FinishReason::Stop, false) => FinishReason::ToolCalls,
+            (reason, _) => reason,
+        }
+    }
+
+    /// A finished reply's message, read for calls.
+    fn tool_message(&self, parsed: ParsedOutput) -> AssistantMessage {
+        let mut message = AssistantMessage::new(String::new());
+        message.content = parsed.content;
+        if parsed.tool_calls.is_empty() {
+            return message;
+        }
+        let mut calls = parsed.tool_calls.into_iter().map(|call| FunctionCall {
+            name: call.name,
+            arguments: call.arguments,
+        });
+        if self.legacy() {
+            message.function_call = calls.next();
+        } else {
+            message.tool_calls = Some(
+                calls
+                    .map(|function| ToolCall {
+                        id: call_id(),
+                        kind: "function",
+                        function,
+                    })
+                    .collect(),
+            );
+        }
+        message
+    }
+
+    fn message(&self, text: String, reason: FinishReason) -> (AssistantMessage, FinishReason) {
+        let Some(plan) = self.tools() else {
+            return (AssistantMessage::new(text), reason);
+        };
+        let parsed = plan.parse(&text);
+        let reason = match parsed.tool_calls.is_empty() {
+            true => reason,
+            false => self.calls_finish(reason),
+        };
+        (self.tool_message(parsed), reason)
+    }
 }
 
 impl Endpoint for Chat {
@@ -46,19 +119,23 @@ impl Endpoint for Chat {
         Self {
             header: ObjectHeader::new(ID_PREFIX, OBJECT, setup.model.clone()),
             setup,
+            readers: HashMap::new(),
         }
     }
 
     fn response(self, choices: Vec<FinishedChoice>, usage: Usage) -> ChatCompletionResponse {
         let choices = choices
             .into_iter()
-            .map(|FinishedChoice { index, output }| ChatChoice {
-                index,
-                logprobs: self.logprobs(&output.tokens),
-                token_ids: self.ids(&output.tokens),
-                prompt_logprobs: self.setup.prompt_logprobs(index, output.prompt.as_deref()),
-                message: AssistantMessage::new(output.text),
-                finish_reason: output.finish_reason,
+            .map(|FinishedChoice { index, output }| {
+                let (message, finish_reason) = self.message(output.text, output.finish_reason);
+                ChatChoice {
+                    index,
+                    logprobs: self.logprobs(&output.tokens),
+                    token_ids: self.ids(&output.tokens),
+                    prompt_logprobs: self.setup.prompt_logprobs(index, output.prompt.as_deref()),
+                    message,
+                    finish_reason,
+                }
             })
             .collect();
         ChatCompletionResponse {
@@ -84,21 +161,143 @@ impl Chat {
             prompt_token_ids,
         }
     }
+
+    fn choice_chunk(&self, choice: ChatChunkChoice) -> ChatCompletionChunk {
+        self.chunk(vec![choice], None, None)
+    }
+
+    /// The reader of choice `index` (with tools), made on its first text.
+    fn reader(&mut self, index: u32) -> Option<&mut ChoiceReader> {
+        let plan = self.setup.tools.as_ref()?;
+        Some(self.readers.entry(index).or_insert_with(|| ChoiceReader {
+            calls: plan.stream(),
+            held: Vec::new(),
+        }))
+    }
+
+    /// The delta of one tool-call reader delta.
+    fn tool_delta(&self, delta: ToolDelta) -> Option<ChatDelta> {
+        let legacy = self.legacy();
+        let (index, id, name, arguments) = match delta {
+            ToolDelta::Content(text) => {
+                return Some(ChatDelta {
+                    content: Some(text),
+                    ..ChatDelta::default()
+                })
+            }
+            ToolDelta::CallStart { index, id, name } => {
+                (index, Some(id), Some(name), String::new())
+            }
+            ToolDelta::Arguments { index, text } => (index, None, None, text),
+        };
+        let function = FunctionCallDelta { name, arguments };
+        if legacy {
+            // The legacy shape has one call.
+            return (index == 0).then(|| ChatDelta {
+                function_call: Some(function),
+                ..ChatDelta::default()
+            });
+        }
+        Some(ChatDelta {
+            tool_calls: Some(vec![ToolCallDelta {
+                index: index as u32,
+                kind: id.as_ref().map(|_| "function"),
+                id,
+                function,
+            }]),
+            ..ChatDelta::default()
+        })
+    }
+
+    /// A text step of a choice read for calls: one chunk per delta; tokens whose text is held
+    /// back are reported with the next chunk that goes out.
+    fn tool_text(
+        &mut self,
+        index: u32,
+        text: &str,
+        tokens: Vec<GeneratedToken>,
+    ) -> Vec<ChatCompletionChunk> {
+        let Some(reader) = self.reader(index) else {
+            return Vec::new();
+        };
+        reader.held.extend(tokens);
+        let deltas = reader.calls.push(text);
+        self.delta_chunks(index, deltas)
+    }
+
+    /// Chunks of `deltas`; the held tokens go with the first.
+    fn delta_chunks(&mut self, index: u32, deltas: Vec<ToolDelta>) -> Vec<ChatCompletionChunk> {
+        let mut held = Vec::new();
+        let mut chunks = Vec::new();
+        for delta in deltas {
+            let Some(delta) = self.tool_delta(delta) else {
+                continue;
+            };
+            let mut choice = empty_choice(index);
+            if chunks.is_empty() {
+                if let Some(reader) = self.readers.get_mut(&index) {
+                    held = std::mem::take(&mut reader.held);
+                }
+                choice.logprobs = self.logprobs(&held);
+                choice.token_ids = self.ids(&held);
+            }
+            choice.delta = delta;
+            chunks.push(self.choice_chunk(choice));
+        }
+        chunks
+    }
+
+    /// The last chunks of a choice read for calls: what the finished reply adds, then the
+    /// finish chunk with the tokens still held.
+    fn tool_finish(
+        &mut self,
+        index: u32,
+        reason: FinishReason,
+        tokens: Vec<GeneratedToken>,
+    ) -> Vec<ChatCompletionChunk> {
+        let (deltas, has_calls) = match self.reader(index) {
+            Some(reader) => reader.calls.finish(),
+            None => (Vec::new(), false),
+        };
+        let mut chunks = self.delta_chunks(index, deltas);
+        let mut held = self
+            .readers
+            .remove(&index)
+            .map(|reader| reader.held)
+            .unwrap_or_default();
+        held.extend(tokens);
+        let mut choice = empty_choice(index);
+        choice.finish_reason = Some(match has_calls {
+            true => self.calls_finish(reason),
+            false => reason,
+        });
+        if !held.is_empty() {
+            choice.logprobs = self.logprobs(&held);
+        }
+        choice.token_ids = self.ids(&held);
+        chunks.push(self.choice_chunk(choice));
+        chunks
+    }
+}
+
+fn empty_choice(index: u32) -> ChatChunkChoice {
+    ChatChunkChoice {
+        index,
+        delta: ChatDelta::default(),
+        logprobs: None,
+        finish_reason: None,
+        token_ids: None,
+        prompt_logprobs: None,
+    }
 }
 
 impl ChunkFormat for Chat {
     type Chunk = ChatCompletionChunk;
 
-    fn choice(&mut self, index: u32, step: ChoiceStep) -> Option<ChatCompletionChunk> {
+    fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<ChatCompletionChunk> {
         let mut prompt_token_ids = None;
-        let mut choice = ChatChunkChoice {
-            index,
-            delta: ChatDelta::default(),
-            logprobs: None,
-            finish_reason: None,
-            token_ids: None,
-            prompt_logprobs: None,
-        };
+        let mut choice = empty_choice(index);
+        let reads_calls = self.tools().is_some();
         match step {
             ChoiceStep::Opening => {
                 if index == 0 {
@@ -107,20 +306,29 @@ impl ChunkFormat for Chat {
                 choice.delta = ChatDelta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    ..ChatDelta::default()
                 };
             }
             ChoiceStep::Prompt { positions } => {
                 choice.prompt_logprobs = self.setup.prompt_logprobs(index, Some(&positions));
-                choice.prompt_logprobs.as_ref()?;
+                if choice.prompt_logprobs.is_none() {
+                    return Vec::new();
+                }
                 choice.delta.content = Some(String::new());
             }
             ChoiceStep::Text { text, tokens } => {
+                if reads_calls {
+                    return self.tool_text(index, &text, tokens);
+                }
                 choice.delta.content = Some(text);
                 choice.logprobs = self.logprobs(&tokens);
                 choice.token_ids = self.ids(&tokens);
             }
             // The finish chunk's delta is `{}`; it reports the tokens that made no text.
             ChoiceStep::Finish { reason, tokens } => {
+                if reads_calls {
+                    return self.tool_finish(index, reason, tokens);
+                }
                 choice.finish_reason = Some(reason);
                 if !tokens.is_empty() {
                     choice.logprobs = self.logprobs(&tokens);
@@ -128,10 +336,14 @@ impl ChunkFormat for Chat {
                 choice.token_ids = self.ids(&tokens);
             }
         }
-        Some(self.chunk(vec![choice], None, prompt_token_ids))
+        vec![self.chunk(vec![choice], None, prompt_token_ids)]
     }
 
     fn usage(&mut self, usage: Usage) -> ChatCompletionChunk {
         self.chunk(Vec::new(), Some(usage), None)
     }
 }
+
+#[cfg(test)]
+#[path = "chat_tool_tests.rs"]
+mod tool_tests;

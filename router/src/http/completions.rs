@@ -147,7 +147,18 @@ impl Completions {
 impl ChunkFormat for Completions {
     type Chunk = CompletionResponse;
 
-    fn choice(&mut self, index: u32, step: ChoiceStep) -> Option<CompletionResponse> {
+    fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<CompletionResponse> {
+        self.step_chunk(index, step).into_iter().collect()
+    }
+
+    fn usage(&mut self, usage: Usage) -> CompletionResponse {
+        self.object(Vec::new(), Some(usage))
+    }
+}
+
+impl Completions {
+    /// The one chunk (if any) of a step.
+    fn step_chunk(&mut self, index: u32, step: ChoiceStep) -> Option<CompletionResponse> {
         let mut choice = CompletionChoice {
             prompt_token_ids: None,
             index,
@@ -184,9 +195,5 @@ impl ChunkFormat for Completions {
             }
         }
         Some(self.chunk(choice))
-    }
-
-    fn usage(&mut self, usage: Usage) -> CompletionResponse {
-        self.object(Vec::new(), Some(usage))
     }
 }

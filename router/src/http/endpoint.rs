@@ -24,6 +24,7 @@ use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER}
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
 use crate::tokenizer::TextTokenizer;
+use crate::tool_calls::ToolPlan;
 use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
 
 /// One generation endpoint; a value formats one request's chunks and response.
@@ -47,6 +48,8 @@ pub struct ResponseSetup {
     pub tokenizer: TextTokenizer,
     /// One per prompt; choice `i` answers prompt `i / options.n`.
     pub prompts: Vec<ValidPrompt>,
+    /// Chat with `tools`: how replies are read for calls.
+    pub tools: Option<ToolPlan>,
 }
 
 impl ResponseSetup {
@@ -160,6 +163,10 @@ async fn answer<E: Endpoint>(
         stop: options.stop.clone(),
         prompt_logprobs: options.logprobs.shard_prompt_logprobs().is_some(),
         drop_generation: options.logprobs.drop_generation,
+        keep_special_tokens: valid
+            .tools
+            .as_ref()
+            .is_some_and(ToolPlan::keeps_special_tokens),
     };
     let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
     let choices = start_choices(
@@ -175,6 +182,7 @@ async fn answer<E: Endpoint>(
         options: options.clone(),
         tokenizer: assets.tokenizer.clone(),
         prompts: valid.prompts,
+        tools: valid.tools,
     });
     if options.stream {
         let plan = StreamPlan {

@@ -37,6 +37,9 @@ pub struct ChoiceSettings {
     /// `max_tokens: 0` with `echo`: the one token generated (to get the prompt's logprobs) is
     /// dropped, and the choice ends with `length` and no completion tokens.
     pub drop_generation: bool,
+    /// Keep special tokens in the text: a tool-call marker that is a special token
+    /// (`[TOOL_CALLS]`) must reach the tool-call parser.
+    pub keep_special_tokens: bool,
 }
 
 #[derive(Debug)]
@@ -134,7 +137,7 @@ pub fn choice_events(
     let metrics = outcome.metrics.clone();
     // The EOS token's text is never shown (skip_special_tokens), even for tokenizers that do
     // not mark it special: an EOS event is not fed to the detokenizer at all.
-    let mut detokenizer = IncrementalDetokenizer::new(tokenizer, true);
+    let mut detokenizer = IncrementalDetokenizer::new(tokenizer, !settings.keep_special_tokens);
     let mut stop = StopMatcher::new(settings.stop);
     async_stream::stream! {
         let mut pending = Vec::new();

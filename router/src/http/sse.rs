@@ -19,8 +19,9 @@ use crate::scheduler::PromptPosition;
 /// How one endpoint spells its chunks.
 pub trait ChunkFormat: Send + 'static {
     type Chunk: Serialize + Send;
-    /// The chunk for one step of choice `index`, if the endpoint sends one for it.
-    fn choice(&mut self, index: u32, step: ChoiceStep) -> Option<Self::Chunk>;
+    /// The chunks for one step of choice `index`, in order (none when the endpoint sends
+    /// nothing for it; several when chat splits tool-call deltas).
+    fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<Self::Chunk>;
     /// The last chunk before `[DONE]` with `stream_options.include_usage`: no choices.
     fn usage(&mut self, usage: Usage) -> Self::Chunk;
 }
@@ -66,7 +67,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
     } = plan;
     async_stream::stream! {
         for index in 0..choices.len() as u32 {
-            if let Some(chunk) = format.choice(index, ChoiceStep::Opening) {
+            for chunk in format.choice(index, ChoiceStep::Opening) {
                 yield json_event(&chunk);
             }
         }
@@ -109,7 +110,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                     return;
                 }
             };
-            if let Some(chunk) = format.choice(index, step) {
+            for chunk in format.choice(index, step) {
                 yield json_event(&chunk);
             }
         }

@@ -74,6 +74,10 @@ pub struct ServerInfo {
     pub max_position_embeddings: u32,
     pub eos_token_ids: Vec<u32>,
     pub limits: ServedLimits,
+    /// The tool-call format of the base model's replies (`--tool-call-parser`, else detected
+    /// from its chat template, else hermes); an adapter with its own template may differ.
+    #[schema(value_type = String)]
+    pub tool_call_parser: &'static str,
     #[schema(value_type = String)]
     pub version: &'static str,
 }

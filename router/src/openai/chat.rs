@@ -19,8 +19,23 @@ use super::logprobs::{ChatLogprobs, PromptLogprobs};
 pub struct ChatFields {
     #[schema(value_type = Vec<super::schema::ChatMessage>, required = true, min_items = 1)]
     pub messages: Option<Vec<Value>>,
-    /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does.
+    /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does;
+    /// replies are constrained to and read for calls of them (docs/tool-calling.md).
+    #[schema(value_type = Option<Vec<Object>>)]
     pub tools: Option<Value>,
+    /// `"none"`, `"auto"` (the default with tools), `"required"`, or
+    /// `{"type": "function", "function": {"name": ...}}`.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<Value>,
+    /// Whether a reply may hold more than one call (default true).
+    #[schema(value_type = Option<bool>)]
+    pub parallel_tool_calls: Option<Value>,
+    /// Legacy form of `tools`; answered with `message.function_call`.
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub functions: Option<Value>,
+    /// Legacy form of `tool_choice`: `"none"`, `"auto"` or `{"name": ...}`.
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<Value>,
     /// Report each generated token's logprob.
     pub logprobs: Option<bool>,
     /// With `logprobs`: this many alternatives per token, 0..=20.
@@ -64,19 +79,68 @@ pub struct ChatChoice {
 pub struct AssistantMessage {
     #[schema(value_type = String, pattern = "^assistant$")]
     pub role: &'static str,
-    pub content: String,
+    /// Null when a reply of tool calls has no text.
+    #[schema(required = true)]
+    pub content: Option<String>,
     #[schema(required = true)]
     pub refusal: Option<String>,
+    /// The calls of a reply to a request with `tools`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
+    /// The call of a reply to a request with the legacy `functions`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<FunctionCall>,
 }
 
 impl AssistantMessage {
     pub fn new(content: String) -> Self {
         Self {
             role: "assistant",
-            content,
+            content: Some(content),
             refusal: None,
+            tool_calls: None,
+            function_call: None,
         }
     }
+}
+
+/// One call in `message.tool_calls`.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    #[schema(value_type = String, pattern = "^function$")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+/// A function and its arguments.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct FunctionCall {
+    pub name: String,
+    /// The arguments, a JSON object as text.
+    pub arguments: String,
+}
+
+/// One piece of a streamed call in `delta.tool_calls`: the first of a call has its `id`,
+/// `type` and `function.name` (and `arguments: ""`), the later ones `function.arguments` pieces.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, pattern = "^function$")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionCallDelta,
+}
+
+/// A piece of a streamed function call.
+#[derive(Debug, Clone, PartialEq, Serialize, ToSchema)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -117,4 +181,9 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+    /// The legacy `functions` form of a streamed call.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub function_call: Option<FunctionCallDelta>,
 }

@@ -150,6 +150,10 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` (or the context) reached.
     Length,
+    /// The reply is tool calls (requests with `tools`).
+    ToolCalls,
+    /// The reply is a function call (requests with the legacy `functions`).
+    FunctionCall,
 }
 
 /// The fields every response and chunk object opens with, in OpenAI's order. The objects embed

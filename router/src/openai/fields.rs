@@ -129,31 +129,16 @@ pub const SHARED: &[Field] = &[
 pub const CHAT: &[Field] = &[
     implemented("messages"),
     implemented("tools"),
-    some_values(
-        no_effect(
-            "tool_choice",
-            "tool calls are not parsed yet: a call the model writes arrives as text",
-        ),
-        refuse_required_tool_choice,
-    ),
-    no_effect(
-        "parallel_tool_calls",
-        "tool calls are not parsed yet, so there is nothing to run in parallel",
-    ),
+    implemented("tool_choice"),
+    implemented("parallel_tool_calls"),
     implemented("logprobs"),
     implemented("top_logprobs"),
     some_values(
         no_effect("modalities", "`[\"text\"]` is what is always returned"),
         refuse_non_text_modalities,
     ),
-    refused(
-        "functions",
-        "the legacy function-calling API; use `tools` (OpenAI deprecated `functions`)",
-    ),
-    refused(
-        "function_call",
-        "the legacy function-calling API; use `tools` and `tool_choice`",
-    ),
+    implemented("functions"),
+    implemented("function_call"),
     refused(
         "audio",
         "quiver serves text models: there is no audio output",
@@ -264,18 +249,6 @@ fn unsupported(name: &str, code: &'static str, message: String) -> ApiError {
         message,
         param: Some(name.to_owned()),
         code,
-    }
-}
-
-/// Only `"none"` and `"auto"`: both let the model answer in text, which is all it can do until
-/// tool calls are parsed. A required or named call would be a promise not kept.
-fn refuse_required_tool_choice(value: &Value) -> Option<&'static str> {
-    match value.as_str() {
-        Some("none" | "auto") => None,
-        _ => Some(
-            "only \"none\" and \"auto\" are accepted until tool calls are parsed; \"required\" \
-             or a named tool cannot be guaranteed",
-        ),
     }
 }
 

@@ -3,8 +3,10 @@
 
 use super::{leading_json, non_blank, read_call, ParsedCall, ParsedOutput};
 
-const START: &str = "<tool_call>";
-const END: &str = "</tool_call>";
+pub(super) const START: &str = "<tool_call>";
+pub(super) const END: &str = "</tool_call>";
+/// The key the arguments are under.
+pub(super) const ARGUMENTS: &[&str] = &["arguments"];
 
 /// `None` when `text` holds no call or a malformed one.
 pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOutput> {
@@ -26,10 +28,7 @@ pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOut
         return None;
     }
     content.push_str(rest);
-    Some(ParsedOutput {
-        content: non_blank(&content).map(str::to_owned),
-        tool_calls,
-    })
+    Some(ParsedOutput::with_calls(&content, tool_calls))
 }
 
 /// One block's body: a single JSON call and nothing else but whitespace.
@@ -38,5 +37,5 @@ fn read_block(body: &str, declared: Option<&[String]>) -> Option<ParsedCall> {
     if non_blank(after).is_some() {
         return None;
     }
-    read_call(&value, &["arguments"], declared)
+    read_call(value, ARGUMENTS, declared)
 }

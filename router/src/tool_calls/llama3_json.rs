@@ -4,7 +4,9 @@
 
 use super::{leading_json, read_call, ParsedOutput};
 
-const PYTHON_TAG: &str = "<|python_tag|>";
+pub(super) const PYTHON_TAG: &str = "<|python_tag|>";
+/// The keys the arguments are under, Llama's first.
+pub(super) const ARGUMENTS: &[&str] = &["parameters", "arguments"];
 
 /// `None` when `text` is not made of calls alone, or one of them is malformed.
 pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOutput> {
@@ -19,7 +21,7 @@ pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOut
     let mut tool_calls = Vec::new();
     loop {
         let (value, after) = leading_json(rest)?;
-        tool_calls.push(read_call(&value, &["parameters", "arguments"], declared)?);
+        tool_calls.push(read_call(value, ARGUMENTS, declared)?);
         let after = after.trim_start();
         if after.is_empty() {
             break;

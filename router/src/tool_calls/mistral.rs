@@ -2,11 +2,13 @@
 //! `{"name": …, "arguments": {…}}`; text before the marker is the reply's content. The v11
 //! form, `[TOOL_CALLS]name[ARGS]{…}`, is not read (it stays text).
 
-use serde_json::Value;
+use serde_json::value::RawValue;
 
 use super::{leading_json, non_blank, read_call, ParsedOutput};
 
-const MARKER: &str = "[TOOL_CALLS]";
+pub(super) const MARKER: &str = "[TOOL_CALLS]";
+/// The key the arguments are under.
+pub(super) const ARGUMENTS: &[&str] = &["arguments"];
 
 /// `None` when `text` has no marker, or what follows it is not a list of well-formed calls.
 pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOutput> {
@@ -15,21 +17,21 @@ pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOut
     if non_blank(trailing).is_some() {
         return None;
     }
-    let calls = match value {
-        Value::Array(calls) => calls,
+    let raw = value.get();
+    let calls: Vec<&RawValue> = if raw.starts_with('[') {
+        serde_json::from_str(raw).ok()?
+    } else if raw.starts_with('{') {
         // A lone object is one call.
-        call @ Value::Object(_) => vec![call],
-        _ => return None,
+        vec![value]
+    } else {
+        return None;
     };
     if calls.is_empty() {
         return None;
     }
     let tool_calls = calls
-        .iter()
-        .map(|call| read_call(call, &["arguments"], declared))
+        .into_iter()
+        .map(|call| read_call(call, ARGUMENTS, declared))
         .collect::<Option<Vec<_>>>()?;
-    Some(ParsedOutput {
-        content: non_blank(before).map(str::to_owned),
-        tool_calls,
-    })
+    Some(ParsedOutput::with_calls(before, tool_calls))
 }

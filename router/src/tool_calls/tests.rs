@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::{call_id, ParsedOutput, ToolCallParser};
+use super::{call_id, ParsedOutput, ToolCallFormat, ToolCallParser};
 
 fn declared() -> Vec<String> {
     ["get_weather", "search", "get_time"]
@@ -76,7 +76,7 @@ fn hermes_single_call() {
 fn hermes_several_calls_after_text() {
     let text = "Let me look that up.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>";
     let output = parse(ToolCallParser::Hermes, text);
-    assert_eq!(output.content.as_deref(), Some("Let me look that up."));
+    assert_eq!(output.content.as_deref(), Some("Let me look that up.\n\n"));
     assert_eq!(
         calls(&output),
         vec![
@@ -93,11 +93,8 @@ fn hermes_nested_arguments() {
     );
     let output = parse(ToolCallParser::Hermes, &text);
     assert_eq!(calls(&output), vec![("search", nested_arguments())]);
-    // Compact, and non-ASCII text is kept as it is rather than escaped.
-    assert!(!output.tool_calls[0].arguments.contains(": "));
-    assert!(output.tool_calls[0]
-        .arguments
-        .contains("héllo\\\" → 世界 🌍"));
+    // Exactly as written, so that streamed pieces of it add up to it.
+    assert_eq!(output.tool_calls[0].arguments, NESTED_ARGUMENTS);
 }
 
 #[test]
@@ -274,7 +271,7 @@ fn mistral_several_calls_after_text() {
         r#"{"name": "get_time", "arguments": "{}"}]"#,
     );
     let output = parse(ToolCallParser::Mistral, text);
-    assert_eq!(output.content.as_deref(), Some("I will check both."));
+    assert_eq!(output.content.as_deref(), Some("I will check both.\n"));
     assert_eq!(
         calls(&output),
         vec![

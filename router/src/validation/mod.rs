@@ -36,6 +36,7 @@ use crate::pb;
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
+use crate::tool_calls::{parser_for, ToolCallParser, ToolPlan};
 
 /// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
 pub const MAX_N: u32 = 128;
@@ -76,6 +77,8 @@ pub struct ValidRequest {
     /// The constraint every choice carries (the shards compile it before admission), with the
     /// field it came from.
     pub grammar: Option<OutputGrammar>,
+    /// Chat with `tools`: how replies are constrained and read for calls.
+    pub tools: Option<ToolPlan>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -96,6 +99,8 @@ pub struct Validator {
     pub max_stop_sequences: u32,
     /// Choices per request and the share of the KV cache one request may reserve.
     pub bounds: RequestBounds,
+    /// `--tool-call-parser`; unset, each model's (or adapter's) chat template decides.
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 impl Validator {
@@ -105,10 +110,15 @@ impl Validator {
         &self,
         assets: &ModelAssets,
         adapter_id: &str,
-        fields: F,
+        mut fields: F,
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let logprob_fields = fields.logprob_fields();
+        let tools = fields.tool_request()?.map(|request| {
+            let template = assets.template.as_ref().map(ChatTemplate::source);
+            let parser = parser_for(self.tool_call_parser, template);
+            ToolPlan::new(request, parser, &assets.tokenizer)
+        });
         let control_limits = ControlLimits {
             vocab_size: self.vocab_size,
             max_stop_sequences: self.max_stop_sequences,
@@ -137,7 +147,23 @@ impl Validator {
             };
             prompts.push(ValidPrompt { ids, echo });
         }
-        self.build(prompts, F::PARAM, checked, adapter_id, assets)
+        if let Some(text) = tools.as_ref().and_then(ToolPlan::grammar_text) {
+            // One grammar per request: tool calls and a structured reply cannot both hold.
+            if let Some(other) = &checked.grammar {
+                return Err(ValidationError::invalid(
+                    other.param,
+                    format!(
+                        "`{}` cannot be combined with tool calls; drop it, or send \
+                         `tool_choice: \"none\"`",
+                        other.param
+                    ),
+                ));
+            }
+            checked.grammar = Some(OutputGrammar::tool_calls(text.to_owned()));
+        }
+        let mut valid = self.build(prompts, F::PARAM, checked, adapter_id, assets)?;
+        valid.tools = tools;
+        Ok(valid)
     }
 
     /// The model's EOS ids plus those of the tokenizer in use (an adapter's own tokenizer may
@@ -211,6 +237,7 @@ impl Validator {
             options: checked.options,
             prompts,
             grammar: checked.grammar,
+            tools: None,
         })
     }
 

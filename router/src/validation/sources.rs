@@ -10,6 +10,7 @@ use super::prompt::{parse_prompt, PromptInput};
 use super::{ModelAssets, ValidationError};
 use crate::openai::chat::ChatFields;
 use crate::openai::completions::CompletionFields;
+use crate::tool_calls::{check_tool_request, ToolFields, ToolRequest};
 
 /// An endpoint's own request fields, which decide how its prompts are built.
 pub trait PromptSource: Send {
@@ -18,6 +19,12 @@ pub trait PromptSource: Send {
 
     /// The logprob fields this endpoint reads (read before `prompt_ids` consumes the fields).
     fn logprob_fields(&self) -> LogprobFields;
+
+    /// The request's tools, checked (chat only); legacy `functions` become the template's
+    /// `tools`. Runs before `prompt_ids`.
+    fn tool_request(&mut self) -> Result<Option<ToolRequest>, ValidationError> {
+        Ok(None)
+    }
 
     /// The token ids of each prompt, with its text when it was sent as text, after the checks
     /// that only these fields need. Prompts beyond `limits` are refused before they are
@@ -40,6 +47,20 @@ impl PromptSource for ChatFields {
             logprobs: self.logprobs,
             top_logprobs: self.top_logprobs,
         }
+    }
+
+    fn tool_request(&mut self) -> Result<Option<ToolRequest>, ValidationError> {
+        let request = check_tool_request(ToolFields {
+            tools: self.tools.as_ref(),
+            tool_choice: self.tool_choice.as_ref(),
+            parallel_tool_calls: self.parallel_tool_calls.as_ref(),
+            functions: self.functions.as_ref(),
+            function_call: self.function_call.as_ref(),
+        })?;
+        if let Some(request) = request.as_ref().filter(|request| request.legacy) {
+            self.tools = Some(request.template_tools.clone());
+        }
+        Ok(request)
     }
 
     /// Normalize messages → render the template with the generation prompt → tokenize without

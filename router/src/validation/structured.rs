@@ -23,6 +23,11 @@ impl OutputGrammar {
         Self { kind, text, param }
     }
 
+    /// The grammar of a chat request's tool calls (`crate::tool_calls`), in the Lark dialect.
+    pub fn tool_calls(text: String) -> Self {
+        Self::new(Kind::Lark, text, "tools")
+    }
+
     /// JSON mode: any JSON object.
     fn any_object(param: &'static str) -> Self {
         Self::new(Kind::JsonSchema, r#"{"type":"object"}"#.to_owned(), param)

@@ -164,6 +164,8 @@ pub struct Options {
     pub adapter_paths: Vec<(String, String)>,
     /// The fake's `with_seeded_sampling`: sampled choices with distinct seeds differ.
     pub seeded_sampling: bool,
+    /// `--tool-call-parser`.
+    pub tool_call_parser: Option<quiver_router::tool_calls::ToolCallParser>,
 }
 
 impl Default for Options {
@@ -183,6 +185,7 @@ impl Default for Options {
             adapter_load_delay: Duration::ZERO,
             adapter_paths: Vec::new(),
             seeded_sampling: false,
+            tool_call_parser: None,
         }
     }
 }
@@ -252,6 +255,7 @@ impl TestApp {
                 max_lora_rank: 64,
             },
             admission: AdmissionSettings::default(),
+            tool_call_parser: options.tool_call_parser,
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {

@@ -1,0 +1,109 @@
+//! One request's tool calling, settled: its checked tools, the family format its replies are
+//! constrained to and read in, and how the family's markers are tokens of the request's
+//! tokenizer: an added token is written by id in the grammar (llguidance matches every added
+//! token, special or not, only as that token), and a special one must be kept by the
+//! detokenizer, or the parser would never see it.
+
+use super::{
+    hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallFormat, ToolCallParser,
+    ToolCallStream, ToolChoice, ToolRequest,
+};
+use crate::pb;
+use crate::tokenizer::TextTokenizer;
+
+#[derive(Debug, Clone)]
+pub struct ToolPlan {
+    pub request: ToolRequest,
+    pub parser: ToolCallParser,
+    /// The Lark grammar; `None` with `tool_choice: "none"`.
+    grammar: Option<String>,
+    /// A marker of the family is a special token of the tokenizer.
+    special_markers: bool,
+}
+
+impl ToolPlan {
+    pub fn new(request: ToolRequest, parser: ToolCallParser, tokenizer: &TextTokenizer) -> Self {
+        let token_id = |text: &str| added_token(tokenizer, text).map(|(id, _)| id);
+        let grammar = tool_grammar(parser, &request, &token_id);
+        let special_markers = markers(parser)
+            .iter()
+            .any(|m| added_token(tokenizer, m).is_some_and(|(_, special)| special));
+        Self {
+            request,
+            parser,
+            grammar,
+            special_markers,
+        }
+    }
+
+    /// The constraint for every choice of the request (`eos_token_ids` left for the caller).
+    pub fn grammar(&self) -> Option<pb::Grammar> {
+        let text = self.grammar.clone()?;
+        Some(pb::Grammar {
+            kind: pb::grammar::Kind::Lark as i32,
+            text,
+            eos_token_ids: Vec::new(),
+        })
+    }
+
+    /// The Lark text of `grammar()`.
+    pub fn grammar_text(&self) -> Option<&str> {
+        self.grammar.as_deref()
+    }
+
+    /// Whether the grammar forces calls (`required`, a named function): such a request cannot
+    /// also take another output constraint (`response_format`, `structured_outputs`).
+    pub fn forces_calls(&self) -> bool {
+        matches!(
+            self.request.choice,
+            ToolChoice::Required | ToolChoice::Named(_)
+        )
+    }
+
+    /// Whether replies are read for calls (every choice but `"none"`).
+    pub fn reads_calls(&self) -> bool {
+        self.request.choice != ToolChoice::None
+    }
+
+    /// Whether the detokenizer must keep special tokens for the parser to see the markers.
+    pub fn keeps_special_tokens(&self) -> bool {
+        self.reads_calls() && self.special_markers
+    }
+
+    pub fn declared(&self) -> Vec<String> {
+        self.request
+            .functions
+            .iter()
+            .map(|function| function.name.clone())
+            .collect()
+    }
+
+    /// A finished reply split into content and calls.
+    pub fn parse(&self, text: &str) -> ParsedOutput {
+        self.parser.parse(text, Some(&self.declared()))
+    }
+
+    /// The reader of one streamed choice.
+    pub fn stream(&self) -> ToolCallStream {
+        ToolCallStream::new(self.parser, self.declared())
+    }
+}
+
+/// The markers a family writes.
+fn markers(parser: ToolCallParser) -> &'static [&'static str] {
+    match parser {
+        ToolCallParser::Hermes => &[hermes::START, hermes::END],
+        ToolCallParser::Llama3Json => &[llama3_json::PYTHON_TAG],
+        ToolCallParser::Mistral => &[mistral::MARKER],
+    }
+}
+
+/// The id of `text` when it is an added token of the tokenizer, and whether it is special.
+fn added_token(tokenizer: &TextTokenizer, text: &str) -> Option<(u32, bool)> {
+    tokenizer
+        .inner()
+        .get_added_tokens_decoder()
+        .into_iter()
+        .find(|(_, token)| token.content == text)
+        .map(|(id, token)| (id, token.special))
+}
