@@ -10,7 +10,6 @@ Usage: python check_with_llguidance.py <tokenizer.json> [grammar dir]
 (a byte-level tokenizer that spells "\n" as a token of its own)
 """
 
-import json
 import pathlib
 import sys
 import tempfile
@@ -32,7 +31,7 @@ def tokenizer_with_markers(path, special):
 
 def call(parser, name, args):
     key = "parameters" if parser == "llama3_json" else "arguments"
-    return '{"name": "%s", "%s": %s}' % (name, key, args)
+    return f'{{"name": "{name}", "{key}": {args}}}'
 
 
 def replies(parser, mode, parallel):
@@ -42,9 +41,9 @@ def replies(parser, mode, parallel):
     bad_name = call(parser, "launch", "{}")
     bad_args = call(parser, "get_weather", '{"city":"Paris","days":9}')
     wrap = {
-        "hermes": lambda calls: "\n".join("<tool_call>\n%s\n</tool_call>" % c for c in calls),
+        "hermes": lambda calls: "\n".join(f"<tool_call>\n{c}\n</tool_call>" for c in calls),
         "llama3_json": lambda calls: "; ".join(calls),
-        "mistral": lambda calls: "[TOOL_CALLS][%s]" % ", ".join(calls),
+        "mistral": lambda calls: "[TOOL_CALLS][{}]".format(", ".join(calls)),
     }[parser]
     cases = [(wrap([good]), True), (wrap([bad_name]), False), (wrap([bad_args]), False)]
     named = mode == "named"
@@ -79,7 +78,7 @@ def check(special_markers):
         parser, mode, parallel, markers = path.stem.split("-")
         text = path.read_text()
         for marker, fixed in MARKERS.items():
-            text = text.replace("<[%d]>" % fixed, "<[%d]>" % ids[marker])
+            text = text.replace(f"<[{fixed}]>", f"<[{ids[marker]}]>")
         lltok = special_tok if markers == "special" else plain_tok
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             llguidance.LLMatcher.grammar_from_lark(text), lltok)
