@@ -19,6 +19,17 @@ fn tools() -> Value {
         "required": ["city"]}}}])
 }
 
+/// The test template does not read `tools`, so they are described in the prompt (several
+/// hundred characters, one token each).
+async fn long_prompts() -> TestApp {
+    TestApp::with_options(Options {
+        max_input_tokens: 600,
+        max_total_tokens: 640,
+        ..Options::default()
+    })
+    .await
+}
+
 #[tokio::test]
 async fn malformed_tool_fields_are_refused_with_the_field_named() {
     let app = TestApp::start().await;
@@ -63,7 +74,7 @@ async fn malformed_tool_fields_are_refused_with_the_field_named() {
 
 #[tokio::test]
 async fn requests_with_tools_are_answered_in_openais_shapes() {
-    let app = TestApp::start().await;
+    let app = long_prompts().await;
     for choice in [json!("auto"), json!("none"), json!("required")] {
         let extra = json!({"tools": tools(), "tool_choice": choice, "max_tokens": 4});
         let (status, body) = app.post(CHAT, &chat_body("Hi", extra.clone())).await;
@@ -109,4 +120,47 @@ async fn info_names_the_tool_call_format() {
     })
     .await;
     assert_eq!(app.get("/info").await.1["tool_call_parser"], "mistral");
+}
+
+/// The test template does not read `tools`: with a tool choice other than "none" they are
+/// described after the client's system text, in the call format the reply is held to (hermes
+/// here: the template names no format); with "none" the prompt is the plain rendering.
+#[tokio::test]
+async fn tools_are_described_in_the_system_message_for_a_template_without_them() {
+    let app = long_prompts().await;
+    let prompt = |choice: Value| {
+        let mut body = chat_body(
+            "Hi",
+            json!({"tools": tools(), "tool_choice": choice,
+            "max_tokens": 1, "return_token_ids": true}),
+        );
+        body["messages"] = json!([{"role": "system", "content": "Be brief."},
+                                  {"role": "user", "content": "Hi"}]);
+        let app = &app;
+        async move {
+            let (status, response) = app.post(CHAT, &body).await;
+            assert_eq!(status, StatusCode::OK, "{response}");
+            let ids = response["prompt_token_ids"]
+                .as_array()
+                .expect("prompt ids")
+                .clone();
+            ids.iter()
+                .map(|id| token_text(id.as_u64().unwrap() as u32))
+                .collect::<String>()
+        }
+    };
+    let plain = "<system>Be brief.\n<user>Hi\n<assistant>";
+    assert_eq!(prompt(json!("none")).await, plain);
+    for choice in [json!("auto"), json!("required")] {
+        let text = prompt(choice).await;
+        assert!(
+            text.starts_with("<system>Be brief.\n\nYou can call"),
+            "{text}"
+        );
+        assert!(text.contains(r#""name":"get_weather""#), "{text}");
+        assert!(text.contains(r#""required":["city"]"#), "{text}");
+        assert!(text.contains("<tool_call>"), "{text}");
+        assert!(text.ends_with("\n<user>Hi\n<assistant>"), "{text}");
+    }
+    app.wait_idle().await;
 }

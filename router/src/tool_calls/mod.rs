@@ -16,6 +16,7 @@ mod partial;
 mod plan;
 #[cfg(test)]
 mod plan_tests;
+mod prompt;
 mod request;
 mod stream;
 #[cfg(test)]
@@ -29,6 +30,7 @@ use serde_json::Value;
 pub use detect::{detect_parser, parser_for};
 pub use grammar::tool_grammar;
 pub use plan::ToolPlan;
+pub use prompt::{template_reads_tools, tool_system_prompt};
 pub use quiver_flags::ToolCallParser;
 pub use request::{check_tool_request, FunctionSpec, ToolChoice, ToolFields, ToolRequest};
 pub use stream::{ToolCallStream, ToolDelta};

@@ -36,7 +36,7 @@ use crate::pb;
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
-use crate::tool_calls::{parser_for, ToolCallParser, ToolPlan};
+use crate::tool_calls::{parser_for, tool_system_prompt, ToolCallParser, ToolPlan};
 
 /// Upper bound on `n`, so one request cannot queue an unbounded number of choices.
 pub const MAX_N: u32 = 128;
@@ -114,11 +114,17 @@ impl Validator {
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let logprob_fields = fields.logprob_fields();
-        let tools = fields.tool_request()?.map(|request| {
-            let template = assets.template.as_ref().map(ChatTemplate::source);
-            let parser = parser_for(self.tool_call_parser, template);
-            ToolPlan::new(request, parser, &assets.tokenizer)
-        });
+        let tools = match fields.tool_request()? {
+            Some(request) => {
+                let template = assets.template.as_ref().map(ChatTemplate::source);
+                let parser = parser_for(self.tool_call_parser, template);
+                if let Some(text) = tool_system_prompt(parser, &request, template) {
+                    fields.add_tool_prompt(text);
+                }
+                Some(ToolPlan::new(request, parser, &assets.tokenizer))
+            }
+            None => None,
+        };
         let control_limits = ControlLimits {
             vocab_size: self.vocab_size,
             max_stop_sequences: self.max_stop_sequences,

@@ -3,6 +3,8 @@
 
 use std::future::Future;
 
+use serde_json::{json, Value};
+
 use super::bounds::{check_text_length, PromptLimits};
 use super::logprobs::LogprobFields;
 use super::messages::render_chat;
@@ -25,6 +27,10 @@ pub trait PromptSource: Send {
     fn tool_request(&mut self) -> Result<Option<ToolRequest>, ValidationError> {
         Ok(None)
     }
+
+    /// Adds `text` (the tools described for a template that does not read `tools`) to the
+    /// system message, before `prompt_ids`. Chat only.
+    fn add_tool_prompt(&mut self, _text: String) {}
 
     /// The token ids of each prompt, with its text when it was sent as text, after the checks
     /// that only these fields need. Prompts beyond `limits` are refused before they are
@@ -61,6 +67,28 @@ impl PromptSource for ChatFields {
             self.tools = Some(request.template_tools.clone());
         }
         Ok(request)
+    }
+
+    /// After the client's own system text, or as a system message of its own in front.
+    fn add_tool_prompt(&mut self, text: String) {
+        let messages = self.messages.get_or_insert_with(Vec::new);
+        let first_system = messages
+            .first_mut()
+            .filter(|message| message.get("role").and_then(Value::as_str) == Some("system"));
+        if let Some(content) = first_system.and_then(|message| message.get_mut("content")) {
+            match content {
+                Value::String(own) => {
+                    *own = format!("{own}\n\n{text}");
+                    return;
+                }
+                Value::Array(parts) => {
+                    parts.push(json!({"type": "text", "text": text}));
+                    return;
+                }
+                _ => {}
+            }
+        }
+        messages.insert(0, json!({"role": "system", "content": text}));
     }
 
     /// Normalize messages → render the template with the generation prompt → tokenize without
