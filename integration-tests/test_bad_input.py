@@ -66,8 +66,9 @@ CASES = [
     ("logit-bias-unknown-token", lambda m: _completion(m, logit_bias={"100000": 1}), BAD, ["100000"],
      "logit_bias"),
     ("seventeen-stops", lambda m: _completion(m, stop=[f"s{i}" for i in range(17)]), BAD, ["16"], "stop"),
-    ("json-mode-refused", lambda m: _chat(m, response_format={"type": "json_object"}), BAD,
-     ["response_format"], "response_format"),
+    ("json-schema-invalid", lambda m: _chat(m, response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}), BAD,
+     ["response_format", "strin"], "response_format"),
     ("unknown-model-chat", lambda m: _chat("no-such-model"), MISSING, ["no-such-model"], "model"),
     ("unknown-model-completion", lambda m: _completion("no-such-model"), MISSING, ["no-such-model"],
      "model"),
@@ -141,9 +142,9 @@ def test_unknown_fields_are_named_refused_ones_refused_and_known_extras_accepted
     assert raw.parse().choices[0].finish_reason in ("stop", "length")
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=llama.model, messages=HELLO, max_tokens=2,
-                                       extra_body={"guided_json": {"type": "object"}})
+                                       extra_body={"grammar": {"type": "json", "value": {}}})
     error = refused.value.response.json()["error"]
-    assert error["param"] == "guided_json"
+    assert error["param"] == "grammar"
     assert error["code"] == "unsupported_parameter"
     raw = client.chat.completions.with_raw_response.create(
         model=llama.model, messages=HELLO, max_tokens=2, user="u", metadata={"k": "v"}, store=False,
