@@ -8,7 +8,6 @@ use super::{
     hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallFormat, ToolCallParser,
     ToolCallStream, ToolChoice, ToolRequest,
 };
-use crate::pb;
 use crate::tokenizer::TextTokenizer;
 
 #[derive(Debug, Clone)]
@@ -36,17 +35,8 @@ impl ToolPlan {
         }
     }
 
-    /// The constraint for every choice of the request (`eos_token_ids` left for the caller).
-    pub fn grammar(&self) -> Option<pb::Grammar> {
-        let text = self.grammar.clone()?;
-        Some(pb::Grammar {
-            kind: pb::grammar::Kind::Lark as i32,
-            text,
-            eos_token_ids: Vec::new(),
-        })
-    }
-
-    /// The Lark text of `grammar()`.
+    /// The Lark grammar every choice of the request is held to (`None` for `tool_choice:
+    /// "none"`); validation makes it the request's output grammar.
     pub fn grammar_text(&self) -> Option<&str> {
         self.grammar.as_deref()
     }

@@ -122,6 +122,15 @@ fn malformed_structured_outputs_name_the_field() {
 }
 
 #[test]
+fn tool_call_grammars_are_lark_reported_under_tools() {
+    let g = OutputGrammar::tool_calls("start: \"x\"".to_owned());
+    assert_eq!(
+        (g.kind, g.text.as_str(), g.param),
+        (Kind::Lark, "start: \"x\"", "tools")
+    );
+}
+
+#[test]
 fn two_constraints_at_once_are_refused() {
     let (param, message) = refused(json!({
         "response_format": {"type": "json_object"},
