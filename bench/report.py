@@ -156,16 +156,20 @@ def structured_output_summary(model: str, mixed: dict | None, stall: dict | None
         if "error" in mixed:
             block["throughput"] = mixed
         else:
-            ratio, steady = mixed["ratio"], mixed["steady_ratio"]
+            ratio, steady, matched = mixed["ratio"], mixed["steady_ratio"], mixed["ratio_matched_lengths"]
             block["throughput"] = {
                 "ratio": ratio, "target": TARGET_STRUCTURED_VS_FREE, "met": ratio >= TARGET_STRUCTURED_VS_FREE,
                 # While every stream is busy (the whole-run rate also charges the grammar for the
                 # emptier tail left when the shorter constrained outputs end first).
                 "steady_ratio": steady, "met_steady": None if steady is None else steady >= TARGET_STRUCTURED_VS_FREE,
+                # Against the all-free run given the mixed run's output lengths (same arrivals).
+                "ratio_matched_lengths": matched,
+                "met_matched_lengths": None if matched is None else matched >= TARGET_STRUCTURED_VS_FREE,
                 "mean_completion_tokens": {
                     "constrained": mixed["mixed"]["constrained"]["mean_completion_tokens"],
                     "free": mixed["mixed"]["free"]["mean_completion_tokens"]},
-                **{k: v for k, v in mixed.items() if k not in ("ratio", "steady_ratio", "mask_cost")},
+                **{k: v for k, v in mixed.items()
+                   if k not in ("ratio", "steady_ratio", "ratio_matched_lengths", "mask_cost")},
             }
             block["mask_cost"] = mixed["mask_cost"]
     if stall is not None:

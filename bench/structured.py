@@ -225,7 +225,13 @@ async def _warm_up(conns: list[SseConnection], setup: Setup, constrained: bool) 
                                                                           strict=False)))
 
 
-async def _mixed_run(base_url: str, setup: Setup, constrained_half: bool) -> tuple[dict, dict, dict]:
+async def _mixed_run(
+    base_url: str, setup: Setup, constrained_half: bool, lengths: dict[tuple[int, int], int] | None = None
+) -> tuple[dict, dict, dict, dict[tuple[int, int], int]]:
+    """One run of the scenario's streams, every other one constrained if `constrained_half`.
+    lengths: (stream, round) -> max_tokens of that free request (default setup.max_tokens); the
+    length-matched reference gives each free request the length a constrained run's request had.
+    Returns the run, /metrics before and after it, and the run's own lengths."""
     conns = [SseConnection(base_url + "/v1") for _ in range(setup.concurrency)]
 
     async def client(i: int) -> list[tuple[Stream, bool]]:
@@ -234,8 +240,9 @@ async def _mixed_run(base_url: str, setup: Setup, constrained_half: bool) -> tup
         done = []
         for round_index in range(setup.requests_per_client):
             prompt = setup.prompts[(round_index * setup.concurrency + i) % len(setup.prompts)]
-            result = await _stream(conns[i], _body(model, prompt, setup.max_tokens, schema))
-            _check(result, schema, setup.max_tokens)
+            max_tokens = setup.max_tokens if lengths is None else lengths[(i, round_index)]
+            result = await _stream(conns[i], _body(model, prompt, max_tokens, schema))
+            _check(result, schema, max_tokens)
             done.append((result, constrained))
         return done
 
@@ -262,30 +269,42 @@ async def _mixed_run(base_url: str, setup: Setup, constrained_half: bool) -> tup
     if constrained_half:
         run["constrained"] = _half(results, True)
         run["free"] = _half(results, False)
-    return run, before, after
+    lengths = {(i, round_index): r.completion_tokens
+               for i, done in enumerate(per_client) for round_index, (r, _) in enumerate(done)}
+    return run, before, after, lengths
 
 
 def mixed_vs_free(base_url: str, setup: Setup, repeats: int) -> dict:
-    """The mixed run and the all-free run, repeats alternating; each side's best throughput (as
-    for every scenario), and the mask cost over all mixed runs together."""
-    free_runs, mixed_runs = [], []
+    """Per repeat: the all-free run, the mixed run, and the all-free run with the mixed run's
+    output lengths (each free request as long as the same stream's request was in the mixed
+    run). Constrained outputs end when their grammar completes, before max_tokens and at
+    scattered moments, so their clients' next prompts arrive one by one, each a prefill step
+    that pauses every stream; the plain reference has its prompts arrive in lockstep. The
+    matched reference has the same arrivals and lengths, so its ratio is what the constraint
+    itself costs. Each side's best throughput (as for every scenario); the mask cost over all
+    mixed runs together."""
+    free_runs, mixed_runs, matched_runs = [], [], []
     mask_before: dict = {}
     mask_after: dict = {}
     mixed_wall = 0.0
     for _ in range(repeats):
         free_runs.append(asyncio.run(_mixed_run(base_url, setup, False))[0])
-        run, before, after = asyncio.run(_mixed_run(base_url, setup, True))
+        run, before, after, lengths = asyncio.run(_mixed_run(base_url, setup, True))
         mixed_runs.append(run)
+        matched_runs.append(asyncio.run(_mixed_run(base_url, setup, False, lengths))[0])
         # Sum the deltas of every mixed run (the free runs in between add no mask time).
         for key, value in after.items():
             mask_after[key] = mask_after.get(key, 0.0) + value
             mask_before[key] = mask_before.get(key, 0.0) + before.get(key, 0.0)
         mixed_wall += run["wall_s"]
-    free = max(free_runs, key=lambda r: r["throughput_tok_s"])
-    mixed = max(mixed_runs, key=lambda r: r["throughput_tok_s"])
-    ratio = round(mixed["throughput_tok_s"] / free["throughput_tok_s"], 3)
-    steady_mixed = max((r["steady_throughput_tok_s"] or 0.0) for r in mixed_runs)
-    steady_free = max((r["steady_throughput_tok_s"] or 0.0) for r in free_runs)
+    free, mixed, matched = (max(runs, key=lambda r: r["throughput_tok_s"])
+                            for runs in (free_runs, mixed_runs, matched_runs))
+
+    def steady(runs: list[dict]) -> float:
+        return max((r["steady_throughput_tok_s"] or 0.0) for r in runs)
+
+    def ratio(a: float, b: float) -> float | None:
+        return round(a / b, 3) if a and b else None
 
     return {
         "streams": setup.concurrency,
@@ -294,8 +313,12 @@ def mixed_vs_free(base_url: str, setup: Setup, repeats: int) -> dict:
         "schemas": {m: {"properties": len(setup.schema_of(m)["properties"])} for m in setup.models},
         "mixed": {**mixed, "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in mixed_runs]},
         "all_free": {**free, "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in free_runs]},
-        "ratio": ratio,
-        "steady_ratio": round(steady_mixed / steady_free, 3) if steady_mixed and steady_free else None,
+        "all_free_matched_lengths": {**matched,
+                                     "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in matched_runs]},
+        "ratio": ratio(mixed["throughput_tok_s"], free["throughput_tok_s"]),
+        "steady_ratio": ratio(steady(mixed_runs), steady(free_runs)),
+        "ratio_matched_lengths": ratio(mixed["throughput_tok_s"], matched["throughput_tok_s"]),
+        "steady_ratio_matched_lengths": ratio(steady(mixed_runs), steady(matched_runs)),
         "mask_cost": mask_cost(mask_before, mask_after, mixed_wall),
     }
 

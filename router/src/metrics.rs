@@ -163,8 +163,8 @@ impl Metrics {
         let name = "quiver_grammar_mask_seconds";
         let _ = writeln!(
             out,
-            "# HELP {name} Shard time per step spent on grammar token masks (steps with a \
-             constrained request only)."
+            "# HELP {name} Shard time per step spent on grammar token masks outside the forward \
+             pass (steps with a constrained request only)."
         );
         let _ = writeln!(out, "# TYPE {name} summary");
         let seconds = self.grammar_mask_ns.load(Ordering::Relaxed) as f64 / 1e9;

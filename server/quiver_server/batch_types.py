@@ -90,7 +90,8 @@ class StepResult:
     batch_id: int
     request_ids: list[int]
     forward_ns: int = 0
-    # Part of forward_ns spent on grammar masks: computing, applying, advancing the matchers.
+    # Part of forward_ns the engine waited on or spent with grammar masks (the fill's overlap with
+    # the forward pass and the matchers' background advance are not in it).
     grammar_ns: int = 0
 
 

@@ -11,7 +11,9 @@ device slot between steps, and a request names its adapter by id and keeps that 
 
 Grammars (`grammar/`, held by `self.grammars`): `compile_grammar` builds and caches one for a
 request's tokenizer (thread-safe, so the service runs it off this thread); a request with a
-grammar gets its own matcher at prefill, and each step masks its logits and advances it.
+grammar gets its own matcher at prefill; each step fills the matchers' mask while its forward
+pass runs and masks the logits with it; the matchers then consume the sampled tokens in the
+background, before the next step's fill.
 """
 
 from __future__ import annotations
@@ -277,10 +279,14 @@ class Engine:
         prompt_spans: dict[int, logprobs.PromptSpan] | None = None,
     ) -> StepResult:
         """prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
-        logits = self.model(input_ids, forward, kv_cache)
-        params = batch.sampling(self.device)
         matchers = batch.matchers
-        grammar = self.grammars.masks.step_mask(matchers, self.device) if batch.has_grammar else None
+        # The grammar rows' mask is filled on its own thread while the forward pass runs.
+        pending = self.grammars.masks.start(matchers, self.device.type == "cuda") if batch.has_grammar else None
+        try:
+            logits = self.model(input_ids, forward, kv_cache)
+            params = batch.sampling(self.device)
+        finally:  # the matchers are the fill's until it ends, even when the forward pass failed
+            grammar = pending.wait(self.device) if pending is not None else None
         sampled = sampling.sample(
             logits if forward.sample_rows is None else logits[forward.sample_rows],
             params,
@@ -296,7 +302,8 @@ class Engine:
                               strict=True))
         token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
         batch.record(sampled.tokens, token_list, fed_last_token)
-        grammar_ns = grammar.ns + self.grammars.masks.advance(matchers, token_list) if grammar is not None else 0
+        if grammar is not None:
+            self.grammars.masks.advance_in_background(matchers, token_list)
         tops = logprobs.top_lists(sampled.top, params.top_logprobs)
         generations = [
             TokenOut(request_id=r.id, token_id=t, logprob=lp, top_logprobs=tops[row],
@@ -308,7 +315,7 @@ class Engine:
             batch_id=batch_id,
             request_ids=batch.request_ids,
             forward_ns=time.perf_counter_ns() - start,
-            grammar_ns=grammar_ns,
+            grammar_ns=grammar.ns if grammar is not None else 0,
         )
 
     # ---- batch bookkeeping --------------------------------------------------------------------

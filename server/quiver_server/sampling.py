@@ -10,7 +10,9 @@ do not depend on what else is in the batch. The reported logprobs are of the raw
 
 A grammar's mask (`grammar/masks.py`) comes first of all: the tokens it forbids are -inf before
 the penalties, bias and warpers, so a greedy row takes the argmax of what its grammar allows.
-A batch with grammar rows therefore never takes the raw-logits fast path.
+A greedy batch with grammar rows still takes the fused pass for every row, then redoes only the
+constrained rows: the argmax of their masked logits, and its raw logprob from the normaliser the
+fused pass implies (logit[argmax] - logprob[argmax]), so no row pays a second log-softmax.
 """
 
 from __future__ import annotations
@@ -162,9 +164,11 @@ def sample(
     frequency or presence penalty); ops: the shard's (None: plain torch throughout); grammar:
     the allowed tokens of the rows with a grammar (None: no row has one)."""
     logits = logits.float()
-    if params.greedy_on_raw_logits and grammar is None:
+    if params.greedy_on_raw_logits:
         # The fused argmax + logprob pass; only the rows asking for alternatives add a top-k.
         tokens, logprobs = ops.greedy_logprob(logits) if ops is not None else greedy_logprob(logits)
+        if grammar is not None:
+            tokens, logprobs = _constrained_greedy(logits, tokens, logprobs, grammar)
         if params.plain_greedy:
             return Sampled(tokens, logprobs)
         return Sampled(tokens, logprobs, top_of_rows(logits, tokens, logprobs, params))
@@ -175,6 +179,19 @@ def sample(
         tokens = torch.where(params.temperature > 0, sampled, tokens)
     logprobs, top = raw_logprobs(logits, tokens, params.top_rows, max(params.top_logprobs))
     return Sampled(tokens, logprobs, top)
+
+
+def _constrained_greedy(
+    logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, grammar: StepMask
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused pass's tokens and logprobs with the constrained rows' replaced by the argmax of
+    what their grammar allows and its raw logprob (against the row's own log-normaliser)."""
+    index = grammar.index()
+    raw = logits.index_select(0, index)
+    chosen = grammar.mask_rows(raw).argmax(dim=-1)
+    normaliser = raw.gather(1, tokens[index, None])[:, 0] - logprobs[index]
+    chosen_logprobs = raw.gather(1, chosen[:, None])[:, 0] - normaliser
+    return tokens.index_copy(0, index, chosen), logprobs.index_copy(0, index, chosen_logprobs)
 
 
 def top_of_rows(logits: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, params: SamplingBatch):

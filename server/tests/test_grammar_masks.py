@@ -1,6 +1,7 @@
 """The per-step mask against llguidance's own one-byte-per-token mask, and the rules for matchers
 that cannot go on: a completed or failed matcher allows only EOS; ids past the tokenizer's
-vocabulary never; free rows everything."""
+vocabulary never; free rows are left out of the mask and untouched by it; a background advance
+is done before the next fill reads the matchers."""
 
 from __future__ import annotations
 
@@ -38,31 +39,47 @@ def _allowed_ids(row: torch.Tensor) -> list[int]:
     return row.nonzero().flatten().tolist()
 
 
-def test_the_mask_is_llguidances_and_free_rows_allow_everything(lltokenizer: llguidance.LLTokenizer) -> None:
+def test_the_mask_is_llguidances_and_free_rows_are_left_out(lltokenizer: llguidance.LLTokenizer) -> None:
     json_mode = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     regex = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("[0-9]+(cm|mm)"))
     masks = GrammarMasks(MODEL_VOCAB)
     step = masks.step_mask([json_mode, None, regex], CPU)
-    assert step is not None and step.allowed.shape == (3, MODEL_VOCAB) and step.allowed.dtype == torch.bool
-    for row, matcher in ((0, json_mode), (2, regex)):
+    assert step is not None and step.rows == [0, 2]
+    assert step.bias.shape == (2, MODEL_VOCAB) and step.bias.dtype == torch.float32
+    # Exactly 0 where allowed (adding it changes no score) and -inf elsewhere.
+    assert set(step.bias.unique().tolist()) == {0.0, float("-inf")}
+    for mask_row, matcher in ((0, json_mode), (1, regex)):
         reference = torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8) != 0
-        assert torch.equal(step.allowed[row, : reference.numel()], reference[:MODEL_VOCAB])
-        assert not step.allowed[row, TOKENIZER_VOCAB:].any(), "ids past the tokenizer's vocabulary"
-        assert 0 < int(step.allowed[row].sum()) < TOKENIZER_VOCAB
-    assert step.allowed[1].all()
+        assert torch.equal(step.allowed[mask_row, : reference.numel()], reference[:MODEL_VOCAB])
+        assert not step.allowed[mask_row, TOKENIZER_VOCAB:].any(), "ids past the tokenizer's vocabulary"
+        assert 0 < int(step.allowed[mask_row].sum()) < TOKENIZER_VOCAB
     assert masks.step_mask([None, None], CPU) is None
 
 
 def test_applying_a_mask_leaves_the_scores_it_was_given(lltokenizer: llguidance.LLTokenizer) -> None:
     regex = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("[0-9]+"))
-    step = GrammarMasks(MODEL_VOCAB).step_mask([regex, None], CPU)
+    step = GrammarMasks(MODEL_VOCAB).step_mask([None, regex, None], CPU)
     assert step is not None
-    logits = torch.randn(2, MODEL_VOCAB)
+    logits = torch.randn(3, MODEL_VOCAB)
     before = logits.clone()
     masked = step.apply(logits)
     assert torch.equal(logits, before)
-    assert torch.equal(masked[1], logits[1])
-    assert torch.equal(masked[0].isfinite(), step.allowed[0])
+    assert torch.equal(masked[0], logits[0]) and torch.equal(masked[2], logits[2])
+    assert torch.equal(masked[1].isfinite(), step.allowed[0])
+    assert torch.equal(masked[1][step.allowed[0]], logits[1][step.allowed[0]])
+    assert torch.equal(step.mask_rows(logits[1:2]), masked[1:2])
+
+
+def test_a_background_advance_is_done_before_the_next_mask(
+    lltokenizer: llguidance.LLTokenizer, model: tuple[Path, Tokenizer]
+) -> None:
+    tokenizer = model[1]
+    masks = GrammarMasks(MODEL_VOCAB)
+    matcher = _matcher(lltokenizer, llguidance.LLMatcher.grammar_from_regex("ab"))
+    masks.advance_in_background([None, matcher], [0, tokenizer.encode("a").ids[0]])
+    step = masks.step_mask([None, matcher], CPU)
+    assert step is not None
+    assert {tokenizer.decode([t]) for t in _allowed_ids(step.allowed[0])} == {"b"}
 
 
 def test_complete_and_failed_matchers_allow_only_eos(

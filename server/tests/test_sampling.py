@@ -281,3 +281,45 @@ def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkey
     for logprobs, chain in ((fused[1], GREEDY_SUM_CHAIN), (torch_path[1], vocab)):
         error = (logprobs.double() - expected_logprobs.double()).abs()
         assert (error <= _greedy_logprob_error_bound(logits, expected_tokens, chain)).all(), error
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_a_greedy_batch_with_grammar_rows_keeps_free_rows_and_masks_the_others(
+    monkeypatch: pytest.MonkeyPatch, kernels: str
+) -> None:
+    """Constrained greedy rows take the argmax of what their mask allows, with the raw logprob
+    (float64 log_softmax of the unmasked logits); free rows are what they are without a mask;
+    alternatives stay raw. The same for the fused pass, the torch fallback, and a batch that a
+    sampled row sends down the general path."""
+    from quiver_server.grammar.masks import StepMask
+    from quiver_server.kernels.ops import select_ops
+
+    monkeypatch.setenv("QUIVER_CPU_KERNELS", kernels)
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 1003, generator=gen) * 4
+    rows = [1, 3]
+    allowed = torch.rand(len(rows), 1003, generator=gen) < 0.1
+    bias = torch.zeros(len(rows), 1003).masked_fill(~allowed, float("-inf"))
+    exact = logits.double().log_softmax(dim=-1)
+    expected = logits.argmax(dim=-1)
+    for i, row in enumerate(rows):
+        expected[row] = logits[row].masked_fill(~allowed[i], float("-inf")).argmax()
+    ops = select_ops(CPU) if kernels == "1" else None
+    batches = {
+        "greedy": [SamplingParams(top_logprobs=2 if r == 3 else 0) for r in range(5)],
+        "general": [SamplingParams(temperature=0.8 if r == 4 else 0.0, top_logprobs=2 if r == 3 else 0)
+                    for r in range(5)],
+    }
+    for name, row_params in batches.items():
+        result = sample(logits, SamplingBatch.from_params(row_params, CPU),
+                        [new_generator(r) for r in range(5)], ops=ops, grammar=StepMask(rows, bias, 0))
+        greedy_rows = [r for r in range(5) if row_params[r].temperature == 0]
+        assert torch.equal(result.tokens[greedy_rows], expected[greedy_rows]), name
+        for i, row in enumerate(rows):
+            assert allowed[i, result.tokens[row]], name
+        chosen = exact.gather(1, result.tokens[:, None])[:, 0]
+        assert torch.allclose(result.logprobs.double(), chosen, atol=2e-5, rtol=0), name
+        assert result.top is not None and result.top.rows == [3]
+        raw_top = exact[3].topk(2)
+        assert torch.equal(result.top.ids[0], raw_top.indices), name
+        assert torch.allclose(result.top.logprobs[0].double(), raw_top.values, atol=2e-5, rtol=0), name
