@@ -8,7 +8,10 @@ helm and the CRDs come from `make chart-tools` (pinned Go modules, into .cache).
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -257,19 +260,27 @@ class RenderedCommand(StackConfig):
         return self.rendered_args
 
 
-def test_the_rendered_command_serves(pool, tmp_path):
+@pytest.fixture
+def volumes_root() -> Iterator[Path]:
+    """Where the pod's volumes are laid out: short, since the shards' unix sockets go in the
+    /tmp volume and a socket path may not exceed 107 bytes (pytest's tmp_path is longer)."""
+    with tempfile.TemporaryDirectory(prefix="quiver-pod-") as root:
+        yield Path(root)
+
+
+def test_the_rendered_command_serves(pool, volumes_root, tmp_path):
     """The container's command line, environment and volume paths, run on this machine: each
-    volume mount becomes a directory under tmp_path, the port a free one on loopback, and the
-    model the tiny llama the other integration tests build."""
-    model_dir = pool.model_dir("llama")
+    volume mount becomes a directory of its own, the port a free one on loopback, and the
+    model the tiny llama the other integration tests build, put on the model-cache volume as an
+    operator would put weights on the claim."""
     port = free_port()
     manifests = render([], sets=[
-        f'model.id="{model_dir}"', 'model.dtype="float32"', 'model.device="cpu"',
+        'model.id="/var/cache/quiver/models/tiny-llama"', 'model.dtype="float32"', 'model.device="cpu"',
         'memory.cpuKvCacheGib=0.05', 'server.hostname="127.0.0.1"', f"server.port={port}",
         'model.servedModelName="tiny-llama"',
     ])
     container = quiver_container(manifests)
-    mounts = {m["mountPath"]: tmp_path / "volumes" / m["name"] for m in container["volumeMounts"]}
+    mounts = {m["mountPath"]: volumes_root / m["name"] for m in container["volumeMounts"]}
 
     def local(value: str) -> str:
         for mount_path, directory in mounts.items():
@@ -280,6 +291,7 @@ def test_the_rendered_command_serves(pool, tmp_path):
 
     args = [local(arg) for arg in container["args"]]
     env = {e["name"]: local(e["value"]) for e in container["env"]}
+    shutil.copytree(pool.model_dir("llama"), local(flag_value(container["args"], "--model-id") or ""))
     # torch's OpenMP workers would busy-wait on every core of this small machine.
     env["OMP_NUM_THREADS"] = "1"
     stack = Stack(RenderedCommand(args, env), tmp_path / "rendered.log")
