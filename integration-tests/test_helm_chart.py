@@ -169,6 +169,22 @@ def test_a_secret_value_has_no_place_in_the_values():
             render([VALUES_DIR / "hub-adapters-token.yaml"], sets=[bad])
 
 
+def test_tenants_file_is_mounted_from_its_secret():
+    """--api-keys-file reads a file: the Secret is mounted read-only, as a volume (not subPath,
+    so that an update of the Secret reaches the running pod), and the flag names that file."""
+    manifests = render([], sets=['secrets.apiKeysFile.secretName="quiver-tenants"'])
+    pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
+    container = quiver_container(manifests)
+    [volume] = [v for v in pod["volumes"] if "secret" in v]
+    assert volume["secret"]["secretName"] == "quiver-tenants"
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    keys_file = flag_value(container["args"], "--api-keys-file")
+    assert keys_file == f"{mount['mountPath']}/{volume['secret']['items'][0]['path']}"
+    with pytest.raises(ChartError, match="cannot be used together"):
+        render([], sets=['secrets.apiKeysFile.secretName="t"', 'secrets.apiKey.secretName="k"'])
+
+
 def test_two_shards_get_two_gpus_and_shared_memory():
     manifests = rendered("gpu-two-shards")
     pod = only(manifests, "Deployment")["spec"]["template"]["spec"]
