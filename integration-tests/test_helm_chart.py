@@ -112,6 +112,13 @@ def test_the_command_line_check_refuses_what_the_launcher_refuses():
         assert run.returncode == 2, bad
 
 
+def test_startup_probe_follows_the_launchers_startup_timeout():
+    container = quiver_container(render([], sets=["server.shardStartupTimeoutSecs=7200"]))
+    startup = container["startupProbe"]
+    assert flag_value(container["args"], "--shard-startup-timeout-secs") == "7200"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 7200 + 60
+
+
 @pytest.mark.parametrize("name", VALUES_SETS)
 def test_drain_fits_in_the_termination_grace_period(name):
     manifests = rendered(name)

@@ -117,3 +117,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - {{ . | quote }}
 {{- end }}
 {{- end }}
+
+{{/* Startup probe failures allowed: enough for the launcher's own shard start-up timeout and
+the router's start, unless set. */}}
+{{- define "quiver.startupFailureThreshold" -}}
+{{- $probe := .Values.probes.startup }}
+{{- if kindIs "invalid" $probe.failureThreshold }}
+{{- $period := int $probe.periodSeconds }}
+{{- div (add .Values.server.shardStartupTimeoutSecs 60 $period -1) $period }}
+{{- else }}
+{{- $probe.failureThreshold }}
+{{- end }}
+{{- end }}
