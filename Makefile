@@ -57,18 +57,18 @@ node-clients: $(NODE_CLIENT_DIR)/.installed
 # The chart's tests (integration-tests/test_helm_chart.py): helm, built from the Go module proxy at
 # a pinned version, and the CRDs the chart's custom resources are validated against, taken from
 # the pinned Go modules that ship them (GIE's config/crd/bases, prometheus-operator's example CRDs).
-# Everything, Go's module and build caches included, stays under .cache/go; a stamp per version
-# makes a change of version reinstall.
-GO_DIR := $(CURDIR)/.cache/go
-GO_ENV := GOPATH=$(GO_DIR) GOMODCACHE=$(GO_DIR)/mod GOCACHE=$(GO_DIR)/build GOBIN=$(GO_DIR)/bin GOFLAGS=-modcacherw GOTOOLCHAIN=local
+# Everything, Go's module and build caches included, stays under .cache/go (the same GO_ENV as
+# any other Go tool of the tests); a stamp per version makes a change of version reinstall.
+GO_CACHE := $(CURDIR)/.cache/go
+GO_ENV := GOPATH=$(GO_CACHE) GOMODCACHE=$(GO_CACHE)/mod GOCACHE=$(GO_CACHE)/build GOFLAGS=-modcacherw
 HELM_VERSION := v3.22.0
 GIE_VERSION := v1.5.0
 PROMETHEUS_OPERATOR_VERSION := v0.85.0
 CRD_DIR := .cache/crds
 GO_MODULE_DIR = $$($(GO_ENV) go mod download -json $(1) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
 
-$(GO_DIR)/bin/.helm-$(HELM_VERSION):
-	$(GO_ENV) go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+$(GO_CACHE)/bin/.helm-$(HELM_VERSION):
+	$(GO_ENV) GOBIN=$(GO_CACHE)/bin go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
 	touch $@
 
 $(CRD_DIR)/.gie-$(GIE_VERSION): | $(UV)
@@ -81,7 +81,7 @@ $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION): | $(UV)
 	cp $(call GO_MODULE_DIR,github.com/prometheus-operator/prometheus-operator@$(PROMETHEUS_OPERATOR_VERSION))/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml $(CRD_DIR)/prometheus-operator/
 	touch $@
 
-chart-tools: $(GO_DIR)/bin/.helm-$(HELM_VERSION) $(CRD_DIR)/.gie-$(GIE_VERSION) $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION)
+chart-tools: $(GO_CACHE)/bin/.helm-$(HELM_VERSION) $(CRD_DIR)/.gie-$(GIE_VERSION) $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION)
 
 serve: install
 	$(VENV)/bin/quiver-launcher
