@@ -33,12 +33,17 @@ from helm_chart import (
 from stack import LAUNCHER, Stack, StackConfig, free_port
 
 VALUES_SETS = sorted(p.stem for p in VALUES_DIR.glob("*.yaml"))
-# Values that hold no secret by design; a secret-looking literal anywhere else is a leak.
+# Environment variables that carry a secret: each must come from a Secret, never a literal.
 SECRET_ENV = re.compile(r"TOKEN|KEY|SECRET|PASSWORD", re.IGNORECASE)
 
 
 def rendered(name: str) -> list[dict[str, Any]]:
     return render([VALUES_DIR / f"{name}.yaml"])
+
+
+def only_named(manifests, kind, name):
+    [found] = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name]
+    return found
 
 
 def test_values_sets_cover_the_deployments_the_docs_describe():
@@ -71,11 +76,6 @@ def test_the_validation_catches_a_wrong_field():
     objective["spec"]["modelName"] = "x"
     for manifest in (deployment, pool, objective):
         assert list(validation_errors(manifest)), manifest["kind"]
-
-
-def only_named(manifests, kind, name):
-    [found] = [m for m in manifests if m["kind"] == kind and m["metadata"]["name"] == name]
-    return found
 
 
 @pytest.mark.parametrize("name", VALUES_SETS)
