@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients serve test test-rust test-server test-integration soak bench lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools serve test test-rust test-server test-integration docs soak bench lint clean
 
 install: python rust
 
@@ -54,10 +54,39 @@ $(NODE_CLIENT_DIR)/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/packag
 
 node-clients: $(NODE_CLIENT_DIR)/.installed
 
+# The chart's tests (integration-tests/test_helm_chart.py): helm, built from the Go module proxy at
+# a pinned version, and the CRDs the chart's custom resources are validated against, taken from
+# the pinned Go modules that ship them (GIE's config/crd/bases, prometheus-operator's example CRDs).
+# Everything, Go's module and build caches included, stays under .cache/go (the same GO_ENV as
+# any other Go tool of the tests); a stamp per version makes a change of version reinstall.
+GO_CACHE := $(CURDIR)/.cache/go
+GO_ENV := GOPATH=$(GO_CACHE) GOMODCACHE=$(GO_CACHE)/mod GOCACHE=$(GO_CACHE)/build GOFLAGS=-modcacherw
+HELM_VERSION := v3.22.0
+GIE_VERSION := v1.5.0
+PROMETHEUS_OPERATOR_VERSION := v0.85.0
+CRD_DIR := .cache/crds
+GO_MODULE_DIR = $$($(GO_ENV) go mod download -json $(1) | $(PY) -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+
+$(GO_CACHE)/bin/.helm-$(HELM_VERSION):
+	$(GO_ENV) GOBIN=$(GO_CACHE)/bin go install helm.sh/helm/v3/cmd/helm@$(HELM_VERSION)
+	touch $@
+
+$(CRD_DIR)/.gie-$(GIE_VERSION): | $(UV)
+	mkdir -p $(CRD_DIR)/gie
+	cp $(call GO_MODULE_DIR,sigs.k8s.io/gateway-api-inference-extension@$(GIE_VERSION))/config/crd/bases/*.yaml $(CRD_DIR)/gie/
+	touch $@
+
+$(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION): | $(UV)
+	mkdir -p $(CRD_DIR)/prometheus-operator
+	cp $(call GO_MODULE_DIR,github.com/prometheus-operator/prometheus-operator@$(PROMETHEUS_OPERATOR_VERSION))/example/prometheus-operator-crd/monitoring.coreos.com_servicemonitors.yaml $(CRD_DIR)/prometheus-operator/
+	touch $@
+
+chart-tools: $(GO_CACHE)/bin/.helm-$(HELM_VERSION) $(CRD_DIR)/.gie-$(GIE_VERSION) $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION)
+
 serve: install
 	$(VENV)/bin/quiver-launcher
 
-test: install test-rust test-server test-integration
+test: install test-rust test-server test-integration docs
 
 test-rust:
 	$(CARGO) test --workspace
@@ -69,8 +98,13 @@ test-server: python
 	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
-test-integration: install node-clients
+test-integration: install node-clients chart-tools
 	$(PY) -m pytest integration-tests -q
+
+# The documentation site, as strict as a published build: a broken link or a page missing from
+# the nav fails it. Built into .cache/site so that the tree stays clean.
+docs: $(VENV)/.installed
+	$(VENV)/bin/mkdocs build --strict --site-dir .cache/site
 
 # The reliability suite (integration-tests/test_reliability_*.py) at ten times its `make test`
 # scale, for manual runs: prints a JSON summary and writes it to bench/results/soak-*.json.
@@ -91,6 +125,7 @@ lint: $(VENV)/.lint-installed proto-py
 	$(CARGO) fmt --all -- --check
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/hadolint Dockerfile
 
 clean:
 	rm -rf target $(VENV) .cache
