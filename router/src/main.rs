@@ -50,6 +50,8 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
+    let hangups =
+        tenants::catch_sighup().map_err(|error| format!("cannot listen for SIGHUP: {error}"))?;
     let shard: Arc<dyn ShardBackend> = Arc::new(connect(&args.shard_uds).await?);
     let info = shard
         .info()
@@ -65,8 +67,7 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
     );
     let assets = load_assets(Path::new(&info.model_path))?;
     let state = startup::start(shard, info, assets, Settings::from_args(&args)).await?;
-    tenants::reload_on_sighup(state.tenants.clone())
-        .map_err(|error| format!("cannot listen for SIGHUP: {error}"))?;
+    tenants::reload_on_sighup(hangups, state.tenants.clone());
     tracing::info!(limits = ?state.info.limits, "KV cache sized");
     tracing::info!(
         source = %args.serving.adapter_source,

@@ -21,7 +21,7 @@ mod reload;
 pub use digest::KeyDigest;
 pub use keys_file::{parse_keys, KeyLimits, KeyPolicy};
 pub use limiter::{InFlight, KeyUsage, LimitExceeded, LimitKind};
-pub use reload::reload_on_sighup;
+pub use reload::{catch_sighup, reload_on_sighup};
 
 /// Where the keys come from.
 #[derive(Debug)]

@@ -4,14 +4,20 @@
 
 use std::sync::Arc;
 
-use tokio::signal::unix::{signal, SignalKind};
+use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use super::Tenants;
 
-/// Listens for SIGHUP for the rest of the process. Installed whatever the flags, so a stray
-/// SIGHUP never kills the router (its default action); without a keys file it is only logged.
-pub fn reload_on_sighup(tenants: Arc<Tenants>) -> std::io::Result<()> {
-    let mut hangups = signal(SignalKind::hangup())?;
+/// Catches SIGHUP from now on. Called first thing at start-up, whatever the flags, so a SIGHUP
+/// (the launcher passes its own on) never kills the router by its default action, even while
+/// the model warms up; one that arrives before [`reload_on_sighup`] runs waits for it.
+pub fn catch_sighup() -> std::io::Result<Signal> {
+    signal(SignalKind::hangup())
+}
+
+/// Reloads the keys file on each SIGHUP for the rest of the process; without a keys file a
+/// SIGHUP is only logged.
+pub fn reload_on_sighup(mut hangups: Signal, tenants: Arc<Tenants>) {
     tokio::spawn(async move {
         while hangups.recv().await.is_some() {
             if !tenants.reloadable() {
@@ -27,5 +33,4 @@ pub fn reload_on_sighup(tenants: Arc<Tenants>) -> std::io::Result<()> {
             }
         }
     });
-    Ok(())
 }
