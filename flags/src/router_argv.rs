@@ -31,6 +31,7 @@ impl ServingFlags {
             max_lora_rank,
             served_model_name,
             api_key: _,
+            api_keys_file,
             graceful_shutdown_secs,
             header_read_timeout_secs,
             keep_alive_timeout_secs,
@@ -80,6 +81,8 @@ impl ServingFlags {
             .flag("--max-active-adapters", max_active_adapters.to_string())
             .flag("--max-lora-rank", max_lora_rank.to_string())
             .flag_if_set("--served-model-name", served_model_name.as_deref())
+            // A path, not a secret: the keys in it are digests.
+            .flag_if_set("--api-keys-file", api_keys_file.as_deref())
             .flag(
                 "--graceful-shutdown-secs",
                 graceful_shutdown_secs.to_string(),
@@ -169,6 +172,7 @@ mod tests {
             max_lora_rank: 32,
             served_model_name: Some("my-model".into()),
             api_key: None,
+            api_keys_file: Some(PathBuf::from("/etc/quiver/keys.yaml")),
             graceful_shutdown_secs: 7,
             header_read_timeout_secs: 3,
             keep_alive_timeout_secs: 9,
@@ -209,12 +213,26 @@ mod tests {
     fn the_api_key_stays_off_the_command_line() {
         let flags = ServingFlags {
             api_key: Some("sk-secret".into()),
+            api_keys_file: None,
             ..all_set()
         };
         let args = flags.to_router_args();
         assert!(!args
             .iter()
             .any(|a| a.to_string_lossy().contains("sk-secret")));
+    }
+
+    #[test]
+    fn one_key_and_a_keys_file_conflict() {
+        let argv = [
+            "quiver-router",
+            "--api-key",
+            "k",
+            "--api-keys-file",
+            "/k.yaml",
+        ];
+        let error = Cli::try_parse_from(argv).err().unwrap();
+        assert_eq!(error.kind(), clap::error::ErrorKind::ArgumentConflict);
     }
 
     #[test]

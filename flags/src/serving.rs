@@ -105,6 +105,12 @@ pub struct ServingFlags {
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
 
+    /// YAML file of API keys (by SHA-256), each with the adapters it may use, whether it may use
+    /// the base model and load/unload adapters, and its own limits; reloaded on SIGHUP. Not
+    /// together with --api-key. See docs/multi-tenancy.md.
+    #[arg(long, env = "QUIVER_API_KEYS_FILE", conflicts_with = "api_key")]
+    pub api_keys_file: Option<PathBuf>,
+
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before the router stops.
     #[arg(long, env = "QUIVER_GRACEFUL_SHUTDOWN_SECS", default_value_t = 30)]
     pub graceful_shutdown_secs: u64,

@@ -25,3 +25,18 @@ impl ShutdownSignals {
         }
     }
 }
+
+/// SIGHUP, which the launcher passes on to the router (it reloads `--api-keys-file`). Installed
+/// at start like the others, so a SIGHUP during start-up neither kills the launcher nor is
+/// lost: it waits and reaches the router once that runs.
+pub struct Hangups(Signal);
+
+impl Hangups {
+    pub fn install() -> std::io::Result<Self> {
+        Ok(Hangups(signal(SignalKind::hangup())?))
+    }
+
+    pub async fn recv(&mut self) {
+        self.0.recv().await;
+    }
+}

@@ -1,5 +1,6 @@
 //! The launcher's life: shards up, wait for Health, router up, then watch. A signal drains the
 //! router and stops the shards in that order; any child's death stops everything with an error.
+//! SIGHUP is passed on to the router, which reloads its API keys file.
 
 use std::path::PathBuf;
 use std::process::ExitStatus;
@@ -11,8 +12,9 @@ use crate::demo::ensure_demo_model;
 use crate::error::LaunchError;
 use crate::health::wait_until_ready;
 use crate::process::{kill_all, terminate_all, ChildProcess};
-use crate::signals::ShutdownSignals;
+use crate::signals::{Hangups, ShutdownSignals};
 use crate::socket_dir::SocketDir;
+use nix::sys::signal::Signal;
 
 /// Time the router gets beyond the grace period to finish its own shutdown.
 const ROUTER_EXTRA_STOP_TIME: Duration = Duration::from_secs(5);
@@ -22,6 +24,10 @@ const SHARD_STOP_TIME: Duration = Duration::from_secs(10);
 /// Runs quiver until a signal (Ok after a clean stop) or a failure.
 pub async fn run(args: LauncherArgs) -> Result<(), LaunchError> {
     let mut signals = ShutdownSignals::install().map_err(|source| LaunchError::Io {
+        what: "install signal handlers".into(),
+        source,
+    })?;
+    let mut hangups = Hangups::install().map_err(|source| LaunchError::Io {
         what: "install signal handlers".into(),
         source,
     })?;
@@ -58,7 +64,7 @@ pub async fn run(args: LauncherArgs) -> Result<(), LaunchError> {
         router_bin,
     };
     let mut stack = Stack::default();
-    let result = start_and_watch(&plan, &mut stack, &mut signals).await;
+    let result = start_and_watch(&plan, &mut stack, &mut signals, &mut hangups).await;
     if result.is_err() {
         stack.teardown().await;
     }
@@ -78,6 +84,7 @@ async fn start_and_watch(
     plan: &Plan,
     stack: &mut Stack,
     signals: &mut ShutdownSignals,
+    hangups: &mut Hangups,
 ) -> Result<(), LaunchError> {
     let args = &plan.args;
     let rendezvous = if args.num_shard > 1 {
@@ -128,15 +135,35 @@ async fn start_and_watch(
     );
 
     let grace = Duration::from_secs(args.serving.graceful_shutdown_secs);
-    tokio::select! {
-        signal = signals.recv() => {
-            tracing::info!("{signal} received; draining the router for up to {grace:?}");
-            stack.shutdown_gracefully(grace, signals).await
-        }
-        (name, status) = first_exit(stack.router.iter_mut().chain(stack.shards.iter_mut())) => {
-            Err(died(name, status))
+    loop {
+        let event = tokio::select! {
+            signal = signals.recv() => Watched::Stop(signal),
+            () = hangups.recv() => Watched::Hangup,
+            (name, status) = first_exit(stack.router.iter_mut().chain(stack.shards.iter_mut())) => {
+                Watched::Died(name, status)
+            }
+        };
+        match event {
+            Watched::Stop(signal) => {
+                tracing::info!("{signal} received; draining the router for up to {grace:?}");
+                return stack.shutdown_gracefully(grace, signals).await;
+            }
+            Watched::Hangup => {
+                tracing::info!("SIGHUP received; passing it on to the router");
+                if let Some(router) = &stack.router {
+                    router.signal(Signal::SIGHUP);
+                }
+            }
+            Watched::Died(name, status) => return Err(died(name, status)),
         }
     }
+}
+
+/// What ends a wait while everything runs.
+enum Watched {
+    Stop(&'static str),
+    Hangup,
+    Died(String, ExitStatus),
 }
 
 fn died(name: String, status: ExitStatus) -> LaunchError {

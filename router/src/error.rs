@@ -11,6 +11,7 @@ use quiver_flags::UnknownAdapterSource;
 use crate::adapters::AdapterError;
 use crate::openai::error::{ErrorObject, ErrorResponse};
 use crate::scheduler::{AdmissionError, GenerationError};
+use crate::tenants::LimitExceeded;
 use crate::tokenizer::TokenizerError;
 use crate::validation::ValidationError;
 
@@ -36,6 +37,16 @@ pub enum ApiError {
     },
     #[error("Incorrect API key provided. Send it as `Authorization: Bearer <key>`.")]
     Unauthorized,
+    /// A known key asked for something its grant does not include.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A limit of the caller's own key (`--api-keys-file`), not the server's.
+    #[error(
+        "Rate limit reached for API key `{key}` on {}; retry after {} s.",
+        refused.limit.name(),
+        refused.retry_after_secs
+    )]
+    KeyLimit { key: String, refused: LimitExceeded },
     #[error("{0}")]
     NotFound(String),
     #[error("{0}")]
@@ -70,6 +81,8 @@ impl ApiError {
             Self::Adapter { error, .. } if error.is_client_error() => StatusCode::BAD_REQUEST,
             Self::Adapter { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Unauthorized => StatusCode::UNAUTHORIZED,
+            Self::PermissionDenied(_) => StatusCode::FORBIDDEN,
+            Self::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::GracePeriodOver => StatusCode::SERVICE_UNAVAILABLE,
@@ -102,6 +115,8 @@ impl ApiError {
             }
             Self::Adapter { error, .. } => ("server_error", error.code()),
             Self::Unauthorized => ("invalid_request_error", "invalid_api_key"),
+            Self::PermissionDenied(_) => ("invalid_request_error", "permission_denied"),
+            Self::KeyLimit { .. } => ("rate_limit_error", "rate_limit_exceeded"),
             Self::NotFound(_) => ("invalid_request_error", "not_found"),
             Self::MethodNotAllowed(_) => ("invalid_request_error", "method_not_allowed"),
             Self::Admission(AdmissionError::Overloaded) => {
@@ -205,7 +220,11 @@ impl IntoResponse for ApiError {
             tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
         }
         let mut response = (status, Json(self.to_body())).into_response();
-        if let Some(seconds) = retry_after(status) {
+        let own_retry = match &self {
+            Self::KeyLimit { refused, .. } => Some(HeaderValue::from(refused.retry_after_secs)),
+            _ => None,
+        };
+        if let Some(seconds) = own_retry.or_else(|| retry_after(status)) {
             response.headers_mut().insert(RETRY_AFTER, seconds);
         }
         response

@@ -18,6 +18,7 @@ pub mod shard;
 pub mod startup;
 pub mod stop;
 pub mod template;
+pub mod tenants;
 pub mod token_pieces;
 pub mod tokenizer;
 pub mod tool_calls;

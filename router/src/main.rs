@@ -1,5 +1,6 @@
 //! `quiver-router`: connect to the shards, size the KV cache, load the tokenizer and chat
-//! template, serve the OpenAI API, and drain gracefully on SIGTERM/SIGINT.
+//! template, serve the OpenAI API, and drain gracefully on SIGTERM/SIGINT; SIGHUP reloads
+//! `--api-keys-file`.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -15,6 +16,7 @@ use quiver_router::server::{ConnectionLimits, IdleLimits, Server};
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
 use quiver_router::startup::{self, Settings};
 use quiver_router::template::ChatTemplate;
+use quiver_router::tenants;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::ModelAssets;
 use tokio::net::TcpListener;
@@ -48,6 +50,8 @@ async fn main() -> ExitCode {
 }
 
 async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
+    let hangups =
+        tenants::catch_sighup().map_err(|error| format!("cannot listen for SIGHUP: {error}"))?;
     let shard: Arc<dyn ShardBackend> = Arc::new(connect(&args.shard_uds).await?);
     let info = shard
         .info()
@@ -63,6 +67,7 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
     );
     let assets = load_assets(Path::new(&info.model_path))?;
     let state = startup::start(shard, info, assets, Settings::from_args(&args)).await?;
+    tenants::reload_on_sighup(hangups, state.tenants.clone());
     tracing::info!(limits = ?state.info.limits, "KV cache sized");
     tracing::info!(
         source = %args.serving.adapter_source,

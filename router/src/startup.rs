@@ -16,6 +16,7 @@ use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::shard::{ShardBackend, ShardError};
 use crate::template::ChatTemplate;
+use crate::tenants::Tenants;
 use crate::tool_calls::{parser_for, ToolCallParser};
 use crate::validation::{Limits, ModelAssets, RequestBounds, RequestedLimits, Validator};
 
@@ -29,6 +30,8 @@ pub struct Settings {
     pub max_batch_size: u32,
     pub max_concurrent_requests: u32,
     pub api_key: Option<String>,
+    /// `--api-keys-file` (not together with `api_key`).
+    pub api_keys_file: Option<PathBuf>,
     pub adapters: AdapterSettings,
     pub admission: AdmissionSettings,
     /// `--tool-call-parser`.
@@ -86,6 +89,7 @@ impl Settings {
             max_batch_size: args.serving.max_batch_size,
             max_concurrent_requests: args.serving.max_concurrent_requests,
             api_key: args.serving.api_key.clone().filter(|key| !key.is_empty()),
+            api_keys_file: args.serving.api_keys_file.clone(),
             adapters: AdapterSettings {
                 source: args.serving.adapter_source,
                 root: args.serving.adapter_root.clone(),
@@ -127,6 +131,8 @@ pub enum StartupError {
     AdapterRoot(String),
     #[error("cannot preload adapter: {0}")]
     Preload(AdapterError),
+    #[error("API keys: {0}")]
+    ApiKeys(String),
 }
 
 /// Builds the shared state: limits, warmup, scheduler, adapter preload, in that order.
@@ -138,7 +144,9 @@ pub async fn start(
 ) -> Result<AppState, StartupError> {
     let limits = Limits::resolve(settings.limits, info.max_position_embeddings)
         .map_err(StartupError::Limits)?;
-    // Before the warmup: a bad --adapter-root should not cost a model warmup.
+    // Before the warmup: a bad --adapter-root or keys file should not cost a model warmup.
+    let tenants = Tenants::new(settings.api_key.as_deref(), settings.api_keys_file.clone())
+        .map_err(StartupError::ApiKeys)?;
     let resolver = Resolver::new(settings.adapters.source, settings.adapters.root.as_deref())
         .map_err(StartupError::AdapterRoot)?;
     if let Some(cap) = settings.max_batch_total_tokens {
@@ -252,7 +260,7 @@ pub async fn start(
         }),
         info: Arc::new(server_info),
         metrics: Arc::new(Metrics::default()),
-        api_key: settings.api_key.map(Arc::from),
+        tenants: Arc::new(tenants),
         adapters,
         resolver: Arc::new(resolver),
         cutoff: Cutoff::default(),

@@ -7,7 +7,7 @@
 use axum::extract::State;
 use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::{Extension, Json};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
@@ -15,6 +15,7 @@ use serde_json::Value;
 use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
 use super::grammar::compile_grammar;
 use super::json::{typed, OpenAiJson, RequestBody};
+use super::key_meter::charge_when_done;
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
@@ -23,6 +24,7 @@ use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
+use crate::tenants::Caller;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::ToolPlan;
 use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
@@ -114,6 +116,7 @@ impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
 /// The axum handler of endpoint `E`.
 pub async fn generate<E: Endpoint>(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<GenerationBody<E::Fields>>,
 ) -> Result<Response, ApiError> {
     if state.shard.is_unavailable() {
@@ -124,7 +127,7 @@ pub async fn generate<E: Endpoint>(
         params,
         ignored,
     } = body;
-    let mut response = answer::<E>(state, fields, params).await?;
+    let mut response = answer::<E>(state, &caller, fields, params).await?;
     if !ignored.is_empty() {
         tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
         // Field names are JSON object keys; one that is not a valid header value is left out
@@ -139,11 +142,16 @@ pub async fn generate<E: Endpoint>(
 /// Validates, runs and answers one request.
 async fn answer<E: Endpoint>(
     state: AppState,
+    caller: &Caller,
     fields: E::Fields,
     params: GenerationParams,
 ) -> Result<Response, ApiError> {
     let (adapter_id, assets) = state
-        .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
+        .resolve_model(
+            caller,
+            params.model.as_deref(),
+            params.adapter_source.as_deref(),
+        )
         .await?;
     let valid = state
         .validator
@@ -177,6 +185,7 @@ async fn answer<E: Endpoint>(
         valid.choices,
         &settings,
     )?;
+    let choices = charge_when_done(caller, valid.prompt_tokens, choices);
     let format = E::new(ResponseSetup {
         model: super::response_model(&state, params.model),
         options: options.clone(),

@@ -22,8 +22,10 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.preemptions_total, stats.preemptions);
     Metrics::set(&metrics.grammar_mask_steps, stats.grammar_steps);
     Metrics::set(&metrics.grammar_mask_ns, stats.grammar_ns);
+    let mut page = metrics.render();
+    state.tenants.render_metrics(&mut page);
     (
         [(CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        metrics.render(),
+        page,
     )
 }

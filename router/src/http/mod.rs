@@ -21,6 +21,7 @@ mod generation;
 mod grammar;
 mod health;
 mod json;
+mod key_meter;
 mod logprobs;
 mod metrics;
 mod models;
@@ -33,9 +34,18 @@ pub use body_guard::limit_bodies;
 pub use cutoff::Cutoff;
 pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
 
-/// The whole HTTP surface over `state`. The API key guards every route that takes a body
-/// or names models; `/health`, `/info`, `/metrics` and `/openapi.json` stay open.
+/// The whole HTTP surface over `state`. The API keys guard every route that takes a body
+/// or names models (loading and unloading need an admin key); `/health`, `/info`, `/metrics`
+/// and `/openapi.json` stay open.
 pub fn router(state: AppState) -> Router {
+    // Inside the authentication layer below, which puts the caller where this one reads it.
+    let admin = Router::new()
+        .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))
+        .route(
+            "/v1/unload_lora_adapter",
+            post(adapters::unload_lora_adapter),
+        )
+        .route_layer(middleware::from_fn(auth::require_admin));
     let v1 = Router::new()
         .route(
             "/v1/chat/completions",
@@ -47,20 +57,16 @@ pub fn router(state: AppState) -> Router {
         )
         .route("/v1/models", get(models::list_models))
         .route("/v1/models/{*id}", get(models::retrieve_model))
-        .route("/v1/load_lora_adapter", post(adapters::load_lora_adapter))
-        .route(
-            "/v1/unload_lora_adapter",
-            post(adapters::unload_lora_adapter),
-        )
         // vLLM serves these at the root; the /v1 aliases suit clients configured with a
         // `/v1` base URL.
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/v1/tokenize", post(tokenize::tokenize))
         .route("/v1/detokenize", post(tokenize::detokenize))
+        .merge(admin)
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
-            auth::require_api_key,
+            auth::authenticate,
         ));
     Router::new()
         .merge(v1)

@@ -15,6 +15,7 @@ use crate::metrics::Metrics;
 use crate::openai::models::ModelCard;
 use crate::scheduler::Scheduler;
 use crate::shard::ShardBackend;
+use crate::tenants::{Caller, Tenants};
 use crate::validation::{ModelAssets, Validator};
 
 #[derive(Clone)]
@@ -26,8 +27,8 @@ pub struct AppState {
     pub models: Arc<ServedModels>,
     pub info: Arc<ServerInfo>,
     pub metrics: Arc<Metrics>,
-    /// `Authorization: Bearer <key>` required on `/v1/*` when set.
-    pub api_key: Option<Arc<str>>,
+    /// The API keys (`--api-key`, `--api-keys-file`) and what each may do; open without.
+    pub tenants: Arc<Tenants>,
     /// Loaded adapters, and where ids not loaded yet are looked up.
     pub adapters: AdapterRegistry,
     pub resolver: Arc<Resolver>,
@@ -104,8 +105,13 @@ impl AppState {
     /// The adapter id ("" for the base model) and the tokenizer/template a request's `model`
     /// runs with. An adapter not loaded yet is looked up in `adapter_source` (else
     /// `--adapter-source`) and loaded; this waits for that load, and only this request does.
+    ///
+    /// A model the caller's key may not use is answered exactly as a missing one, before any
+    /// lookup; and for a key that cannot use every adapter, a missing adapter is answered
+    /// without the lookup's detail, so the two cannot be told apart.
     pub async fn resolve_model(
         &self,
+        caller: &Caller,
         requested: Option<&str>,
         adapter_source: Option<&str>,
     ) -> Result<(String, Arc<ModelAssets>), ApiError> {
@@ -114,13 +120,27 @@ impl AppState {
             .transpose()
             .map_err(ApiError::from)?;
         let requested = requested.unwrap_or_default();
+        let not_found = || ApiError::ModelNotFound(requested.to_owned());
         if self.models.is_base(requested) {
+            if !caller.may_use_base_model() {
+                return Err(not_found());
+            }
             return Ok((String::new(), self.base.clone()));
+        }
+        if !caller.may_use_adapter(requested) {
+            return Err(not_found());
         }
         let entry = self
             .adapters
             .acquire(requested, || self.resolver.resolve(requested, source))
-            .await?;
+            .await
+            .map_err(|error| {
+                if caller.is_restricted() && error.is_not_found() {
+                    not_found()
+                } else {
+                    ApiError::from(error)
+                }
+            })?;
         Ok((entry.id.clone(), entry.assets.clone()))
     }
 }

@@ -3,7 +3,7 @@
 //! own when it ships them). No shard call beyond loading an adapter on first use.
 
 use axum::extract::State;
-use axum::Json;
+use axum::{Extension, Json};
 use serde_json::Value;
 
 use super::json::{typed, OpenAiJson, RequestBody};
@@ -12,6 +12,7 @@ use crate::error::ApiError;
 use crate::openai::tokenize::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
 };
+use crate::tenants::Caller;
 use crate::validation::{tokenize_ids, vocabulary_ids, ValidationError};
 
 impl RequestBody for TokenizeRequest {
@@ -28,10 +29,15 @@ impl RequestBody for DetokenizeRequest {
 
 pub async fn tokenize(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     OpenAiJson(request): OpenAiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let (_, assets) = state
-        .resolve_model(request.model.as_deref(), request.adapter_source.as_deref())
+        .resolve_model(
+            &caller,
+            request.model.as_deref(),
+            request.adapter_source.as_deref(),
+        )
         .await?;
     let return_token_strs = request.return_token_strs == Some(true);
     let max_model_len = state.info.limits.max_total_tokens;
@@ -54,10 +60,15 @@ pub async fn tokenize(
 
 pub async fn detokenize(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     OpenAiJson(request): OpenAiJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let (_, assets) = state
-        .resolve_model(request.model.as_deref(), request.adapter_source.as_deref())
+        .resolve_model(
+            &caller,
+            request.model.as_deref(),
+            request.adapter_source.as_deref(),
+        )
         .await?;
     let ids = vocabulary_ids(&assets.tokenizer, request.tokens)?;
     // Special tokens are kept, as vLLM and `tokenizer.decode` do by default.

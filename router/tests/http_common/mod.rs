@@ -148,6 +148,7 @@ pub fn tokenizer() -> tokenizers::Tokenizer {
 #[derive(Debug, Clone)]
 pub struct Options {
     pub api_key: Option<String>,
+    pub api_keys_file: Option<PathBuf>,
     pub served_model_name: Option<String>,
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,
@@ -172,6 +173,7 @@ impl Default for Options {
     fn default() -> Self {
         Self {
             api_key: None,
+            api_keys_file: None,
             served_model_name: Some(SERVED_NAME.to_owned()),
             max_input_tokens: 48,
             max_total_tokens: 64,
@@ -247,6 +249,7 @@ impl TestApp {
             max_batch_size: 32,
             max_concurrent_requests: options.max_concurrent_requests,
             api_key: options.api_key,
+            api_keys_file: options.api_keys_file,
             adapters: AdapterSettings {
                 source: options.adapter_source,
                 root: options.adapter_root,

@@ -47,7 +47,8 @@ mod responses;
 pub struct ApiDoc;
 
 /// The `api_key` scheme the operations name: a bearer token, required only when the server
-/// runs with `--api-key` (so each operation also lists the empty requirement).
+/// runs with `--api-key` or `--api-keys-file` (so each operation also lists the empty
+/// requirement).
 struct ApiKey;
 
 impl Modify for ApiKey {

@@ -16,12 +16,19 @@ const BAD_REQUEST: (u16, &str) = (
 );
 const UNAUTHORIZED: (u16, &str) = (
     401,
-    "Missing or wrong `Authorization: Bearer <key>` (only when the server runs with an API key).",
+    "Missing or unknown `Authorization: Bearer <key>` (only when the server runs with API keys).",
+);
+const FORBIDDEN: (u16, &str) = (
+    403,
+    "The API key may not load or unload adapters (not `admin` in `--api-keys-file`).",
 );
 const NOT_FOUND: (u16, &str) = (404, "Unknown model or adapter (`code: model_not_found`).");
 const CONFLICT: (u16, &str) = (409, "The adapter name is taken by another adapter.");
 const TOO_LARGE: (u16, &str) = (413, "The body is larger than `--max-request-body-bytes`.");
-const OVERLOADED: (u16, &str) = (429, "Overloaded: retry after `Retry-After` seconds.");
+const OVERLOADED: (u16, &str) = (
+    429,
+    "Overloaded, or over a limit of the caller's key: retry after `Retry-After` seconds.",
+);
 const SERVER_ERROR: (u16, &str) = (500, "The shard or the tokenizer failed.");
 const UNAVAILABLE: (u16, &str) = (
     503,
@@ -64,21 +71,22 @@ error_set!(
     UNAVAILABLE
 );
 error_set!(
-    /// `/v1/models`: only the key.
-    ListErrors: UNAUTHORIZED
+    /// `/v1/models`: only the key and its limits.
+    ListErrors: UNAUTHORIZED, OVERLOADED
 );
 error_set!(
     /// `/v1/models/{id}`: looking a model up never loads it.
-    LookupErrors: UNAUTHORIZED, NOT_FOUND
+    LookupErrors: UNAUTHORIZED, NOT_FOUND, OVERLOADED
 );
 error_set!(
     /// Loading and unloading adapters.
-    AdapterErrors: BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, CONFLICT, TOO_LARGE, SERVER_ERROR,
-    UNAVAILABLE
+    AdapterErrors: BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND, CONFLICT, TOO_LARGE,
+    OVERLOADED, SERVER_ERROR, UNAVAILABLE
 );
 error_set!(
     /// `/tokenize`, `/detokenize`: `model` may name an adapter loaded on first use.
-    TokenErrors: BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, TOO_LARGE, SERVER_ERROR, UNAVAILABLE
+    TokenErrors: BAD_REQUEST, UNAUTHORIZED, NOT_FOUND, TOO_LARGE, OVERLOADED, SERVER_ERROR,
+    UNAVAILABLE
 );
 error_set!(
     /// `/health`: the shard did not answer.
