@@ -9,6 +9,7 @@ use axum::Json;
 use quiver_flags::UnknownAdapterSource;
 
 use crate::adapters::AdapterError;
+use crate::metrics::http::ErrorCode;
 use crate::openai::error::{ErrorObject, ErrorResponse};
 use crate::scheduler::{AdmissionError, GenerationError};
 use crate::tokenizer::TokenizerError;
@@ -204,7 +205,9 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
         }
+        let (_, code) = self.kind_and_code();
         let mut response = (status, Json(self.to_body())).into_response();
+        response.extensions_mut().insert(ErrorCode(code));
         if let Some(seconds) = retry_after(status) {
             response.headers_mut().insert(RETRY_AFTER, seconds);
         }

@@ -68,8 +68,12 @@ impl Batcher {
                 adapter_id: adapter.clone(),
                 slot: slot as u32,
             };
+            let started = std::time::Instant::now();
             let error = match self.shard.activate_adapter(request).await {
                 Ok(_) => {
+                    self.gauges
+                        .observed
+                        .activated(&adapter, evicted.as_deref(), started.elapsed());
                     tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
                     continue;
                 }
