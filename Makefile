@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients serve test test-rust test-server test-integration soak bench lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients gie-scrape serve test test-rust test-server test-integration soak bench lint clean
 
 install: python rust
 
@@ -54,6 +54,16 @@ $(NODE_CLIENT_DIR)/.installed: $(NODE_CLIENT)/package.json $(NODE_CLIENT)/packag
 
 node-clients: $(NODE_CLIENT_DIR)/.installed
 
+# integration-tests/gie: the Gateway API Inference Extension's own metrics scraper (pinned in
+# its go.mod), built with Go's module and build caches under .cache/go.
+GO_CACHE := $(CURDIR)/.cache/go
+GO_ENV := GOPATH=$(GO_CACHE) GOMODCACHE=$(GO_CACHE)/mod GOCACHE=$(GO_CACHE)/build GOFLAGS=-modcacherw
+GIE_SCRAPE := .cache/go/bin/gie-scrape
+$(GIE_SCRAPE): integration-tests/gie/go.mod integration-tests/gie/go.sum integration-tests/gie/main.go
+	cd integration-tests/gie && $(GO_ENV) go mod download && $(GO_ENV) go build -o $(CURDIR)/$@ .
+
+gie-scrape: $(GIE_SCRAPE)
+
 serve: install
 	$(VENV)/bin/quiver-launcher
 
@@ -69,7 +79,7 @@ test-server: python
 	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
-test-integration: install node-clients
+test-integration: install node-clients gie-scrape
 	$(PY) -m pytest integration-tests -q
 
 # The reliability suite (integration-tests/test_reliability_*.py) at ten times its `make test`

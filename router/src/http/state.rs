@@ -117,18 +117,10 @@ impl AppState {
         if self.models.is_base(requested) {
             return Ok((String::new(), self.base.clone()));
         }
-        // In host memory already, or loaded (or being loaded) for this request.
-        let hit = self.adapters.get(requested).is_some();
         let entry = self
             .adapters
             .acquire(requested, || self.resolver.resolve(requested, source))
             .await?;
-        let counter = if hit {
-            &self.metrics.adapter_host_hits_total
-        } else {
-            &self.metrics.adapter_host_misses_total
-        };
-        Metrics::add(counter, 1);
         Ok((entry.id.clone(), entry.assets.clone()))
     }
 }

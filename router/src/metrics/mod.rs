@@ -52,10 +52,6 @@ pub struct Metrics {
     pub grammar_mask_ns: AtomicU64,
     /// Tokens per KV block, for the GIE cache config gauge (set at scrape time).
     pub kv_block_size: AtomicU64,
-    /// Requests that named an adapter already in host memory, and those that had to wait
-    /// for its load (or a load under way).
-    pub adapter_host_hits_total: AtomicU64,
-    pub adapter_host_misses_total: AtomicU64,
     /// `LoadAdapter` on the shards: fetch (a hub download included) and load into host memory.
     pub adapter_load_seconds: Histogram,
     pub labels: Arc<AdapterLabels>,
@@ -98,8 +94,6 @@ impl Metrics {
             grammar_mask_steps: zero(),
             grammar_mask_ns: zero(),
             kv_block_size: zero(),
-            adapter_host_hits_total: zero(),
-            adapter_host_misses_total: zero(),
             adapter_load_seconds: Histogram::new(histogram::LATENCY_SECONDS),
             labels: scheduler.labels.clone(),
             requests: RequestMetrics::new(scheduler.labels.clone()),
@@ -259,21 +253,6 @@ impl Metrics {
     }
 
     fn render_adapters(&self, out: &mut String) {
-        let load = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
-        text::single(
-            out,
-            "quiver_adapter_host_cache_hits_total",
-            "counter",
-            "Requests for an adapter already loaded in host memory.",
-            load(&self.adapter_host_hits_total),
-        );
-        text::single(
-            out,
-            "quiver_adapter_host_cache_misses_total",
-            "counter",
-            "Requests for an adapter that had to be loaded (or waited for a load under way).",
-            load(&self.adapter_host_misses_total),
-        );
         let name = "quiver_adapter_load_seconds";
         text::header(
             out,

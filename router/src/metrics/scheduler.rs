@@ -30,6 +30,10 @@ pub struct SchedulerMetrics {
     activations: Family<AtomicU64>,
     evictions: Family<AtomicU64>,
     activation_seconds: Histogram,
+    /// Activations whose weights the shard found in its host-memory cache, and those it read
+    /// from disk again.
+    host_cache_hits: AtomicU64,
+    host_cache_misses: AtomicU64,
     lora: Mutex<LoraState>,
 }
 
@@ -49,6 +53,8 @@ impl SchedulerMetrics {
             activations: Family::new(|| AtomicU64::new(0)),
             evictions: Family::new(|| AtomicU64::new(0)),
             activation_seconds: Histogram::new(histogram::LATENCY_SECONDS),
+            host_cache_hits: AtomicU64::new(0),
+            host_cache_misses: AtomicU64::new(0),
             lora: Mutex::new(LoraState::default()),
         }
     }
@@ -67,8 +73,21 @@ impl SchedulerMetrics {
         self.decode_batch.observe(requests as f64);
     }
 
-    /// An adapter was copied into a device slot, replacing `evicted` if the slot held one.
-    pub fn activated(&self, adapter_id: &str, evicted: Option<&str>, took: Duration) {
+    /// An adapter was copied into a device slot, replacing `evicted` if the slot held one; the
+    /// shard found its weights in host memory (`host_cache_hit`) or read them from disk.
+    pub fn activated(
+        &self,
+        adapter_id: &str,
+        evicted: Option<&str>,
+        took: Duration,
+        host_cache_hit: bool,
+    ) {
+        let host = if host_cache_hit {
+            &self.host_cache_hits
+        } else {
+            &self.host_cache_misses
+        };
+        host.fetch_add(1, Ordering::Relaxed);
         let label = self.labels.label(adapter_id);
         self.activations.get(&label).fetch_add(1, Ordering::Relaxed);
         if let Some(evicted) = evicted {
@@ -157,6 +176,21 @@ impl SchedulerMetrics {
             "Time to copy an adapter from host memory into a device slot.",
         );
         self.activation_seconds.render(out, name, &[]);
+        text::single(
+            out,
+            "quiver_adapter_host_cache_hits_total",
+            "counter",
+            "Adapter activations whose weights were in the shard's host-memory cache.",
+            self.host_cache_hits.load(Ordering::Relaxed),
+        );
+        text::single(
+            out,
+            "quiver_adapter_host_cache_misses_total",
+            "counter",
+            "Adapter activations that read the weights from disk again (evicted from host \
+             memory by --max-cpu-adapters).",
+            self.host_cache_misses.load(Ordering::Relaxed),
+        );
     }
 }
 
@@ -187,13 +221,15 @@ mod tests {
     #[test]
     fn an_eviction_is_counted_against_the_adapter_evicted() {
         let metrics = SchedulerMetrics::new(Arc::new(AdapterLabels::new("m", 4)));
-        metrics.activated("a", None, Duration::from_millis(2));
-        metrics.activated("b", Some("a"), Duration::from_millis(2));
+        metrics.activated("a", None, Duration::from_millis(2), true);
+        metrics.activated("b", Some("a"), Duration::from_millis(2), false);
         let mut out = String::new();
         metrics.render(&mut out);
         assert!(out.contains("quiver_adapter_activations_total{adapter=\"a\"} 1\n"));
         assert!(out.contains("quiver_adapter_activations_total{adapter=\"b\"} 1\n"));
         assert!(out.contains("quiver_adapter_evictions_total{adapter=\"a\"} 1\n"));
         assert!(out.contains("quiver_adapter_activation_seconds_count 2\n"));
+        assert!(out.contains("quiver_adapter_host_cache_hits_total 1\n"));
+        assert!(out.contains("quiver_adapter_host_cache_misses_total 1\n"));
     }
 }

@@ -70,10 +70,13 @@ impl Batcher {
             };
             let started = std::time::Instant::now();
             let error = match self.shard.activate_adapter(request).await {
-                Ok(_) => {
-                    self.gauges
-                        .observed
-                        .activated(&adapter, evicted.as_deref(), started.elapsed());
+                Ok(response) => {
+                    self.gauges.observed.activated(
+                        &adapter,
+                        evicted.as_deref(),
+                        started.elapsed(),
+                        response.host_cache_hit,
+                    );
                     tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
                     continue;
                 }
