@@ -41,6 +41,8 @@ PROMPT = "Hello"
 MAX_TOKENS = 1500
 MAX_TOTAL_TOKENS = 1600
 DEADLINE_S = 120
+# A shared CI box can take minutes to start a stack.
+STARTUP_TIMEOUT_S = 300
 
 
 def go_env() -> dict[str, str]:
@@ -77,7 +79,7 @@ def stack(tmp_path_factory):
                     "--preemption-wait-ms", "600000"],
         extra_env=SHARD_ENV,
     )
-    stack = Stack(config, tmp_path_factory.mktemp("logs") / "metrics-gie.log").start()
+    stack = Stack(config, tmp_path_factory.mktemp("logs") / "metrics-gie.log").start(timeout_s=STARTUP_TIMEOUT_S)
     yield stack
     stack.stop()
 
