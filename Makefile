@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools serve test test-rust test-server test-integration docs soak bench lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape serve test test-rust test-server test-integration docs soak bench lint clean
 
 install: python rust
 
@@ -83,6 +83,14 @@ $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION): | $(UV)
 
 chart-tools: $(GO_CACHE)/bin/.helm-$(HELM_VERSION) $(CRD_DIR)/.gie-$(GIE_VERSION) $(CRD_DIR)/.prometheus-operator-$(PROMETHEUS_OPERATOR_VERSION)
 
+# integration-tests/gie: the Gateway API Inference Extension's own metrics scraper (pinned in
+# its go.mod), built with the same Go caches.
+GIE_SCRAPE := .cache/go/bin/gie-scrape
+$(GIE_SCRAPE): integration-tests/gie/go.mod integration-tests/gie/go.sum integration-tests/gie/main.go
+	cd integration-tests/gie && $(GO_ENV) go mod download && $(GO_ENV) go build -o $(CURDIR)/$@ .
+
+gie-scrape: $(GIE_SCRAPE)
+
 serve: install
 	$(VENV)/bin/quiver-launcher
 
@@ -98,7 +106,7 @@ test-server: python
 	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
-test-integration: install node-clients chart-tools
+test-integration: install node-clients chart-tools gie-scrape
 	$(PY) -m pytest integration-tests -q
 
 # The documentation site, as strict as a published build: a broken link or a page missing from

@@ -38,6 +38,7 @@ impl ServingFlags {
             max_connections,
             max_request_body_bytes,
             tool_call_parser,
+            metrics_max_adapter_labels,
         } = self;
         let mut argv = Argv::default();
         argv.flag("--port", port.to_string())
@@ -103,6 +104,10 @@ impl ServingFlags {
             .flag_if_set(
                 "--tool-call-parser",
                 tool_call_parser.map(ToolCallParser::name),
+            )
+            .flag(
+                "--metrics-max-adapter-labels",
+                metrics_max_adapter_labels.to_string(),
             );
         argv.0
     }
@@ -179,6 +184,7 @@ mod tests {
             max_connections: 11,
             max_request_body_bytes: 12345,
             tool_call_parser: Some(ToolCallParser::Mistral),
+            metrics_max_adapter_labels: 5,
         }
     }
 

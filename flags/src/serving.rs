@@ -138,6 +138,12 @@ pub struct ServingFlags {
     /// own template gets its own detection), else hermes.
     #[arg(long, env = "QUIVER_TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<ToolCallParser>,
+
+    /// Adapters that get their own `adapter` label in /metrics (the first ones requested);
+    /// later ones share the label `other`, so series stay bounded however many adapters come
+    /// and go. The base model is always labelled with its own name.
+    #[arg(long, env = "QUIVER_METRICS_MAX_ADAPTER_LABELS", default_value_t = 32)]
+    pub metrics_max_adapter_labels: u32,
 }
 
 /// A share of the KV cache: more than 0, at most 1.

@@ -9,6 +9,7 @@ use axum::Json;
 use quiver_flags::UnknownAdapterSource;
 
 use crate::adapters::AdapterError;
+use crate::metrics::http::ErrorCode;
 use crate::openai::error::{ErrorObject, ErrorResponse};
 use crate::scheduler::{AdmissionError, GenerationError};
 use crate::tenants::LimitExceeded;
@@ -219,7 +220,9 @@ impl IntoResponse for ApiError {
         } else {
             tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
         }
+        let (_, code) = self.kind_and_code();
         let mut response = (status, Json(self.to_body())).into_response();
+        response.extensions_mut().insert(ErrorCode(code));
         let own_retry = match &self {
             Self::KeyLimit { refused, .. } => Some(HeaderValue::from(refused.retry_after_secs)),
             _ => None,

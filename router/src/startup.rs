@@ -11,6 +11,8 @@ use crate::adapters::{
 };
 use crate::config::RouterArgs;
 use crate::http::{AppState, Cutoff, ServedLimits, ServedModels, ServerInfo};
+use crate::metrics::labels::AdapterLabels;
+use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
@@ -36,6 +38,8 @@ pub struct Settings {
     pub admission: AdmissionSettings,
     /// `--tool-call-parser`.
     pub tool_call_parser: Option<ToolCallParser>,
+    /// `--metrics-max-adapter-labels`.
+    pub metrics_max_adapter_labels: usize,
 }
 
 /// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
@@ -98,6 +102,7 @@ impl Settings {
                 max_lora_rank: args.serving.max_lora_rank,
             },
             tool_call_parser: args.serving.tool_call_parser,
+            metrics_max_adapter_labels: args.serving.metrics_max_adapter_labels as usize,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
@@ -158,7 +163,20 @@ pub async fn start(
         }
     }
     let cache = size_kv_cache(shard.as_ref(), &limits, &settings).await?;
-    let scheduler = Scheduler::start(
+    let model_id = if settings.model_id.is_empty() {
+        info.model_id.clone()
+    } else {
+        settings.model_id
+    };
+    let served_name = settings
+        .served_model_name
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| model_id.clone());
+    // One adapter labelling for every per-adapter series; the base model by its served name.
+    let labels = AdapterLabels::new(&served_name, settings.metrics_max_adapter_labels);
+    let scheduler_metrics = Arc::new(SchedulerMetrics::new(Arc::new(labels)));
+    let metrics = Arc::new(Metrics::new(scheduler_metrics.clone()));
+    let scheduler = Scheduler::start_observed(
         shard.clone(),
         SchedulerConfig {
             block_size: cache.block_size,
@@ -172,6 +190,7 @@ pub async fn start(
             preemption_wait: settings.admission.preemption_wait,
             max_queue_wait: settings.admission.max_queue_wait,
         },
+        scheduler_metrics.clone(),
     );
 
     let usable_blocks = scheduler.stats().total_blocks;
@@ -181,15 +200,6 @@ pub async fn start(
     eos_token_ids.sort_unstable();
     eos_token_ids.dedup();
 
-    let model_id = if settings.model_id.is_empty() {
-        info.model_id.clone()
-    } else {
-        settings.model_id
-    };
-    let served_name = settings
-        .served_model_name
-        .filter(|name| !name.is_empty())
-        .unwrap_or_else(|| model_id.clone());
     let server_info = ServerInfo {
         model_id: model_id.clone(),
         served_model_name: served_name.clone(),
@@ -229,6 +239,7 @@ pub async fn start(
     let backend: Arc<dyn AdapterBackend> = Arc::new(ServingBackend {
         shard: shard.clone(),
         scheduler: scheduler.clone(),
+        metrics: metrics.clone(),
     });
     let adapters = AdapterRegistry::new(
         backend,
@@ -259,7 +270,7 @@ pub async fn start(
             created: crate::openai::common::unix_now(),
         }),
         info: Arc::new(server_info),
-        metrics: Arc::new(Metrics::default()),
+        metrics,
         tenants: Arc::new(tenants),
         adapters,
         resolver: Arc::new(resolver),

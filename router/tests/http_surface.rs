@@ -147,3 +147,58 @@ async fn metrics_show_load_and_count_tokens() {
     app.wait_idle().await;
     assert_eq!(metric(&scrape(&app).await, "quiver_kv_blocks_free"), 256);
 }
+
+#[tokio::test]
+async fn metrics_count_responses_and_time_requests_per_adapter() {
+    let app = TestApp::start().await;
+    let body = completion_body(json!("ab"), json!({"max_tokens": 4, "ignore_eos": true}));
+    assert_eq!(app.post("/v1/completions", &body).await.0, StatusCode::OK);
+    let refused = completion_body(json!("ab"), json!({"max_tokens": -1}));
+    let (status, error) = app.post("/v1/completions", &refused).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let code = error["error"]["code"].as_str().unwrap().to_owned();
+    let (status, _) = app.get("/no/such/route").await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let text = scrape(&app).await;
+    let http = "quiver_http_requests_total";
+    for (labels, count) in [
+        (
+            "endpoint=\"/v1/completions\",status=\"200\",code=\"none\"",
+            1,
+        ),
+        (
+            &*format!("endpoint=\"/v1/completions\",status=\"400\",code=\"{code}\""),
+            1,
+        ),
+        (
+            "endpoint=\"unmatched\",status=\"404\",code=\"not_found\"",
+            1,
+        ),
+    ] {
+        assert_eq!(
+            metric(&text, &format!("{http}{{{labels}}}")),
+            count,
+            "{labels}"
+        );
+    }
+    // One request of four tokens on the base model, labelled with its served name.
+    let (_, models) = app.get("/v1/models").await;
+    let served = models["data"][0]["id"].as_str().unwrap().to_owned();
+    let base = format!("{{adapter=\"{served}\"}}");
+    for (name, value) in [
+        ("quiver_request_time_to_first_token_seconds_count", 1),
+        ("quiver_request_inter_token_latency_seconds_count", 3),
+        ("quiver_request_duration_seconds_count", 1),
+        ("quiver_request_queue_seconds_count", 1),
+        ("quiver_request_generation_tokens_sum", 4),
+        ("quiver_request_prompt_tokens_sum", 3),
+    ] {
+        assert_eq!(metric(&text, &format!("{name}{base}")), value, "{name}");
+    }
+    // The GIE gauges: idle again, the cache the fake shard reports (256 blocks of 4).
+    assert_eq!(metric(&text, "vllm:num_requests_running"), 0);
+    assert_eq!(metric(&text, "vllm:kv_cache_usage_perc"), 0);
+    let info = "vllm:cache_config_info{block_size=\"4\",num_gpu_blocks=\"256\"}";
+    assert_eq!(metric(&text, info), 1);
+}

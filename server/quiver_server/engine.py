@@ -436,10 +436,10 @@ class Engine:
         return self.lora.load(adapter_id, source, path, revision)
 
     @torch.inference_mode()
-    def activate_adapter(self, adapter_id: str, slot: int) -> None:
+    def activate_adapter(self, adapter_id: str, slot: int) -> bool:
         """Copies a loaded adapter into device slot `slot`, replacing what it held; refused for a
-        slot that running requests use."""
-        self.lora.activate(adapter_id, slot, self._running_adapters_by_slot())
+        slot that running requests use. True when the weights were in the host-memory cache."""
+        return self.lora.activate(adapter_id, slot, self._running_adapters_by_slot())
 
     @torch.inference_mode()
     def unload_adapter(self, adapter_id: str) -> None:

@@ -229,8 +229,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     async def ActivateAdapter(
         self, request: shard_pb2.ActivateAdapterRequest, context: aio.ServicerContext
     ) -> shard_pb2.ActivateAdapterResponse:
-        await self._run(self._engine.activate_adapter, request.adapter_id, request.slot)
-        return shard_pb2.ActivateAdapterResponse()
+        hit = await self._run(self._engine.activate_adapter, request.adapter_id, request.slot)
+        return shard_pb2.ActivateAdapterResponse(host_cache_hit=hit)
 
     async def UnloadAdapter(
         self, request: shard_pb2.UnloadAdapterRequest, context: aio.ServicerContext

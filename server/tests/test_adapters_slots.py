@@ -205,6 +205,18 @@ def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
     assert engine.prefill(1, [_request(0, "a")]).generations
 
 
+def test_activation_says_whether_the_host_cache_held_the_weights(setup: Setup) -> None:
+    """The router counts host-cache hits and misses from this answer (ActivateAdapterResponse)."""
+    engine = _engine(setup, slots=1, max_cpu_adapters=1)
+    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    assert engine.activate_adapter("a", 0) is True
+    engine.load_adapter("b", "local", str(setup.adapters["rank8-attention"]))
+    assert engine.activate_adapter("b", 0) is True  # "a" leaves the slot, then host memory
+    assert "a" not in engine.lora.registry.host
+    assert engine.activate_adapter("a", 0) is False  # read from disk again
+    assert engine.activate_adapter("a", 0) is True  # the slot holds it already
+
+
 # ---- host LRU ------------------------------------------------------------------------------
 
 

@@ -3,10 +3,12 @@
 //! real one (shard client + scheduler); registry tests use their own.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
+use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::Scheduler;
 use crate::shard::{ShardBackend, ShardResult};
@@ -27,6 +29,8 @@ pub trait AdapterBackend: Send + Sync {
 pub struct ServingBackend {
     pub shard: Arc<dyn ShardBackend>,
     pub scheduler: Scheduler,
+    /// Where load times go.
+    pub metrics: Arc<Metrics>,
 }
 
 impl AdapterBackend for ServingBackend {
@@ -34,7 +38,17 @@ impl AdapterBackend for ServingBackend {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
-        self.shard.load_adapter(request)
+        let load = self.shard.load_adapter(request);
+        let metrics = self.metrics.clone();
+        async move {
+            let started = Instant::now();
+            let loaded = load.await;
+            if loaded.is_ok() {
+                metrics.adapter_loaded(started.elapsed());
+            }
+            loaded
+        }
+        .boxed()
     }
 
     fn unload(&self, adapter_id: String) -> BoxFuture<'static, ()> {

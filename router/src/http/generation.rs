@@ -8,6 +8,7 @@ use futures::stream::{BoxStream, StreamExt};
 
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::error::ApiError;
+use crate::metrics::requests::RequestTimer;
 use crate::metrics::Metrics;
 use crate::openai::common::FinishReason;
 use crate::scheduler::{
@@ -80,15 +81,25 @@ pub fn start_choices(
     settings: &ChoiceSettings,
 ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
     let prompt_tokens: usize = choices.iter().map(|choice| choice.input_ids.len()).sum();
+    let timers: Vec<RequestTimer> = choices
+        .iter()
+        .map(|choice| {
+            metrics
+                .requests
+                .start(&choice.adapter_id, choice.input_ids.len())
+        })
+        .collect();
     let receivers = scheduler.submit_all(choices)?;
     Metrics::add(&metrics.prompt_tokens_total, prompt_tokens as u64);
     Ok(receivers
         .into_iter()
+        .zip(timers)
         .zip(0..)
-        .map(|(receiver, index)| {
+        .map(|((receiver, timer), index)| {
             let outcome = Outcome {
                 metrics: metrics.clone(),
                 shard: shard.clone(),
+                timer,
             };
             choice_events(
                 index,
@@ -106,6 +117,8 @@ pub fn start_choices(
 pub struct Outcome {
     pub metrics: Arc<Metrics>,
     pub shard: Arc<dyn ShardBackend>,
+    /// The choice's latency and length histograms.
+    pub timer: RequestTimer,
 }
 
 impl Outcome {
@@ -132,7 +145,7 @@ pub fn choice_events(
     mut receiver: EventReceiver,
     tokenizer: TextTokenizer,
     settings: ChoiceSettings,
-    outcome: Outcome,
+    mut outcome: Outcome,
 ) -> BoxStream<'static, ChoiceEvent> {
     let metrics = outcome.metrics.clone();
     // The EOS token's text is never shown (skip_special_tokens), even for tokenizers that do
@@ -158,12 +171,14 @@ pub fn choice_events(
             };
             generated += 1;
             Metrics::add(&metrics.generated_tokens_total, 1);
+            outcome.timer.token();
             if generated == 1 && settings.prompt_logprobs {
                 yield ChoiceEvent::Prompt { index, positions: event.prompt_logprobs };
             }
             if settings.drop_generation {
                 drop(receiver);
                 Metrics::add(&metrics.requests_finished_total, 1);
+                outcome.timer.finished(0);
                 yield ChoiceEvent::Finish {
                     index,
                     reason: FinishReason::Length,
@@ -209,6 +224,7 @@ pub fn choice_events(
             // Finished: let the scheduler free the request before anything else is sent.
             drop(receiver);
             Metrics::add(&metrics.requests_finished_total, 1);
+            outcome.timer.finished(generated);
             if !step.stopped {
                 text.push_str(&stop.finish());
             }

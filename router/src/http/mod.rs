@@ -74,8 +74,15 @@ pub fn router(state: AppState) -> Router {
         .route("/info", get(health::info))
         .route("/metrics", get(metrics::metrics))
         .route("/openapi.json", get(openapi::openapi_json))
+        // The route a response came from, for the response counter below (which sees
+        // unmatched paths too, so it sits outside routing).
+        .route_layer(middleware::from_fn(metrics::tag_route))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            metrics::count_responses,
+        ))
         .with_state(state)
 }
 

@@ -283,6 +283,16 @@ impl Batcher {
         gauges
             .active_adapters
             .store(self.resources.slots.active_count(), Ordering::Relaxed);
+        if self.config.max_active_adapters > 0 {
+            gauges.observed.publish_lora(
+                self.resources.slots.adapters(),
+                self.queue
+                    .keys()
+                    .filter(|k| !k.is_empty())
+                    .map(str::to_owned)
+                    .collect(),
+            );
+        }
     }
 
     /// Prefills the waiting requests that fit; returns the new cached batch, if any is left
@@ -372,6 +382,11 @@ impl Batcher {
                 resumed_after,
                 ..
             } = entry;
+            if resumed_after == 0 {
+                self.gauges
+                    .observed
+                    .queue_wait(&request.adapter_id, queued_at.elapsed());
+            }
             tracing::debug!(
                 request_id = id,
                 batch_id,
@@ -407,6 +422,7 @@ impl Batcher {
         }
         tracing::debug!(batch_id, size = ids.len(), prefill_tokens, "prefill");
 
+        self.gauges.observed.prefill_batch(requests.len());
         let request = pb::PrefillRequest { batch_id, requests };
         self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
         match self.shard.prefill(request).await {
@@ -441,6 +457,8 @@ impl Batcher {
             return;
         }
         self.gauges.decode_steps.fetch_add(1, Ordering::Relaxed);
+        let size = batches.iter().map(|b| b.request_ids.len()).sum();
+        self.gauges.observed.decode_batch(size);
         match self.shard.decode(pb::DecodeRequest { batches }).await {
             Ok(response) => {
                 tracing::trace!(

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
+use crate::metrics::scheduler::SchedulerMetrics;
 use crate::shard::{ShardBackend, ShardError};
 
 mod batcher;
@@ -243,6 +244,8 @@ struct Gauges {
     preemptions: AtomicU64,
     grammar_steps: AtomicU64,
     grammar_ns: AtomicU64,
+    /// Histograms, adapter counters and the GIE adapter lists (shared with `/metrics`).
+    observed: Arc<SchedulerMetrics>,
 }
 
 impl Gauges {
@@ -286,9 +289,21 @@ impl std::fmt::Debug for Scheduler {
 impl Scheduler {
     /// Spawns the batching loop on the current tokio runtime.
     pub fn start(shard: Arc<dyn ShardBackend>, config: SchedulerConfig) -> Self {
+        Self::start_observed(shard, config, Arc::default())
+    }
+
+    /// `start`, recording what the loop sees into `metrics`.
+    pub fn start_observed(
+        shard: Arc<dyn ShardBackend>,
+        config: SchedulerConfig,
+        metrics: Arc<SchedulerMetrics>,
+    ) -> Self {
         let (commands, incoming) = mpsc::unbounded_channel();
         let usable_blocks = config.usable_blocks();
-        let gauges = Arc::new(Gauges::default());
+        let gauges = Arc::new(Gauges {
+            observed: metrics,
+            ..Gauges::default()
+        });
         gauges.free_blocks.store(usable_blocks, Ordering::Relaxed);
         let batcher = Batcher::new(shard, config, incoming, gauges.clone());
         tokio::spawn(batcher.run());
@@ -413,6 +428,11 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.inner.config
+    }
+
+    /// What the loop records for `/metrics`.
+    pub fn metrics(&self) -> &Arc<SchedulerMetrics> {
+        &self.inner.gauges.observed
     }
 
     pub fn stats(&self) -> SchedulerStats {

@@ -73,6 +73,11 @@ impl<T: Keyed> Queue<T> {
         self.len == 0
     }
 
+    /// The keys with waiting entries.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.queues.keys().map(String::as_str)
+    }
+
     /// Whether `key` has waiting entries.
     pub fn has_waiting(&self, key: &str) -> bool {
         self.queues.contains_key(key)

@@ -47,6 +47,11 @@ impl AdapterSlots {
         self.by_adapter.len()
     }
 
+    /// The adapters holding a slot.
+    pub(super) fn adapters(&self) -> Vec<String> {
+        self.by_adapter.keys().cloned().collect()
+    }
+
     /// Requests using `adapter`'s slot (0 if it holds none).
     pub(super) fn users_of(&self, adapter: &str) -> usize {
         self.by_adapter

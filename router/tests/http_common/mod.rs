@@ -259,6 +259,7 @@ impl TestApp {
             },
             admission: AdmissionSettings::default(),
             tool_call_parser: options.tool_call_parser,
+            metrics_max_adapter_labels: 32,
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {

@@ -73,20 +73,23 @@ class AdapterManager:
             raise ValueError(DISABLED if self._warmed_up else "call warmup first: it sizes the adapter slots")
         return self.registry.load(adapter_id, source, path, revision)
 
-    def activate(self, adapter_id: str, slot: int, running: Mapping[int, str]) -> None:
-        """`running`: slot -> adapter of the requests in flight."""
+    def activate(self, adapter_id: str, slot: int, running: Mapping[int, str]) -> bool:
+        """`running`: slot -> adapter of the requests in flight. True when the weights came from
+        the host-memory cache (or the slot held them already), false when read from disk again."""
         slots = self._require_slots()
         slots.check_slot(slot)
         if slots.adapter_in(slot) == adapter_id:
-            return
+            return True
         if slot in running:
             raise ValueError(f"slot {slot} holds adapter {running[slot]!r}, which running requests use")
+        host_cache_hit = adapter_id in self.registry.host
         adapter = self.registry.get(adapter_id)
         replaced = slots.activate(adapter, slot)
         self.registry.host.pin(adapter_id)
         if replaced is not None and slots.slot_of(replaced) is None:
             self.registry.host.unpin(replaced)
         log.info("adapter %s is in slot %d%s", adapter_id, slot, f" (replacing {replaced})" if replaced else "")
+        return host_cache_hit
 
     def unload(self, adapter_id: str, running: Mapping[int, str]) -> None:
         """Forgets an adapter: its slots and its host copy. Unknown ids are ignored (idempotent)."""

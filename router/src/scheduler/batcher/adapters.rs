@@ -68,8 +68,15 @@ impl Batcher {
                 adapter_id: adapter.clone(),
                 slot: slot as u32,
             };
+            let started = std::time::Instant::now();
             let error = match self.shard.activate_adapter(request).await {
-                Ok(_) => {
+                Ok(response) => {
+                    self.gauges.observed.activated(
+                        &adapter,
+                        evicted.as_deref(),
+                        started.elapsed(),
+                        response.host_cache_hit,
+                    );
                     tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
                     continue;
                 }

@@ -263,7 +263,10 @@ impl FakeShard {
         state.adapters.slots[slot] = Some(id.clone());
         state.adapters.activations.push((id.clone(), request.slot));
         state.stats.activate_calls += 1;
-        Ok(pb::ActivateAdapterResponse {})
+        // The fake keeps every loaded adapter in memory.
+        Ok(pb::ActivateAdapterResponse {
+            host_cache_hit: true,
+        })
     }
 
     pub(super) fn unload_adapter_now(

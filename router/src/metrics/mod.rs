@@ -1,12 +1,37 @@
-//! Prometheus metrics, rendered as text on `GET /metrics`.
+//! Prometheus metrics, rendered as text on `GET /metrics` (docs/observability.md lists them).
 //!
-//! A handful of gauges and counters kept in atomics: cheap enough to touch on the decode path,
-//! and no registry crate needed for this few series.
+//! Hand-written rather than a registry crate: everything on the decode path is an atomic or a
+//! lock-free histogram (`histogram.rs`), per-adapter series are found once per request
+//! (`labels.rs`), and the GIE gauges (`gie.rs`) need label sets that change with the load,
+//! which registries model awkwardly.
+//!
+//! Families: the original load gauges and step counters (`quiver_*`, kept by name), HTTP
+//! responses (`http.rs`), per-request latencies and lengths (`requests.rs`), what the
+//! batching loop sees (`scheduler.rs`), adapter host-memory loads here, and the vLLM-named
+//! gauges of the Gateway API Inference Extension's Model Server Protocol (`gie.rs`).
 
 use std::fmt::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
-#[derive(Debug, Default)]
+pub mod gie;
+pub mod histogram;
+pub mod http;
+pub mod labels;
+pub mod requests;
+pub mod scheduler;
+pub mod text;
+
+use histogram::Histogram;
+use labels::AdapterLabels;
+use requests::RequestMetrics;
+use scheduler::SchedulerMetrics;
+
+/// The default of `--metrics-max-adapter-labels`.
+pub const DEFAULT_MAX_ADAPTER_LABELS: usize = 32;
+
+#[derive(Debug)]
 pub struct Metrics {
     pub kv_blocks_total: AtomicU64,
     pub kv_blocks_free: AtomicU64,
@@ -25,6 +50,21 @@ pub struct Metrics {
     /// token masks: rendered as the summary `quiver_grammar_mask_seconds` (sum and count).
     pub grammar_mask_steps: AtomicU64,
     pub grammar_mask_ns: AtomicU64,
+    /// Tokens per KV block, for the GIE cache config gauge (set at scrape time).
+    pub kv_block_size: AtomicU64,
+    /// `LoadAdapter` on the shards: fetch (a hub download included) and load into host memory.
+    pub adapter_load_seconds: Histogram,
+    pub labels: Arc<AdapterLabels>,
+    pub requests: RequestMetrics,
+    pub http: http::HttpMetrics,
+    /// Shared with the scheduler, which writes it.
+    pub scheduler: Arc<SchedulerMetrics>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new(Arc::new(SchedulerMetrics::default()))
+    }
 }
 
 struct Series {
@@ -34,6 +74,39 @@ struct Series {
 }
 
 impl Metrics {
+    /// Metrics whose adapter labels are the scheduler's, so both give an adapter one label.
+    pub fn new(scheduler: Arc<SchedulerMetrics>) -> Self {
+        let zero = || AtomicU64::new(0);
+        Self {
+            kv_blocks_total: zero(),
+            kv_blocks_free: zero(),
+            requests_running: zero(),
+            requests_waiting: zero(),
+            requests_finished_total: zero(),
+            requests_failed_total: zero(),
+            prompt_tokens_total: zero(),
+            generated_tokens_total: zero(),
+            prefill_steps_total: zero(),
+            decode_steps_total: zero(),
+            preemptions_total: zero(),
+            adapters_active: zero(),
+            adapter_slots: zero(),
+            grammar_mask_steps: zero(),
+            grammar_mask_ns: zero(),
+            kv_block_size: zero(),
+            adapter_load_seconds: Histogram::new(histogram::LATENCY_SECONDS),
+            labels: scheduler.labels.clone(),
+            requests: RequestMetrics::new(scheduler.labels.clone()),
+            http: http::HttpMetrics::default(),
+            scheduler,
+        }
+    }
+
+    /// An adapter's `LoadAdapter` took `took`.
+    pub fn adapter_loaded(&self, took: Duration) {
+        self.adapter_load_seconds.observe(took.as_secs_f64());
+    }
+
     pub fn set(gauge: &AtomicU64, value: u64) {
         gauge.store(value, Ordering::Relaxed);
     }
@@ -171,7 +244,23 @@ impl Metrics {
         let _ = writeln!(out, "{name}_sum {seconds}");
         let steps = self.grammar_mask_steps.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_count {steps}");
+        self.render_adapters(&mut out);
+        self.http.render(&mut out);
+        self.requests.render(&mut out);
+        self.scheduler.render(&mut out);
+        gie::render(&mut out, self);
         out
+    }
+
+    fn render_adapters(&self, out: &mut String) {
+        let name = "quiver_adapter_load_seconds";
+        text::header(
+            out,
+            name,
+            "histogram",
+            "Time to load an adapter into the shards' host memory (a hub download included).",
+        );
+        self.adapter_load_seconds.render(out, name, &[]);
     }
 }
 
@@ -199,7 +288,15 @@ mod tests {
         let text = m.render();
         assert!(text.contains("# TYPE quiver_kv_blocks_free gauge\nquiver_kv_blocks_free 7\n"));
         assert!(text.contains("quiver_generated_tokens_total 5\n"));
-        assert_eq!(text.matches("# HELP ").count(), 14);
-        assert_eq!(text.matches("# TYPE ").count(), 14);
+        // Every family has one HELP and one TYPE line, and no name is declared twice.
+        let helps: Vec<&str> = text.lines().filter(|l| l.starts_with("# HELP ")).collect();
+        let types = text.lines().filter(|l| l.starts_with("# TYPE ")).count();
+        assert_eq!(helps.len(), types);
+        let mut names: Vec<&str> = helps.iter().map(|l| l.split(' ').nth(2).unwrap()).collect();
+        let declared = names.len();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), declared);
+        assert!(declared > 14);
     }
 }
