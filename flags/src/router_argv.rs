@@ -37,6 +37,8 @@ impl ServingFlags {
             max_connections,
             max_request_body_bytes,
             tool_call_parser,
+            otlp_endpoint,
+            otel_service_name,
         } = self;
         let mut argv = Argv::default();
         argv.flag("--port", port.to_string())
@@ -100,7 +102,9 @@ impl ServingFlags {
             .flag_if_set(
                 "--tool-call-parser",
                 tool_call_parser.map(ToolCallParser::name),
-            );
+            )
+            .flag_if_set("--otlp-endpoint", otlp_endpoint.as_deref())
+            .flag("--otel-service-name", otel_service_name);
         argv.0
     }
 }
@@ -175,6 +179,8 @@ mod tests {
             max_connections: 11,
             max_request_body_bytes: 12345,
             tool_call_parser: Some(ToolCallParser::Mistral),
+            otlp_endpoint: Some("http://127.0.0.1:4317".into()),
+            otel_service_name: "llm-serving".into(),
         }
     }
 

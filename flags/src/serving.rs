@@ -132,6 +132,15 @@ pub struct ServingFlags {
     /// own template gets its own detection), else hermes.
     #[arg(long, env = "QUIVER_TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<ToolCallParser>,
+
+    /// OTLP/gRPC collector that traces are exported to (e.g. http://otel-collector:4317); the
+    /// router and every shard send their spans there. Unset: no tracing, no exporter.
+    #[arg(long, env = "QUIVER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// `service.name` of the router's spans; the shards report as `<name>-shard`.
+    #[arg(long, env = "QUIVER_OTEL_SERVICE_NAME", default_value = "quiver")]
+    pub otel_service_name: String,
 }
 
 /// A share of the KV cache: more than 0, at most 1.

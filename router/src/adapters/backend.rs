@@ -6,10 +6,12 @@ use std::sync::Arc;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use tracing::Instrument;
 
 use crate::pb;
 use crate::scheduler::Scheduler;
 use crate::shard::{ShardBackend, ShardResult};
+use crate::telemetry;
 
 pub trait AdapterBackend: Send + Sync {
     /// `LoadAdapter` on every rank (the shard client sends a hub load to rank 0 first).
@@ -34,7 +36,10 @@ impl AdapterBackend for ServingBackend {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
-        self.shard.load_adapter(request)
+        self.shard
+            .load_adapter(request)
+            .instrument(telemetry::span("adapter.load"))
+            .boxed()
     }
 
     fn unload(&self, adapter_id: String) -> BoxFuture<'static, ()> {

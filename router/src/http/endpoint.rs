@@ -11,6 +11,7 @@ use axum::Json;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
 use super::grammar::compile_grammar;
@@ -23,6 +24,7 @@ use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
+use crate::telemetry;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::ToolPlan;
 use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
@@ -145,9 +147,11 @@ async fn answer<E: Endpoint>(
     let (adapter_id, assets) = state
         .resolve_model(params.model.as_deref(), params.adapter_source.as_deref())
         .await?;
+    // Validation, the chat template and tokenization, as one span.
     let valid = state
         .validator
         .validate(&assets, &adapter_id, fields, &params)
+        .instrument(telemetry::span("validate"))
         .await?;
     if let (Some(source), Some(grammar)) = (
         &valid.grammar,

@@ -70,6 +70,7 @@ pub fn router(state: AppState) -> Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(crate::telemetry::trace_requests))
         .with_state(state)
 }
 
