@@ -58,7 +58,7 @@ impl RequestTrace {
     }
 }
 
-/// The span of one Prefill or Decode step.
+/// The span of one Prefill or Decode step (or an adapter activation before one).
 pub struct StepSpan {
     context: Context,
 }
