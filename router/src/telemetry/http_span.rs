@@ -16,17 +16,27 @@ use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{enabled, parent_from_headers};
 
+/// Probes and scrapes, every few seconds from Kubernetes and Prometheus: traced, they would
+/// bury the requests' traces.
+const UNTRACED_ROUTES: [&str; 2] = ["/health", "/metrics"];
+
 /// axum middleware: traces the request when tracing is on, passes it straight through when off.
 pub async fn trace_requests(request: Request, next: Next) -> Response {
     if !enabled() {
         return next.run(request).await;
     }
-    let method = request.method().clone();
     // The route template, never the raw path: adapter ids and unknown paths stay out of names.
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map(|path| path.as_str().to_owned());
+    if route
+        .as_deref()
+        .is_some_and(|route| UNTRACED_ROUTES.contains(&route))
+    {
+        return next.run(request).await;
+    }
+    let method = request.method().clone();
     let name = match &route {
         Some(route) => format!("{method} {route}"),
         None => method.to_string(),
