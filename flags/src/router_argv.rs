@@ -39,6 +39,8 @@ impl ServingFlags {
             max_request_body_bytes,
             tool_call_parser,
             metrics_max_adapter_labels,
+            otlp_endpoint,
+            otel_service_name,
         } = self;
         let mut argv = Argv::default();
         argv.flag("--port", port.to_string())
@@ -108,7 +110,9 @@ impl ServingFlags {
             .flag(
                 "--metrics-max-adapter-labels",
                 metrics_max_adapter_labels.to_string(),
-            );
+            )
+            .flag_if_set("--otlp-endpoint", otlp_endpoint.as_deref())
+            .flag("--otel-service-name", otel_service_name);
         argv.0
     }
 }
@@ -185,6 +189,8 @@ mod tests {
             max_request_body_bytes: 12345,
             tool_call_parser: Some(ToolCallParser::Mistral),
             metrics_max_adapter_labels: 5,
+            otlp_endpoint: Some("http://127.0.0.1:4317".into()),
+            otel_service_name: "llm-serving".into(),
         }
     }
 

@@ -144,6 +144,15 @@ pub struct ServingFlags {
     /// and go. The base model is always labelled with its own name.
     #[arg(long, env = "QUIVER_METRICS_MAX_ADAPTER_LABELS", default_value_t = 32)]
     pub metrics_max_adapter_labels: u32,
+
+    /// OTLP/gRPC collector that traces are exported to (e.g. http://otel-collector:4317); the
+    /// router and every shard send their spans there. Unset: no tracing, no exporter.
+    #[arg(long, env = "QUIVER_OTLP_ENDPOINT")]
+    pub otlp_endpoint: Option<String>,
+
+    /// `service.name` of the router's spans; the shards report as `<name>-shard`.
+    #[arg(long, env = "QUIVER_OTEL_SERVICE_NAME", default_value = "quiver")]
+    pub otel_service_name: String,
 }
 
 /// A share of the KV cache: more than 0, at most 1.

@@ -84,6 +84,13 @@ pub fn shard_command(
         )
         // The launcher parses the shards' JSON lines and re-logs them in its own format.
         .arg("--json-logs");
+    // Tracing: the shards export to the router's collector, under a service name of their own.
+    if let Some(endpoint) = &args.serving.otlp_endpoint {
+        cmd.flag("--otlp-endpoint", endpoint).flag(
+            "--otel-service-name",
+            format!("{}-shard", args.serving.otel_service_name),
+        );
+    }
     // A revision only means something for a hub id; the demo model is a local directory.
     if let ModelSource::User(_) = model {
         cmd.flag_if_set("--revision", args.revision.as_deref());
@@ -244,6 +251,39 @@ mod tests {
             );
         }
         assert!(cmd.env.is_empty());
+    }
+
+    #[test]
+    fn shards_export_traces_where_the_router_does_under_their_own_name() {
+        let args = parse(&[
+            "--otlp-endpoint",
+            "http://collector:4317",
+            "--otel-service-name",
+            "llm",
+        ]);
+        let model = ModelSource::User("m".into());
+        let shard = shard_command(&args, Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert_eq!(
+            value_of(&shard, "--otlp-endpoint").as_deref(),
+            Some("http://collector:4317")
+        );
+        assert_eq!(
+            value_of(&shard, "--otel-service-name").as_deref(),
+            Some("llm-shard")
+        );
+        let router = router_command(&args, Path::new("r"), &model, &[PathBuf::from("/s")]);
+        assert_eq!(
+            value_of(&router, "--otlp-endpoint").as_deref(),
+            Some("http://collector:4317")
+        );
+        assert_eq!(
+            value_of(&router, "--otel-service-name").as_deref(),
+            Some("llm")
+        );
+        let off = parse(&[]);
+        let shard = shard_command(&off, Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert!(value_of(&shard, "--otlp-endpoint").is_none());
+        assert!(value_of(&shard, "--otel-service-name").is_none());
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod server;
 pub mod shard;
 pub mod startup;
 pub mod stop;
+pub mod telemetry;
 pub mod template;
 pub mod tenants;
 pub mod token_pieces;

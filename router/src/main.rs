@@ -15,12 +15,15 @@ use quiver_router::scheduler::Scheduler;
 use quiver_router::server::{ConnectionLimits, IdleLimits, Server};
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
 use quiver_router::startup::{self, Settings};
+use quiver_router::telemetry;
 use quiver_router::template::ChatTemplate;
 use quiver_router::tenants;
 use quiver_router::tokenizer::TextTokenizer;
 use quiver_router::validation::ModelAssets;
 use tokio::net::TcpListener;
-use tracing_subscriber::EnvFilter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
 
 /// How long to keep trying to reach the shards (the launcher starts us once they answer
 /// Health, so this only covers a slow socket).
@@ -38,15 +41,25 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 #[tokio::main]
 async fn main() -> ExitCode {
     let args = RouterArgs::parse();
-    init_tracing(args.json_logs);
-    match run(args).await {
+    let exporter = match init_tracing(&args) {
+        Ok(exporter) => exporter,
+        Err(error) => {
+            eprintln!("quiver-router failed: {error}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let code = match run(args).await {
         Ok(Stopped::Clean) => ExitCode::SUCCESS,
         Ok(Stopped::CutRequests) => ExitCode::from(EXIT_CUT_REQUESTS),
         Err(error) => {
             tracing::error!("quiver-router failed: {error}");
             ExitCode::FAILURE
         }
+    };
+    if let Some(exporter) = exporter {
+        exporter.shutdown();
     }
+    code
 }
 
 async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
@@ -210,18 +223,38 @@ async fn shutdown_signal() {
 
 /// Human-readable logs, or one JSON object per line (`{"timestamp","level","message","target",
 /// ...fields}`) on stderr for the launcher and log collectors. `RUST_LOG` overrides the level.
-fn init_tracing(json: bool) {
+/// With `--otlp-endpoint`, spans also go to the OTLP exporter (whatever `RUST_LOG` says).
+fn init_tracing(args: &RouterArgs) -> Result<Option<telemetry::Exporter>, BoxError> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if json {
-        builder
+    let logs = if args.json_logs {
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
             .json()
             .flatten_event(true)
             .with_current_span(false)
-            .init();
+            .with_span_list(false)
+            .with_filter(filter)
+            .boxed()
     } else {
-        builder.init();
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .with_filter(filter)
+            .boxed()
+    };
+    let (exporter, spans) = match &args.serving.otlp_endpoint {
+        Some(endpoint) => {
+            let (exporter, layer) = telemetry::init(endpoint, &args.serving.otel_service_name)?;
+            (Some(exporter), Some(layer))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry().with(logs).with(spans).init();
+    if let Some(endpoint) = &args.serving.otlp_endpoint {
+        tracing::info!(
+            endpoint,
+            service_name = %args.serving.otel_service_name,
+            "exporting traces over OTLP/gRPC"
+        );
     }
+    Ok(exporter)
 }

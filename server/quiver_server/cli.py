@@ -4,6 +4,7 @@
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
                         [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64]
                         [--grammar-compile-timeout 5.0] [--grammar-cache-size 256] [--json-logs]
+                        [--otlp-endpoint URL] [--otel-service-name quiver-shard]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
     quiver-server demo-model DIR                          # tiny random Llama + real tokenizer
 
@@ -18,8 +19,12 @@ import asyncio
 import logging
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from quiver_server.logging_setup import adopt_transformers_logging, setup_logging
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
 
 logger = logging.getLogger("quiver_server")
 
@@ -61,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "as too complex")
     serve.add_argument("--grammar-cache-size", type=int, default=256,
                        help="compiled grammars kept (least recently used evicted first)")
+    serve.add_argument("--otlp-endpoint", metavar="URL",
+                       help="OTLP/gRPC collector to export the spans of traced calls to (default: no tracing)")
+    serve.add_argument("--otel-service-name", default="quiver-shard",
+                       help="service.name of this shard's spans")
 
     download = commands.add_parser("download", parents=[common],
                                    help="fetch a model from the hub and print its local path")
@@ -109,6 +118,24 @@ def _serve(args: argparse.Namespace) -> int:
         logger.warning("--world-size %d: every rank runs the full model (no tensor parallelism yet)",
                        args.world_size)
 
+    # Before the (slow) model load, so a missing OpenTelemetry package fails at once.
+    from quiver_server.tracing_spans import TracingUnavailableError, start_exporter
+
+    provider = None
+    if args.otlp_endpoint:
+        try:
+            provider = start_exporter(args.otlp_endpoint, args.otel_service_name, args.rank)
+        except TracingUnavailableError as error:
+            logger.error("%s", error)
+            return EXIT_FAILURE
+    try:
+        return _serve_model(args, provider)
+    finally:
+        if provider is not None:
+            provider.shutdown()  # sends the spans still buffered
+
+
+def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> int:
     from quiver_server.hub import ModelNotFoundError, resolve_model
 
     try:
@@ -159,8 +186,11 @@ def _serve(args: argparse.Namespace) -> int:
     # our handler from here on.
     adopt_transformers_logging(only_if_imported=True)
     service = ShardService(engine, rank=args.rank, world_size=args.world_size, engine_thread=engine_thread)
+    from quiver_server.tracing_spans import TracingInterceptor
+
+    tracing = TracingInterceptor(provider, args.rank) if provider is not None else None
     try:
-        return asyncio.run(serve(service, args.uds_path))
+        return asyncio.run(serve(service, args.uds_path, tracing=tracing))
     except (SocketInUseError, ValueError, OSError) as error:
         logger.error("cannot serve on %s: %s", args.uds_path, error)
         return EXIT_FAILURE

@@ -70,12 +70,20 @@ def _someone_listens(path: Path) -> bool:
 
 
 async def start_server(
-    service: ShardService, uds_path: str, on_fatal: FatalHandler | None = None
+    service: ShardService,
+    uds_path: str,
+    on_fatal: FatalHandler | None = None,
+    tracing: aio.ServerInterceptor | None = None,
 ) -> aio.Server:
-    """Binds `unix://uds_path` (clearing a stale socket first) and starts serving `service`."""
+    """Binds `unix://uds_path` (clearing a stale socket first) and starts serving `service`.
+    `tracing`, when given, wraps every call (outside the error interceptor, so a span sees the
+    status the router gets)."""
     path = prepare_socket_path(uds_path)
+    interceptors: list[aio.ServerInterceptor] = [ErrorInterceptor(FATAL_ERRORS, on_fatal)]
+    if tracing is not None:
+        interceptors.insert(0, tracing)
     server = aio.server(
-        interceptors=[ErrorInterceptor(FATAL_ERRORS, on_fatal)],
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -87,7 +95,12 @@ async def start_server(
     return server
 
 
-async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_GRACE_S) -> int:
+async def serve(
+    service: ShardService,
+    uds_path: str,
+    grace_s: float = DEFAULT_GRACE_S,
+    tracing: aio.ServerInterceptor | None = None,
+) -> int:
     """Serves `service` on `unix://uds_path` until SIGTERM or SIGINT (exit status 0) or a fatal
     error (EXIT_FATAL), then stops gracefully. Returns the process exit status."""
     stop = asyncio.Event()
@@ -100,7 +113,7 @@ async def serve(service: ShardService, uds_path: str, grace_s: float = DEFAULT_G
         fatal.append(error)
         stop.set()
 
-    server = await start_server(service, uds_path, on_fatal)
+    server = await start_server(service, uds_path, on_fatal, tracing)
     info = service.info
     logger.info(
         "shard ready: model %s (%s, %s on %s), rank %d/%d, listening on unix://%s",

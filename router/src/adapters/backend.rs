@@ -7,11 +7,13 @@ use std::time::Instant;
 
 use futures::future::BoxFuture;
 use futures::FutureExt;
+use tracing::Instrument;
 
 use crate::metrics::Metrics;
 use crate::pb;
 use crate::scheduler::Scheduler;
 use crate::shard::{ShardBackend, ShardResult};
+use crate::telemetry;
 
 pub trait AdapterBackend: Send + Sync {
     /// `LoadAdapter` on every rank (the shard client sends a hub load to rank 0 first).
@@ -38,7 +40,10 @@ impl AdapterBackend for ServingBackend {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
-        let load = self.shard.load_adapter(request);
+        let load = self
+            .shard
+            .load_adapter(request)
+            .instrument(telemetry::span("adapter.load"));
         let metrics = self.metrics.clone();
         async move {
             let started = Instant::now();

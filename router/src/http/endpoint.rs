@@ -11,6 +11,7 @@ use axum::{Extension, Json};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
+use tracing::Instrument;
 
 use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
 use super::grammar::compile_grammar;
@@ -25,6 +26,7 @@ use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER}
 use crate::openai::logprobs::PromptLogprobs;
 use crate::scheduler::PromptPosition;
 use crate::tenants::Caller;
+use crate::telemetry;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::ToolPlan;
 use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
@@ -153,9 +155,11 @@ async fn answer<E: Endpoint>(
             params.adapter_source.as_deref(),
         )
         .await?;
+    // Validation, the chat template and tokenization, as one span.
     let valid = state
         .validator
         .validate(&assets, &adapter_id, fields, &params)
+        .instrument(telemetry::span("validate"))
         .await?;
     if let (Some(source), Some(grammar)) = (
         &valid.grammar,

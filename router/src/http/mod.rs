@@ -83,6 +83,7 @@ pub fn router(state: AppState) -> Router {
             state.clone(),
             metrics::count_responses,
         ))
+        .layer(middleware::from_fn(crate::telemetry::trace_requests))
         .with_state(state)
 }
 

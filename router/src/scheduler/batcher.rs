@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use opentelemetry::KeyValue;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
@@ -28,6 +29,7 @@ use super::{
 };
 use crate::pb;
 use crate::shard::{ShardBackend, ShardError};
+use crate::telemetry::{within_step, RequestTrace, StepSpan};
 
 mod adapters;
 
@@ -60,6 +62,8 @@ pub(super) struct Entry {
     /// Tokens generated before it was preempted: it resumes, and has streamed already, so the
     /// queue deadline no longer applies to it.
     pub(super) resumed_after: u32,
+    /// Its request's trace (None when tracing is off).
+    pub(super) trace: Option<RequestTrace>,
 }
 
 impl Entry {
@@ -78,6 +82,7 @@ impl Entry {
             queued_at: Instant::now(),
             permit,
             resumed_after: 0,
+            trace: None,
         }
     }
 
@@ -117,6 +122,7 @@ pub(super) struct Running {
     pub(super) admitted_at: Instant,
     /// Tokens generated before this prefill (see `Entry::resumed_after`).
     pub(super) resumed_after: u32,
+    pub(super) trace: Option<RequestTrace>,
 }
 
 impl Running {
@@ -380,12 +386,16 @@ impl Batcher {
                 queued_at,
                 permit,
                 resumed_after,
+                trace,
                 ..
             } = entry;
             if resumed_after == 0 {
                 self.gauges
                     .observed
                     .queue_wait(&request.adapter_id, queued_at.elapsed());
+            }
+            if let Some(trace) = &trace {
+                trace.admitted(resumed_after);
             }
             tracing::debug!(
                 request_id = id,
@@ -417,6 +427,7 @@ impl Batcher {
                     tokens: Vec::new(),
                     admitted_at: Instant::now(),
                     resumed_after,
+                    trace,
                 },
             );
         }
@@ -425,7 +436,16 @@ impl Batcher {
         self.gauges.observed.prefill_batch(requests.len());
         let request = pb::PrefillRequest { batch_id, requests };
         self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
-        match self.shard.prefill(request).await {
+        let step = StepSpan::start(
+            "prefill",
+            || step_attributes(batch_id, ids.len(), prefill_tokens),
+            ids.iter().filter_map(|id| self.traced(*id)),
+        );
+        let outcome = within_step(step.as_ref(), self.shard.prefill(request)).await;
+        if let Some(step) = step {
+            step.end(outcome.as_ref().err().map(|e| e as _));
+        }
+        match outcome {
             Ok(response) => {
                 self.gauges.record_grammar(response.grammar_ns);
                 self.on_generations(&response.generations);
@@ -459,7 +479,22 @@ impl Batcher {
         self.gauges.decode_steps.fetch_add(1, Ordering::Relaxed);
         let size = batches.iter().map(|b| b.request_ids.len()).sum();
         self.gauges.observed.decode_batch(size);
-        match self.shard.decode(pb::DecodeRequest { batches }).await {
+        let step = StepSpan::start(
+            "decode",
+            || step_attributes(batches[0].id, self.active.len(), 0),
+            self.active
+                .iter()
+                .filter_map(|(id, running)| Some((*id, running.trace.as_ref()?))),
+        );
+        let outcome = within_step(
+            step.as_ref(),
+            self.shard.decode(pb::DecodeRequest { batches }),
+        )
+        .await;
+        if let Some(step) = step {
+            step.end(outcome.as_ref().err().map(|e| e as _));
+        }
+        match outcome {
             Ok(response) => {
                 tracing::trace!(
                     size = response.generations.len(),
@@ -480,6 +515,11 @@ impl Batcher {
             // Every live request was in this call, and the shard's state is unknown now.
             Err(error) => self.fail_all(&error).await,
         }
+    }
+
+    /// A running request's trace, for the step spans.
+    fn traced(&self, id: u64) -> Option<(u64, &RequestTrace)> {
+        Some((id, self.active.get(&id)?.trace.as_ref()?))
     }
 
     /// Sends each generated token to its request; finished requests are released here.
@@ -590,6 +630,21 @@ impl Batcher {
             tracing::warn!(?batch_id, %error, "ClearCache failed");
         }
     }
+}
+
+/// What a step span records besides its timing.
+fn step_attributes(batch_id: u64, requests: usize, prefill_tokens: u64) -> Vec<KeyValue> {
+    let mut attributes = vec![
+        KeyValue::new("quiver.batch_id", batch_id as i64),
+        KeyValue::new("quiver.batch_size", requests as i64),
+    ];
+    if prefill_tokens > 0 {
+        attributes.push(KeyValue::new(
+            "quiver.prefill_tokens",
+            prefill_tokens as i64,
+        ));
+    }
+    attributes
 }
 
 fn protocol_error(message: &str) -> ShardError {

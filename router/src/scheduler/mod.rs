@@ -18,6 +18,7 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::shard::{ShardBackend, ShardError};
+use crate::telemetry::RequestTrace;
 
 mod batcher;
 mod blocks;
@@ -371,10 +372,13 @@ impl Scheduler {
                 .map_err(|_| AdmissionError::Overloaded)?,
         );
         let mut receivers = Vec::with_capacity(requests.len());
+        // The HTTP request's span, parent of each choice's queue wait (None when tracing is off).
+        let trace = RequestTrace::current();
         for (request, needed) in requests.into_iter().zip(blocks) {
             let (events, receiver) = mpsc::unbounded_channel();
             let id = inner.next_request_id.fetch_add(1, Ordering::Relaxed);
-            let entry = Entry::new(id, request, needed, events, permit.clone());
+            let mut entry = Entry::new(id, request, needed, events, permit.clone());
+            entry.trace = trace.clone();
             // Fails only if the loop is gone; the entries (and the permit) go with the error.
             inner
                 .commands

@@ -143,6 +143,7 @@ impl Batcher {
             mut request,
             tokens,
             resumed_after,
+            trace,
             ..
         } = running;
         let blocks_needed = blocks.len() as u32;
@@ -166,6 +167,10 @@ impl Batcher {
         request.min_tokens = request.min_tokens.saturating_sub(generated);
         let mut entry = Entry::new(id, request, blocks_needed, events, permit);
         entry.resumed_after = resumed_after + generated;
+        entry.trace = trace.map(|mut trace| {
+            trace.requeued();
+            trace
+        });
         self.queue.push(entry);
     }
 }

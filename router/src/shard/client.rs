@@ -24,6 +24,7 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use super::{ShardBackend, ShardError, ShardResult};
 use crate::pb;
 use crate::pb::shard_client::ShardClient as RankClient;
+use crate::telemetry;
 
 /// The shard applies the same limit: both read it from the proto, where it is explained.
 const MAX_MESSAGE_BYTES: usize = pb::ChannelLimit::MaxMessageBytes as usize;
@@ -63,7 +64,7 @@ impl ShardClient {
     async fn fan_out<Req, Resp, F, Fut>(&self, request: Req, call: F) -> ShardResult<Resp>
     where
         Req: Clone,
-        F: Fn(RankClient<Channel>, Req) -> Fut,
+        F: Fn(RankClient<Channel>, tonic::Request<Req>) -> Fut,
         Fut: Future<Output = Result<tonic::Response<Resp>, tonic::Status>>,
     {
         let Some((last, others)) = self.ranks.split_last() else {
@@ -74,10 +75,10 @@ impl ShardClient {
         };
         let mut calls = Vec::with_capacity(self.ranks.len());
         for (rank, client) in others.iter().enumerate() {
-            calls.push(self.on_rank(rank, call(client.clone(), request.clone())));
+            calls.push(self.on_rank(rank, call(client.clone(), traced(request.clone()))));
         }
         // The last rank takes the original request; the others got copies.
-        calls.push(self.on_rank(others.len(), call(last.clone(), request)));
+        calls.push(self.on_rank(others.len(), call(last.clone(), traced(request))));
         let mut responses = try_join_all(calls).await?;
         Ok(responses.swap_remove(0))
     }
@@ -89,7 +90,9 @@ impl ShardClient {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> ShardResult<pb::LoadAdapterResponse> {
-        let load = |mut c: RankClient<Channel>, r| async move { c.load_adapter(r).await };
+        let load = |mut c: RankClient<Channel>, r: tonic::Request<pb::LoadAdapterRequest>| async move {
+            c.load_adapter(r).await
+        };
         let downloads = request.source == "hub" && request.path.is_empty();
         let Some((first, others)) = self.ranks.split_first() else {
             return self.fan_out(request, load).await;
@@ -98,7 +101,7 @@ impl ShardClient {
             return self.fan_out(request, load).await;
         }
         let response = self
-            .on_rank(0, load(first.clone(), request.clone()))
+            .on_rank(0, load(first.clone(), traced(request.clone())))
             .await?;
         let local = pb::LoadAdapterRequest {
             path: response.path.clone(),
@@ -107,7 +110,7 @@ impl ShardClient {
         let calls = others
             .iter()
             .enumerate()
-            .map(|(i, client)| self.on_rank(i + 1, load(client.clone(), local.clone())));
+            .map(|(i, client)| self.on_rank(i + 1, load(client.clone(), traced(local.clone()))));
         try_join_all(calls).await?;
         Ok(response)
     }
@@ -128,6 +131,14 @@ impl ShardClient {
             }
         }
     }
+}
+
+/// `message` as a call that carries the current span's `traceparent` (when tracing is on), so
+/// the shard's spans join the request's trace.
+fn traced<Req>(message: Req) -> tonic::Request<Req> {
+    let mut request = tonic::Request::new(message);
+    telemetry::inject_current(request.metadata_mut());
+    request
 }
 
 /// A status the shard did not send: tonic made it from a broken connection, so it carries the

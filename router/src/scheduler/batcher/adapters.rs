@@ -4,11 +4,13 @@
 //! Both run only between shard steps (before a Prefill), so no running request ever sees its
 //! slot change: a slot is claimed for a new adapter only when no request uses it (`slots.rs`).
 
+use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
 use super::{Admission, Batcher, Command, Entry};
 use crate::pb;
 use crate::scheduler::UnloadError;
+use crate::telemetry::{within_step, StepSpan};
 
 /// A slot the batch being built claimed for an adapter the slot does not hold yet.
 pub(super) struct Activation {
@@ -69,7 +71,20 @@ impl Batcher {
                 slot: slot as u32,
             };
             let started = std::time::Instant::now();
-            let error = match self.shard.activate_adapter(request).await {
+            // Traced under the requests that wait for it (the oldest is the parent).
+            let step = StepSpan::start(
+                "adapter.activate",
+                || vec![KeyValue::new("quiver.adapter_slot", slot as i64)],
+                admitted
+                    .iter()
+                    .filter(|(entry, _)| entry.request.adapter_id == adapter)
+                    .filter_map(|(entry, _)| Some((entry.id, entry.trace.as_ref()?))),
+            );
+            let outcome = within_step(step.as_ref(), self.shard.activate_adapter(request)).await;
+            if let Some(step) = step {
+                step.end(outcome.as_ref().err().map(|e| e as _));
+            }
+            let error = match outcome {
                 Ok(response) => {
                     self.gauges.observed.activated(
                         &adapter,
