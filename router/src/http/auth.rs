@@ -4,20 +4,17 @@
 //! check the models it names; the key's place under its concurrency limit is held until the
 //! response body has been sent (a stream included) or dropped.
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
-use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::header::AUTHORIZATION;
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
 
+use super::held_body::hold_until_sent;
 use super::state::AppState;
 use crate::error::ApiError;
-use crate::tenants::{Caller, InFlight};
+use crate::tenants::Caller;
 
 pub async fn authenticate(
     State(state): State<AppState>,
@@ -43,39 +40,7 @@ pub async fn authenticate(
     let Some(in_flight) = in_flight else {
         return Ok(response);
     };
-    Ok(response.map(|body| {
-        Body::new(HeldBody {
-            inner: body,
-            _in_flight: in_flight,
-        })
-    }))
-}
-
-/// A response body that holds the key's place until it is dropped; frames, end and size pass
-/// through unchanged (a JSON answer keeps its `Content-Length`).
-struct HeldBody {
-    inner: Body,
-    _in_flight: InFlight,
-}
-
-impl http_body::Body for HeldBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
+    Ok(hold_until_sent(response, in_flight))
 }
 
 /// Loading and unloading adapters: admin keys only (403 for the others, who are known).

@@ -20,6 +20,7 @@ mod endpoint;
 mod generation;
 mod grammar;
 mod health;
+pub(crate) mod held_body;
 mod json;
 mod key_meter;
 mod logprobs;

@@ -2,19 +2,15 @@
 //! `traceparent`, and open until the response body is sent (a stream lasts as long as its
 //! generation).
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::{MatchedPath, Request};
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
 use tracing::field::Empty;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
 use super::{enabled, parent_from_headers};
+use crate::http::held_body::hold_until_sent;
 
 /// Probes and scrapes, every few seconds from Kubernetes and Prometheus: traced, they would
 /// bury the requests' traces.
@@ -59,36 +55,5 @@ pub async fn trace_requests(request: Request, next: Next) -> Response {
     if status.is_server_error() {
         span.record("otel.status_code", "error");
     }
-    response.map(|body| {
-        Body::new(SpanBody {
-            inner: body,
-            _span: span,
-        })
-    })
-}
-
-/// A response body that holds the request's span until it is dropped (sent or abandoned).
-struct SpanBody {
-    inner: Body,
-    _span: tracing::Span,
-}
-
-impl HttpBody for SpanBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        Pin::new(&mut self.inner).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
+    hold_until_sent(response, span)
 }
