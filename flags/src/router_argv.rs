@@ -16,6 +16,8 @@ impl ServingFlags {
             max_input_tokens,
             max_total_tokens,
             max_batch_prefill_tokens,
+            prefix_caching,
+            chunked_prefill,
             max_batch_total_tokens,
             max_batch_size,
             max_concurrent_requests,
@@ -57,6 +59,8 @@ impl ServingFlags {
                 "--max-batch-prefill-tokens",
                 max_batch_prefill_tokens.map(|n| n.to_string()),
             )
+            .flag("--prefix-caching", prefix_caching.to_string())
+            .flag("--chunked-prefill", chunked_prefill.to_string())
             .flag_if_set(
                 "--max-batch-total-tokens",
                 max_batch_total_tokens.map(|n| n.to_string()),
@@ -166,6 +170,8 @@ mod tests {
             max_input_tokens: Some(1000),
             max_total_tokens: Some(2048),
             max_batch_prefill_tokens: Some(4096),
+            prefix_caching: false,
+            chunked_prefill: false,
             max_batch_total_tokens: Some(100_000),
             max_batch_size: 32,
             max_concurrent_requests: 64,

@@ -31,9 +31,24 @@ pub struct ServingFlags {
     #[arg(long, env = "QUIVER_MAX_TOTAL_TOKENS")]
     pub max_total_tokens: Option<u32>,
 
-    /// Most prompt tokens in one prefill batch (router default: max(--max-input-tokens, 4096)).
+    /// Most prompt tokens computed in one step, prefix-cache hits not counted (router default:
+    /// 4096 with chunked prefill, else max(--max-input-tokens, 4096)).
     #[arg(long, env = "QUIVER_MAX_BATCH_PREFILL_TOKENS")]
     pub max_batch_prefill_tokens: Option<u32>,
+
+    /// Share the KV of common prompt prefixes between requests of the same adapter (automatic
+    /// prefix caching: full blocks named by a hash of the adapter and every token up to them;
+    /// unreferenced cached blocks are evicted least recently used first).
+    #[arg(long, env = "QUIVER_PREFIX_CACHING", default_value_t = true,
+          action = clap::ArgAction::Set)]
+    pub prefix_caching: bool,
+
+    /// Prefill prompts longer than what is left of --max-batch-prefill-tokens in a step in
+    /// chunks over several steps, each step also decoding the running requests, so a long
+    /// prompt does not stall them.
+    #[arg(long, env = "QUIVER_CHUNKED_PREFILL", default_value_t = true,
+          action = clap::ArgAction::Set)]
+    pub chunked_prefill: bool,
 
     /// Cap on KV-cache token slots over all running requests (router default: all the shard holds).
     #[arg(long, env = "QUIVER_MAX_BATCH_TOTAL_TOKENS")]

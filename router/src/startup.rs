@@ -40,6 +40,9 @@ pub struct Settings {
     pub tool_call_parser: Option<ToolCallParser>,
     /// `--metrics-max-adapter-labels`.
     pub metrics_max_adapter_labels: usize,
+    /// `--prefix-caching`, `--chunked-prefill`.
+    pub prefix_caching: bool,
+    pub chunked_prefill: bool,
 }
 
 /// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
@@ -103,6 +106,8 @@ impl Settings {
             },
             tool_call_parser: args.serving.tool_call_parser,
             metrics_max_adapter_labels: args.serving.metrics_max_adapter_labels as usize,
+            prefix_caching: args.serving.prefix_caching,
+            chunked_prefill: args.serving.chunked_prefill,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
@@ -147,8 +152,12 @@ pub async fn start(
     base: ModelAssets,
     settings: Settings,
 ) -> Result<AppState, StartupError> {
-    let limits = Limits::resolve(settings.limits, info.max_position_embeddings)
-        .map_err(StartupError::Limits)?;
+    let limits = Limits::resolve(
+        settings.limits,
+        info.max_position_embeddings,
+        settings.chunked_prefill,
+    )
+    .map_err(StartupError::Limits)?;
     // Before the warmup: a bad --adapter-root or keys file should not cost a model warmup.
     let tenants = Tenants::new(settings.api_key.as_deref(), settings.api_keys_file.clone())
         .map_err(StartupError::ApiKeys)?;
@@ -189,6 +198,8 @@ pub async fn start(
             max_active_adapters: settings.adapters.max_active_adapters,
             preemption_wait: settings.admission.preemption_wait,
             max_queue_wait: settings.admission.max_queue_wait,
+            prefix_caching: settings.prefix_caching,
+            chunked_prefill: settings.chunked_prefill,
         },
         scheduler_metrics.clone(),
     );
@@ -295,7 +306,8 @@ async fn size_kv_cache(
 ) -> Result<KvCache, StartupError> {
     let warmup = shard
         .warmup(pb::WarmupRequest {
-            max_batch_prefill_tokens: limits.max_batch_prefill_tokens,
+            // A prompt that is never chunked (it wants prompt logprobs) is computed whole.
+            max_batch_prefill_tokens: limits.max_batch_prefill_tokens.max(limits.max_input_tokens),
             max_total_tokens: limits.max_total_tokens,
             max_batch_size: settings.max_batch_size,
             max_batch_total_tokens: settings.max_batch_total_tokens.unwrap_or(0),

@@ -88,7 +88,8 @@ async fn chat_answers_with_the_reference_tokens_and_text() {
     assert_eq!(
         response["usage"],
         json!({"prompt_tokens": prompt.len(), "completion_tokens": expected.len(),
-               "total_tokens": prompt.len() + expected.len()})
+               "total_tokens": prompt.len() + expected.len(),
+               "prompt_tokens_details": {"cached_tokens": 0}})
     );
     app.wait_idle().await;
 }
@@ -127,7 +128,17 @@ async fn chat_stream_sends_role_deltas_finish_usage_done() {
         whole["choices"][0]["finish_reason"]
     );
     assert_eq!(usage["choices"], json!([]));
-    assert_eq!(usage["usage"], whole["usage"]);
+    for count in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+        assert_eq!(usage["usage"][count], whole["usage"][count]);
+    }
+    // The same prompt again: every full block (4 tokens in the test app) but the one of its
+    // last token is a prefix-cache hit.
+    let prompt = chat_prompt_ids("Hey there");
+    assert_eq!(whole["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    assert_eq!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"],
+        (prompt.len() - 1) / 4 * 4
+    );
     for delta in &chunks[1..chunks.len() - 2] {
         assert_eq!(delta["choices"][0]["finish_reason"], Value::Null);
         assert!(delta["choices"][0]["delta"].get("role").is_none());

@@ -67,6 +67,7 @@ fn answer(setup: ResponseSetup, text: &str) -> Value {
         prompt: None,
         finish_reason: FinishReason::Stop,
         completion_tokens: 3,
+        cached_tokens: 0,
     };
     let response = chat.response(vec![FinishedChoice { index: 0, output }], Usage::new(1, 3));
     serde_json::to_value(&response.choices[0]).unwrap()

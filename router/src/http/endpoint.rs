@@ -13,7 +13,9 @@ use serde::Serialize;
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::generation::{collect_choices, start_choices, ChoiceOutput, ChoiceSettings};
+use super::generation::{
+    collect_choices, prompt_cached_tokens, start_choices, ChoiceOutput, ChoiceSettings,
+};
 use super::grammar::compile_grammar;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::key_meter::charge_when_done;
@@ -201,6 +203,7 @@ async fn answer<E: Endpoint>(
         let plan = StreamPlan {
             choices,
             prompt_tokens: valid.prompt_tokens,
+            choices_per_prompt: generated_per_prompt as usize,
             include_usage: options.include_usage,
             cutoff: state.cutoff.clone(),
         };
@@ -215,11 +218,14 @@ async fn answer<E: Endpoint>(
     };
     // Every generated token is billed, also those of choices `best_of` leaves out.
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
+    let cached: Vec<u32> = outputs.iter().map(|output| output.cached_tokens).collect();
+    let cached_tokens = prompt_cached_tokens(&cached, generated_per_prompt as usize);
     let finished = select_best(outputs, generated_per_prompt, options.n)
         .into_iter()
         .zip(0..)
         .map(|(output, index)| FinishedChoice { index, output })
         .collect();
-    let response = format.response(finished, Usage::new(valid.prompt_tokens, completion_tokens));
+    let usage = Usage::new(valid.prompt_tokens, completion_tokens).with_cached(cached_tokens);
+    let response = format.response(finished, usage);
     Ok(Json(response).into_response())
 }

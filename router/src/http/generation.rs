@@ -59,12 +59,14 @@ pub enum ChoiceEvent {
         tokens: Vec<GeneratedToken>,
     },
     /// The choice's last event: `tokens` are those not reported yet; `completion_tokens`
-    /// counts every token generated for it.
+    /// counts every token generated for it; `cached_tokens` its prompt tokens that the prefix
+    /// cache supplied.
     Finish {
         index: u32,
         reason: FinishReason,
         tokens: Vec<GeneratedToken>,
         completion_tokens: u32,
+        cached_tokens: u32,
     },
     /// The choice failed; the whole response fails with it.
     Failed(ApiError),
@@ -155,6 +157,7 @@ pub fn choice_events(
     async_stream::stream! {
         let mut pending = Vec::new();
         let mut generated = 0u32;
+        let mut cached_tokens = 0u32;
         loop {
             let event = match receiver.recv().await {
                 Some(Ok(event)) => event,
@@ -170,6 +173,7 @@ pub fn choice_events(
                 }
             };
             generated += 1;
+            cached_tokens += event.cached_tokens;
             Metrics::add(&metrics.generated_tokens_total, 1);
             outcome.timer.token();
             if generated == 1 && settings.prompt_logprobs {
@@ -184,6 +188,7 @@ pub fn choice_events(
                     reason: FinishReason::Length,
                     tokens: Vec::new(),
                     completion_tokens: 0,
+                    cached_tokens,
                 };
                 return;
             }
@@ -231,7 +236,9 @@ pub fn choice_events(
             if !text.is_empty() {
                 yield ChoiceEvent::Text { index, text, tokens: std::mem::take(&mut pending) };
             }
-            yield ChoiceEvent::Finish { index, reason, tokens: pending, completion_tokens: generated };
+            yield ChoiceEvent::Finish {
+                index, reason, tokens: pending, completion_tokens: generated, cached_tokens,
+            };
             return;
         }
     }
@@ -247,6 +254,8 @@ pub struct ChoiceOutput {
     pub prompt: Option<Vec<PromptPosition>>,
     pub finish_reason: FinishReason,
     pub completion_tokens: u32,
+    /// Prompt tokens the prefix cache supplied.
+    pub cached_tokens: u32,
 }
 
 impl ChoiceOutput {
@@ -287,6 +296,7 @@ async fn collect_choice(
                 reason,
                 tokens: new_tokens,
                 completion_tokens,
+                cached_tokens,
                 ..
             } => {
                 tokens.extend(new_tokens);
@@ -296,6 +306,7 @@ async fn collect_choice(
                     prompt,
                     finish_reason: reason,
                     completion_tokens,
+                    cached_tokens,
                 });
             }
             ChoiceEvent::Failed(error) => return Err(error),
@@ -304,4 +315,14 @@ async fn collect_choice(
     Err(ApiError::Internal(
         "a choice ended without finishing".to_owned(),
     ))
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a request whose choices come in groups of
+/// `choices_per_prompt` per prompt: each prompt counts once, as in `prompt_tokens`, with what
+/// its first choice found cached (its other choices share the blocks that one computes).
+pub fn prompt_cached_tokens(cached_per_choice: &[u32], choices_per_prompt: usize) -> u32 {
+    cached_per_choice
+        .iter()
+        .step_by(choices_per_prompt.max(1))
+        .sum()
 }

@@ -221,6 +221,7 @@ mod tests {
             prompt: None,
             finish_reason: FinishReason::Length,
             completion_tokens: logprobs.len() as u32,
+            cached_tokens: 0,
         }
     }
 

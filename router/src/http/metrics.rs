@@ -57,6 +57,11 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     Metrics::set(&metrics.prefill_steps_total, stats.prefill_steps);
     Metrics::set(&metrics.decode_steps_total, stats.decode_steps);
     Metrics::set(&metrics.preemptions_total, stats.preemptions);
+    Metrics::set(
+        &metrics.prefix_cache_queries_total,
+        stats.prefix_cache_queries,
+    );
+    Metrics::set(&metrics.prefix_cache_hits_total, stats.prefix_cache_hits);
     Metrics::set(&metrics.grammar_mask_steps, stats.grammar_steps);
     Metrics::set(&metrics.grammar_mask_ns, stats.grammar_ns);
     let mut page = metrics.render();

@@ -11,7 +11,7 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::Serialize;
 
 use super::cutoff::Cutoff;
-use super::generation::{ChoiceEvent, GeneratedToken};
+use super::generation::{prompt_cached_tokens, ChoiceEvent, GeneratedToken};
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, Usage};
 use crate::scheduler::PromptPosition;
@@ -46,6 +46,8 @@ pub enum ChoiceStep {
 pub struct StreamPlan {
     pub choices: Vec<BoxStream<'static, ChoiceEvent>>,
     pub prompt_tokens: u32,
+    /// Choices of one prompt (they come in groups): `usage` counts each prompt's cache hits once.
+    pub choices_per_prompt: usize,
     pub include_usage: bool,
     /// Ends the stream with an error event when the grace period runs out.
     pub cutoff: Cutoff,
@@ -62,6 +64,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
     let StreamPlan {
         choices,
         prompt_tokens,
+        choices_per_prompt,
         include_usage,
         cutoff,
     } = plan;
@@ -71,6 +74,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                 yield json_event(&chunk);
             }
         }
+        let mut cached_per_choice = vec![0u32; choices.len()];
         let mut events = stream::select_all(choices);
         let mut completion_tokens = 0u32;
         loop {
@@ -97,8 +101,11 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                 ChoiceEvent::Text { index, text, tokens } => {
                     (index, ChoiceStep::Text { text, tokens })
                 }
-                ChoiceEvent::Finish { index, reason, tokens, completion_tokens: generated } => {
+                ChoiceEvent::Finish { index, reason, tokens, completion_tokens: generated, cached_tokens } => {
                     completion_tokens += generated;
+                    if let Some(slot) = cached_per_choice.get_mut(index as usize) {
+                        *slot = cached_tokens;
+                    }
                     (index, ChoiceStep::Finish { reason, tokens })
                 }
                 ChoiceEvent::Failed(error) => {
@@ -115,7 +122,9 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
             }
         }
         if include_usage {
-            yield json_event(&format.usage(Usage::new(prompt_tokens, completion_tokens)));
+            let cached = prompt_cached_tokens(&cached_per_choice, choices_per_prompt);
+            let usage = Usage::new(prompt_tokens, completion_tokens).with_cached(cached);
+            yield json_event(&format.usage(usage));
         }
         yield done_event();
     }

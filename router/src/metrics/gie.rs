@@ -7,7 +7,9 @@
 //! - `vllm:cache_config_info{block_size, num_gpu_blocks}`: value 1, the facts in labels;
 //! - `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}`: value
 //!   the Unix time the lists last changed (the picker keeps the newest series). The lists are
-//!   comma-separated with no spaces: the picker splits on "," and does not trim.
+//!   comma-separated with no spaces: the picker splits on "," and does not trim;
+//! - `vllm:prefix_cache_queries_total`, `vllm:prefix_cache_hits_total`: counters of prompt
+//!   tokens (as vLLM's, for dashboards and pickers that score cache affinity by hit rate).
 
 use std::sync::atomic::Ordering;
 
@@ -52,6 +54,20 @@ pub fn render(out: &mut String, metrics: &Metrics) {
         "gauge",
         "KV-cache usage as a fraction, 1 is full (GIE KVCacheUtilization).",
         usage,
+    );
+    text::single(
+        out,
+        "vllm:prefix_cache_queries_total",
+        "counter",
+        "Prompt tokens looked up in the prefix cache (as quiver_prefix_cache_queries_total).",
+        load(&metrics.prefix_cache_queries_total),
+    );
+    text::single(
+        out,
+        "vllm:prefix_cache_hits_total",
+        "counter",
+        "Prompt tokens found in the prefix cache (as quiver_prefix_cache_hits_total).",
+        load(&metrics.prefix_cache_hits_total),
     );
     let name = "vllm:cache_config_info";
     text::header(

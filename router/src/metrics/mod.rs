@@ -44,6 +44,9 @@ pub struct Metrics {
     pub prefill_steps_total: AtomicU64,
     pub decode_steps_total: AtomicU64,
     pub preemptions_total: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    pub prefix_cache_queries_total: AtomicU64,
+    pub prefix_cache_hits_total: AtomicU64,
     pub adapters_active: AtomicU64,
     pub adapter_slots: AtomicU64,
     /// Steps with a grammar in the batch, and the shard's time computing and applying their
@@ -89,6 +92,8 @@ impl Metrics {
             prefill_steps_total: zero(),
             decode_steps_total: zero(),
             preemptions_total: zero(),
+            prefix_cache_queries_total: zero(),
+            prefix_cache_hits_total: zero(),
             adapters_active: zero(),
             adapter_slots: zero(),
             grammar_mask_steps: zero(),
@@ -115,7 +120,7 @@ impl Metrics {
         counter.fetch_add(value, Ordering::Relaxed);
     }
 
-    fn series(&self) -> [(Series, &AtomicU64); 13] {
+    fn series(&self) -> [(Series, &AtomicU64); 15] {
         let s = |name, kind, help| Series { name, kind, help };
         [
             (
@@ -205,6 +210,22 @@ impl Metrics {
                     "Running requests preempted to make room for a request that waited too long.",
                 ),
                 &self.preemptions_total,
+            ),
+            (
+                s(
+                    "quiver_prefix_cache_queries_total",
+                    "counter",
+                    "Prompt tokens looked up in the prefix cache (requests that ask for prompt logprobs are not).",
+                ),
+                &self.prefix_cache_queries_total,
+            ),
+            (
+                s(
+                    "quiver_prefix_cache_hits_total",
+                    "counter",
+                    "Prompt tokens whose KV the prefix cache supplied; hits over queries is the hit rate.",
+                ),
+                &self.prefix_cache_hits_total,
             ),
             (
                 s(

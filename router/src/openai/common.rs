@@ -130,6 +130,15 @@ pub struct Usage {
     pub prompt_tokens: u32,
     pub completion_tokens: u32,
     pub total_tokens: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+}
+
+/// What OpenAI reports of the prompt beyond its length: here, the prompt tokens whose KV came
+/// from the prefix cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct PromptTokensDetails {
+    pub cached_tokens: u32,
 }
 
 impl Usage {
@@ -138,6 +147,15 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
+        }
+    }
+
+    /// With `prompt_tokens_details.cached_tokens`.
+    pub fn with_cached(self, cached_tokens: u32) -> Self {
+        Self {
+            prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
+            ..self
         }
     }
 }

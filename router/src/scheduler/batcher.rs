@@ -19,8 +19,9 @@ use opentelemetry::KeyValue;
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
-use super::blocks::{BlockAllocation, BlockAllocator};
+use super::blocks::{BlockAllocation, BlockAllocator, BlockHash};
 use super::preemption::Starved;
+use super::prefix_hash::block_hashes;
 use super::queue::{Admit, Keyed, Queue};
 use super::slots::AdapterSlots;
 use super::{
@@ -64,6 +65,9 @@ pub(super) struct Entry {
     pub(super) resumed_after: u32,
     /// Its request's trace (None when tracing is off).
     pub(super) trace: Option<RequestTrace>,
+    /// Names of its prompt's full blocks for the prefix cache (empty when that is off); set by
+    /// the batcher when the entry is queued.
+    pub(super) block_hashes: Vec<BlockHash>,
 }
 
 impl Entry {
@@ -83,6 +87,7 @@ impl Entry {
             permit,
             resumed_after: 0,
             trace: None,
+            block_hashes: Vec::new(),
         }
     }
 
@@ -105,6 +110,10 @@ struct Admission {
     blocks: BlockAllocation,
     /// Its adapter's device slot (`None` for the base model).
     slot: Option<usize>,
+    /// Leading prompt tokens found in the prefix cache (whole blocks).
+    cached_tokens: u32,
+    /// End of the prompt part this step computes (the whole prompt unless chunked).
+    prefill_until: u32,
 }
 
 /// A request whose KV lives in the shard.
@@ -123,9 +132,20 @@ pub(super) struct Running {
     /// Tokens generated before this prefill (see `Entry::resumed_after`).
     pub(super) resumed_after: u32,
     pub(super) trace: Option<RequestTrace>,
+    /// Prompt tokens whose KV the shard has (or computes in the step under way); below the
+    /// prompt's length while its prefill goes on in chunks (it is then in `prefilling`, not in
+    /// the shard's batch).
+    pub(super) prefilled: u32,
+    /// Prompt tokens the prefix cache supplied at admission (reported in `usage`).
+    pub(super) cached_tokens: u32,
+    pub(super) block_hashes: Vec<BlockHash>,
 }
 
 impl Running {
+    fn prompt_len(&self) -> u32 {
+        self.request.input_ids.len() as u32
+    }
+
     /// Whether `token`, the request's latest token, ends it. EOS and stop tokens count only
     /// once at least `min_tokens` tokens came before them (as vLLM's `min_tokens`);
     /// `ignore_eos` ignores EOS, not the stop tokens the client named. One that is also the
@@ -197,8 +217,15 @@ pub(super) struct Batcher {
     unloads: Vec<PendingUnload>,
     /// Every request the shard holds KV for, by id.
     pub(super) active: HashMap<u64, Running>,
-    /// The shard's running batch (all of `active` between steps).
+    /// The shard's running batch (between steps, all of `active` but `prefilling`).
     pub(super) running: Option<pb::CachedBatch>,
+    /// Active requests whose prompt is prefilled in chunks and not done yet, oldest first;
+    /// they are in no shard batch.
+    pub(super) prefilling: Vec<u64>,
+    /// Blocks the step under way registered in the prefix cache.
+    step_registered: Vec<u32>,
+    /// How many times each adapter id was unloaded: part of its blocks' prefix-cache names.
+    pub(super) adapter_epochs: HashMap<String, u64>,
     next_batch_id: u64,
     pub(super) gauges: Arc<Gauges>,
     /// A queue head that waited past `preemption_wait` for blocks or a batch slot in the last
@@ -225,6 +252,9 @@ impl Batcher {
             unloads: Vec::new(),
             active: HashMap::new(),
             running: None,
+            prefilling: Vec::new(),
+            step_registered: Vec::new(),
+            adapter_epochs: HashMap::new(),
             next_batch_id: 0,
             gauges,
             starved: None,
@@ -239,7 +269,7 @@ impl Batcher {
             if !self.unloads.is_empty() {
                 self.finish_unloads().await;
             }
-            if self.running.is_none() && self.queue.is_empty() {
+            if self.running.is_none() && self.queue.is_empty() && self.prefilling.is_empty() {
                 // Idle: sleep until a command arrives, or stop once every handle is gone.
                 if !self.wait_for_command().await {
                     break;
@@ -248,8 +278,10 @@ impl Batcher {
             }
             let waiting = self.queue.len();
             let new_batch = self.prefill_waiting().await;
-            let stuck =
-                new_batch.is_none() && self.running.is_none() && self.queue.len() == waiting;
+            let stuck = new_batch.is_none()
+                && self.running.is_none()
+                && self.prefilling.is_empty()
+                && self.queue.len() == waiting;
             self.decode(new_batch).await;
             self.publish_gauges();
             if stuck {
@@ -301,10 +333,13 @@ impl Batcher {
         }
     }
 
-    /// Prefills the waiting requests that fit; returns the new cached batch, if any is left
-    /// after its first tokens.
+    /// Runs one Prefill: the next chunks of prompts whose prefill goes on, then the waiting
+    /// requests that fit, within `max_batch_prefill_tokens` computed tokens (prefix-cache hits
+    /// are not computed). Returns the new cached batch of the requests whose prompt is done, if
+    /// any is left after its first token.
     async fn prefill_waiting(&mut self) -> Option<pb::CachedBatch> {
-        if self.queue.is_empty() {
+        self.drop_gone_prefilling();
+        if self.queue.is_empty() && self.prefilling.is_empty() {
             return None;
         }
         // A client that left while queued never reaches the shard.
@@ -313,125 +348,48 @@ impl Batcher {
         if let Some(starved) = self.starved.take() {
             self.preempt_for(starved).await;
         }
-        let queue = &self.queue;
-        let slots = &mut self.resources.slots;
-        slots.drop_reservations_unless(|adapter| queue.has_waiting(adapter));
-        let max_batch_size = self.config.max_batch_size.max(1) as usize;
-        let mut room = max_batch_size.saturating_sub(self.active.len());
-        let token_budget = u64::from(self.config.max_batch_prefill_tokens);
-        let mut prefill_tokens = 0u64;
-        let mut admitted_count = 0usize;
-        let mut activations = Vec::new();
-        let mut waiting_for_slot = Vec::new();
-        let mut starved = None;
-        let patience = self.config.preemption_wait;
-        let now = Instant::now();
-        let Resources { allocator, slots } = &mut self.resources;
-        let admitted = self.queue.next_batch(|entry| {
-            let waited_too_long = now.duration_since(entry.queued_at) >= patience;
-            if room == 0 {
-                if waited_too_long {
-                    starved = Some(Starved::new(entry.blocks_needed, true));
-                }
-                return Admit::Stop;
-            }
-            let prompt = entry.request.input_ids.len() as u64;
-            // The first request of a batch goes in whatever its length, or it could never run.
-            if admitted_count > 0 && prefill_tokens + prompt > token_budget {
-                return Admit::Stop;
-            }
-            let adapter = entry.request.adapter_id.as_str();
-            let slot = if adapter.is_empty() {
-                None
-            } else if let Some(slot) = slots.find(adapter) {
-                Some(slot)
-            } else {
-                waiting_for_slot.push(adapter.to_owned());
-                return Admit::Skip;
-            };
-            let Some(blocks) = allocator.allocate(entry.blocks_needed) else {
-                if waited_too_long {
-                    starved = Some(Starved::new(entry.blocks_needed, false));
-                }
-                return Admit::Stop;
-            };
-            if let Some(slot) = slot {
-                if let Some(evicted) = slots.claim(slot, adapter) {
-                    activations.push(Activation::new(slot, adapter, evicted));
-                }
-            }
-            room -= 1;
-            admitted_count += 1;
-            prefill_tokens += prompt;
-            Admit::Take(Admission { blocks, slot })
-        });
-        if !waiting_for_slot.is_empty() {
-            slots.reserve(&waiting_for_slot);
-        }
-        self.starved = starved;
-        let admitted = self.activate(activations, admitted).await;
-        if admitted.is_empty() {
+        self.step_registered.clear();
+        let mut budget = u64::from(self.config.max_batch_prefill_tokens.max(1));
+        let chunks = self.next_chunks(&mut budget);
+        let admitted = self.admit_waiting(budget, !chunks.is_empty()).await;
+        if admitted.is_empty() && chunks.is_empty() {
             return None;
         }
 
         let batch_id = self.next_batch_id;
         self.next_batch_id += 1;
-        let mut ids = Vec::with_capacity(admitted.len());
-        let mut requests = Vec::with_capacity(admitted.len());
-        for (entry, Admission { blocks, slot }) in admitted {
-            let Entry {
-                id,
-                request,
-                events,
-                queued_at,
-                permit,
-                resumed_after,
-                trace,
-                ..
-            } = entry;
-            if resumed_after == 0 {
-                self.gauges
-                    .observed
-                    .queue_wait(&request.adapter_id, queued_at.elapsed());
-            }
-            if let Some(trace) = &trace {
-                trace.admitted(resumed_after);
-            }
-            tracing::debug!(
-                request_id = id,
-                batch_id,
-                queue_ms = queued_at.elapsed().as_millis() as u64,
-                resumed_after,
-                "request admitted"
-            );
-            requests.push(pb::Request {
-                id,
-                input_ids: request.input_ids.clone(),
-                blocks: blocks.ids().to_vec(),
-                sampling: Some(sampling_to_pb(&request, resumed_after)),
-                max_new_tokens: request.max_new_tokens,
-                adapter_id: request.adapter_id.clone(),
-                // A resumed request reported its prompt's logprobs before it was preempted.
-                prompt_logprobs: request.prompt_logprobs.filter(|_| resumed_after == 0),
-                grammar: request.grammar.clone(),
-            });
+        let mut ids = Vec::with_capacity(chunks.len() + admitted.len());
+        let mut requests = Vec::with_capacity(ids.capacity());
+        let mut prefill_tokens = 0u64;
+        for (id, from, until) in chunks {
+            let running = &self.active[&id];
+            requests.push(running.to_pb(id, from, until));
+            prefill_tokens += u64::from(until - from);
             ids.push(id);
-            self.active.insert(
-                id,
-                Running {
-                    events,
-                    blocks,
-                    slot,
-                    permit,
-                    request,
-                    tokens: Vec::new(),
-                    admitted_at: Instant::now(),
-                    resumed_after,
-                    trace,
-                },
-            );
         }
-        tracing::debug!(batch_id, size = ids.len(), prefill_tokens, "prefill");
+        for (entry, admission) in admitted {
+            let id = entry.id;
+            let running = self.start_running(entry, admission);
+            requests.push(running.to_pb(id, running.cached_tokens, running.prefilled));
+            prefill_tokens += u64::from(running.prefilled - running.cached_tokens);
+            if running.prefilled < running.prompt_len() {
+                self.prefilling.push(id);
+            }
+            self.active.insert(id, running);
+            ids.push(id);
+        }
+        let finals: Vec<u64> = requests
+            .iter()
+            .filter(|r| r.prefill_until == 0)
+            .map(|r| r.id)
+            .collect();
+        tracing::debug!(
+            batch_id,
+            size = ids.len(),
+            finals = finals.len(),
+            prefill_tokens,
+            "prefill"
+        );
 
         self.gauges.observed.prefill_batch(requests.len());
         let request = pb::PrefillRequest { batch_id, requests };
@@ -445,27 +403,260 @@ impl Batcher {
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }
-        match outcome {
+        let error = match outcome {
             Ok(response) => {
+                self.prefilling.retain(|id| !finals.contains(id));
                 self.gauges.record_grammar(response.grammar_ns);
                 self.on_generations(&response.generations);
                 match response.batch {
-                    Some(batch) if batch.request_ids.len() == ids.len() => {
-                        self.drop_finished(batch).await
+                    Some(batch) if batch.request_ids == finals => {
+                        if finals.is_empty() {
+                            return None;
+                        }
+                        return self.drop_finished(batch).await;
                     }
+                    None if finals.is_empty() => return None,
                     // A batch that lost requests would leave their blocks held for good.
-                    _ => {
-                        let error = protocol_error("Prefill did not return the whole batch");
-                        self.fail_batch(batch_id, &ids, &error).await;
-                        None
-                    }
+                    _ => protocol_error("Prefill did not return the batch of finished prompts"),
                 }
             }
-            Err(error) => {
-                self.fail_batch(batch_id, &ids, &error).await;
+            Err(error) => error,
+        };
+        // What this step registered in the prefix cache was never computed.
+        for block in std::mem::take(&mut self.step_registered) {
+            self.resources.allocator.unregister(block);
+        }
+        self.prefilling.retain(|id| !ids.contains(id));
+        self.fail_batch(batch_id, &ids, &error).await;
+        None
+    }
+
+    /// The next chunk of each prompt whose prefill goes on, oldest first, within `budget`:
+    /// (request id, from, until).
+    fn next_chunks(&mut self, budget: &mut u64) -> Vec<(u64, u32, u32)> {
+        let mut chunks = Vec::new();
+        for &id in &self.prefilling {
+            if *budget == 0 {
+                break;
+            }
+            let running = self
+                .active
+                .get_mut(&id)
+                .expect("prefilling requests are active");
+            let from = running.prefilled;
+            let take = u64::from(running.prompt_len() - from).min(*budget) as u32;
+            running.prefilled = from + take;
+            *budget -= u64::from(take);
+            register_computed(
+                &mut self.resources.allocator,
+                &mut self.step_registered,
+                running.blocks.ids(),
+                &running.block_hashes,
+                from,
+                from + take,
+                self.config.block_size,
+            );
+            chunks.push((id, from, from + take));
+        }
+        chunks
+    }
+
+    /// Takes the waiting requests that fit into this step (`budget` computed prompt tokens
+    /// left; `busy`: chunks of earlier prompts are in it already) and activates their adapters.
+    async fn admit_waiting(&mut self, budget: u64, busy: bool) -> Vec<(Entry, Admission)> {
+        if self.queue.is_empty() {
+            return Vec::new();
+        }
+        let queue = &self.queue;
+        let slots = &mut self.resources.slots;
+        slots.drop_reservations_unless(|adapter| queue.has_waiting(adapter));
+        let max_batch_size = self.config.max_batch_size.max(1) as usize;
+        let mut room = max_batch_size.saturating_sub(self.active.len());
+        let mut budget_left = budget;
+        let mut admitted_count = usize::from(busy);
+        let mut activations = Vec::new();
+        let mut waiting_for_slot = Vec::new();
+        let mut starved = None;
+        let patience = self.config.preemption_wait;
+        let block_size = self.config.block_size.max(1);
+        let chunked = self.config.chunked_prefill;
+        let now = Instant::now();
+        let Resources { allocator, slots } = &mut self.resources;
+        let registered = &mut self.step_registered;
+        let (mut queried, mut hit) = (0u64, 0u64);
+        let admitted = self.queue.next_batch(|entry| {
+            let waited_too_long = now.duration_since(entry.queued_at) >= patience;
+            if room == 0 {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, true));
+                }
+                return Admit::Stop;
+            }
+            if budget_left == 0 {
+                return Admit::Stop;
+            }
+            let request = &entry.request;
+            let prompt = request.input_ids.len() as u32;
+            // At least the last prompt token is computed: its logits give the first token. A
+            // request that wants the prompt's logprobs computes every prompt token.
+            let reusable: &[BlockHash] = if request.prompt_logprobs.is_some() {
+                &[]
+            } else {
+                let most = ((prompt - 1) / block_size) as usize;
+                &entry.block_hashes[..most.min(entry.block_hashes.len())]
+            };
+            let cached = allocator.cached_prefix_len(reusable) * block_size;
+            let needed = u64::from(prompt - cached);
+            // Prompt logprobs come from one pass over the whole prompt: never chunked.
+            let chunkable = chunked && request.prompt_logprobs.is_none();
+            let until = if needed <= budget_left {
+                prompt
+            } else if chunkable {
+                cached + budget_left as u32
+            } else if admitted_count == 0 {
+                // The first request of a step goes in whatever its length, or it never could.
+                prompt
+            } else {
+                return Admit::Stop;
+            };
+            let adapter = request.adapter_id.as_str();
+            let slot = if adapter.is_empty() {
                 None
+            } else if let Some(slot) = slots.find(adapter) {
+                Some(slot)
+            } else {
+                waiting_for_slot.push(adapter.to_owned());
+                return Admit::Skip;
+            };
+            let Some((blocks, hits)) =
+                allocator.allocate_with_prefix(reusable, entry.blocks_needed)
+            else {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, false));
+                }
+                return Admit::Stop;
+            };
+            debug_assert_eq!(hits * block_size, cached);
+            if let Some(slot) = slot {
+                if let Some(evicted) = slots.claim(slot, adapter) {
+                    activations.push(Activation::new(slot, adapter, evicted));
+                }
+            }
+            if !entry.block_hashes.is_empty() && request.prompt_logprobs.is_none() {
+                queried += u64::from(prompt);
+                hit += u64::from(cached);
+            }
+            register_computed(
+                allocator,
+                registered,
+                blocks.ids(),
+                &entry.block_hashes,
+                cached,
+                until,
+                block_size,
+            );
+            room -= 1;
+            admitted_count += 1;
+            budget_left = budget_left.saturating_sub(u64::from(until - cached));
+            Admit::Take(Admission {
+                blocks,
+                slot,
+                cached_tokens: cached,
+                prefill_until: until,
+            })
+        });
+        if !waiting_for_slot.is_empty() {
+            slots.reserve(&waiting_for_slot);
+        }
+        self.starved = starved;
+        self.gauges
+            .prefix_queries
+            .fetch_add(queried, Ordering::Relaxed);
+        self.gauges.prefix_hits.fetch_add(hit, Ordering::Relaxed);
+        self.activate(activations, admitted).await
+    }
+
+    /// A request taken from the queue, as the batcher keeps it from its first prefill on.
+    fn start_running(&self, entry: Entry, admission: Admission) -> Running {
+        let Entry {
+            id,
+            request,
+            events,
+            queued_at,
+            permit,
+            resumed_after,
+            trace,
+            block_hashes,
+            ..
+        } = entry;
+        if resumed_after == 0 {
+            self.gauges
+                .observed
+                .queue_wait(&request.adapter_id, queued_at.elapsed());
+        }
+        if let Some(trace) = &trace {
+            trace.admitted(resumed_after);
+        }
+        tracing::debug!(
+            request_id = id,
+            queue_ms = queued_at.elapsed().as_millis() as u64,
+            resumed_after,
+            cached_tokens = admission.cached_tokens,
+            "request admitted"
+        );
+        Running {
+            events,
+            blocks: admission.blocks,
+            slot: admission.slot,
+            permit,
+            request,
+            tokens: Vec::new(),
+            admitted_at: Instant::now(),
+            resumed_after,
+            trace,
+            prefilled: admission.prefill_until,
+            cached_tokens: admission.cached_tokens,
+            block_hashes,
+        }
+    }
+
+    /// Releases the requests mid-prefill whose client left (they are in no shard batch).
+    fn drop_gone_prefilling(&mut self) {
+        let active = &self.active;
+        let gone: Vec<u64> = self
+            .prefilling
+            .iter()
+            .copied()
+            .filter(|id| active.get(id).is_some_and(|r| r.events.is_closed()))
+            .collect();
+        for id in gone {
+            self.prefilling.retain(|&p| p != id);
+            if let Some(running) = self.active.remove(&id) {
+                tracing::debug!(
+                    request_id = id,
+                    "client gone mid-prefill; request cancelled"
+                );
+                self.resources.release(running);
             }
         }
+    }
+
+    /// The names of `request`'s full prompt blocks for the prefix cache (none when it is off).
+    pub(super) fn prefix_hashes(&self, request: &GenerationRequest) -> Vec<BlockHash> {
+        if !self.config.prefix_caching {
+            return Vec::new();
+        }
+        let epoch = self
+            .adapter_epochs
+            .get(&request.adapter_id)
+            .copied()
+            .unwrap_or(0);
+        block_hashes(
+            &request.adapter_id,
+            epoch,
+            &request.input_ids,
+            self.config.block_size,
+        )
     }
 
     /// One decode step over the running batch and the newly prefilled one.
@@ -535,7 +726,9 @@ impl Batcher {
             };
             running.tokens.push(generation.token_id);
             let finish = running.finish_reason(generation.token_id);
+            let first = running.tokens.len() == 1 && running.resumed_after == 0;
             let event = TokenEvent {
+                cached_tokens: if first { running.cached_tokens } else { 0 },
                 token_id: generation.token_id,
                 logprob: generation.logprob,
                 top_logprobs: generation.top_logprobs.iter().map(Into::into).collect(),
@@ -620,6 +813,7 @@ impl Batcher {
             let _ = events.send(Err(GenerationError::Shard(message.clone())));
         }
         self.running = None;
+        self.prefilling.clear();
         self.clear_cache(None).await;
     }
 
@@ -628,6 +822,52 @@ impl Batcher {
         let request = pb::ClearCacheRequest { batch_id };
         if let Err(error) = self.shard.clear_cache(request).await {
             tracing::warn!(?batch_id, %error, "ClearCache failed");
+        }
+    }
+}
+
+impl Running {
+    /// The shard's view of this request for a Prefill computing prompt tokens `from..until`.
+    fn to_pb(&self, id: u64, from: u32, until: u32) -> pb::Request {
+        let request = &self.request;
+        pb::Request {
+            id,
+            input_ids: request.input_ids.clone(),
+            blocks: self.blocks.ids().to_vec(),
+            sampling: Some(sampling_to_pb(request, self.resumed_after)),
+            max_new_tokens: request.max_new_tokens,
+            adapter_id: request.adapter_id.clone(),
+            // A resumed request reported its prompt's logprobs before it was preempted.
+            prompt_logprobs: request.prompt_logprobs.filter(|_| self.resumed_after == 0),
+            grammar: request.grammar.clone(),
+            cached_tokens: from,
+            prefill_until: if until < self.prompt_len() { until } else { 0 },
+        }
+    }
+}
+
+/// Registers in the prefix cache the full blocks among prompt tokens `from..until` that a
+/// Prefill is about to compute, noting them in `registered` so a failed step can take them
+/// back. Later requests (in this very Prefill too: the shard writes a layer's KV before any
+/// attention of that layer reads it) may then share them.
+fn register_computed(
+    allocator: &mut BlockAllocator,
+    registered: &mut Vec<u32>,
+    blocks: &[u32],
+    hashes: &[BlockHash],
+    from: u32,
+    until: u32,
+    block_size: u32,
+) {
+    let first = (from / block_size) as usize;
+    let end = ((until / block_size) as usize).min(hashes.len());
+    for index in first..end {
+        let block = blocks[index];
+        if !allocator.is_cached(block) {
+            allocator.register(block, hashes[index]);
+            if allocator.is_cached(block) {
+                registered.push(block);
+            }
         }
     }
 }

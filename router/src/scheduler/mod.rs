@@ -24,6 +24,7 @@ mod batcher;
 mod blocks;
 mod logprobs;
 mod preemption;
+mod prefix_hash;
 mod queue;
 mod slots;
 
@@ -31,6 +32,8 @@ mod slots;
 mod adapter_tests;
 #[cfg(test)]
 mod preemption_tests;
+#[cfg(test)]
+mod prefix_tests;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]
@@ -122,6 +125,8 @@ pub struct TokenEvent {
     /// after the first.
     pub prompt_logprobs: Vec<PromptPosition>,
     pub finish: Option<FinishReason>,
+    /// First event only: prompt tokens whose KV came from the prefix cache.
+    pub cached_tokens: u32,
 }
 
 /// Why a running request failed (shard error, shutdown).
@@ -195,6 +200,11 @@ pub struct SchedulerConfig {
     pub preemption_wait: Duration,
     /// Queued requests that have not started after this long fail with `QueueTimeout`.
     pub max_queue_wait: Option<Duration>,
+    /// Share the KV of full prompt blocks between requests of the same adapter and prefix.
+    pub prefix_caching: bool,
+    /// Prefill prompts longer than a step's `max_batch_prefill_tokens` in chunks over several
+    /// steps, each step also decoding the running requests.
+    pub chunked_prefill: bool,
 }
 
 impl SchedulerConfig {
@@ -231,6 +241,9 @@ pub struct SchedulerStats {
     /// Steps whose batch had a grammar, and the time the shard spent on grammar masks in them.
     pub grammar_steps: u64,
     pub grammar_ns: u64,
+    /// Prompt tokens looked up in the prefix cache since start, and those it had.
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
 }
 
 /// Load figures the batcher publishes after every step (read without asking the loop).
@@ -245,6 +258,9 @@ struct Gauges {
     preemptions: AtomicU64,
     grammar_steps: AtomicU64,
     grammar_ns: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and those found there.
+    prefix_queries: AtomicU64,
+    prefix_hits: AtomicU64,
     /// Histograms, adapter counters and the GIE adapter lists (shared with `/metrics`).
     observed: Arc<SchedulerMetrics>,
 }
@@ -454,6 +470,8 @@ impl Scheduler {
             preemptions: gauges.preemptions.load(Ordering::Relaxed),
             grammar_steps: gauges.grammar_steps.load(Ordering::Relaxed),
             grammar_ns: gauges.grammar_ns.load(Ordering::Relaxed),
+            prefix_cache_queries: gauges.prefix_queries.load(Ordering::Relaxed),
+            prefix_cache_hits: gauges.prefix_hits.load(Ordering::Relaxed),
         }
     }
 }

@@ -79,6 +79,8 @@ impl Batcher {
             .active
             .iter()
             .filter(|(_, running)| now.duration_since(running.admitted_at) >= patience)
+            // A prompt still being prefilled is in no shard batch to take it out of.
+            .filter(|(_, running)| running.prefilled == running.request.input_ids.len() as u32)
             .map(|(&id, running)| (running.blocks.len(), id))
             .collect();
         // Most blocks first; among equals the newest (highest id), which has done least work.
@@ -100,7 +102,7 @@ impl Batcher {
 
     /// Takes `victims` out of the running batch on the shard and queues them again.
     async fn preempt(&mut self, victims: &[u64]) {
-        // Between steps every active request is in the running batch.
+        // Victims are in the running batch (none is mid-prefill).
         let Some(mut batch) = self.running.take() else {
             return;
         };
@@ -166,6 +168,7 @@ impl Batcher {
         request.max_new_tokens = request.max_new_tokens.saturating_sub(generated);
         request.min_tokens = request.min_tokens.saturating_sub(generated);
         let mut entry = Entry::new(id, request, blocks_needed, events, permit);
+        entry.block_hashes = self.prefix_hashes(&entry.request);
         entry.resumed_after = resumed_after + generated;
         entry.trace = trace.map(|mut trace| {
             trace.requeued();

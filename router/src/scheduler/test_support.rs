@@ -24,6 +24,8 @@ pub(super) fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
         max_active_adapters: 0,
         preemption_wait: Duration::from_secs(3600),
         max_queue_wait: None,
+        prefix_caching: true,
+        chunked_prefill: true,
     }
 }
 

@@ -253,6 +253,8 @@ async fn batch_size_and_prefill_budget_are_respected() {
     let mut config = config(16, 256);
     config.max_batch_size = 3;
     config.max_batch_prefill_tokens = 8;
+    // Whole prompts only: chunked prefill would split them across steps.
+    config.chunked_prefill = false;
     let scheduler = start(&shard, config);
     let receivers: Vec<_> = (0..9u32)
         .map(|i| scheduler.submit(request(&[i, i, i, i, i], 4)).unwrap())

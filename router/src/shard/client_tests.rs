@@ -188,6 +188,8 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
         adapter_id: String::new(),
         prompt_logprobs: None,
         grammar: None,
+        cached_tokens: 0,
+        prefill_until: 0,
     }
 }
 
@@ -312,6 +314,8 @@ async fn the_scheduler_runs_over_grpc() {
         max_active_adapters: 0,
         preemption_wait: std::time::Duration::from_millis(500),
         max_queue_wait: None,
+        prefix_caching: true,
+        chunked_prefill: true,
     };
     let scheduler = Scheduler::start(Arc::new(client), config);
     let mut events = scheduler

@@ -23,7 +23,11 @@
 //! cache, a block used twice (by one request, or by two live requests), a Decode whose batch
 //! does not list exactly the requests the shard holds, a Decode past a request's
 //! `max_new_tokens`, a FilterBatch keeping a request that is not in the batch, a request whose
-//! adapter is not active in a slot. A call that fails changes nothing (except a failed
+//! adapter is not active in a slot, a `cached_tokens` whose cache positions do not hold the
+//! KV of that adapter and those exact prompt tokens (`fake/kv_content.rs`: every written slot
+//! keeps a digest of what its real KV would depend on). Blocks may be shared only within a
+//! request's cached prefix. A chunk (`prefill_until` short of the prompt) writes its KV and
+//! is not kept. A call that fails changes nothing (except a failed
 //! activation, which leaves its slot empty, as a half-written slot would be on a real shard).
 //! The adapter RPCs and their own checks are described in `fake/adapters.rs`.
 //!
@@ -42,9 +46,11 @@ use super::{ShardBackend, ShardError, ShardResult};
 use crate::pb;
 
 mod adapters;
+mod kv_content;
 mod logprobs;
 
 use adapters::AdapterState;
+use kv_content::{next_digest, prefix_digests, KvContent};
 pub use logprobs::{fake_logprob, fake_seeded_first_token};
 use logprobs::{fake_top, prompt_positions};
 
@@ -124,6 +130,10 @@ struct LiveRequest {
     shift: u32,
     /// Alternatives reported with each token.
     top_logprobs: u32,
+    /// Tokens whose KV is in the cache (where the next fed token is written), and the digest
+    /// of the adapter and every token up to the last of them (`fake/kv_content.rs`).
+    cached_len: usize,
+    digest: u64,
 }
 
 #[derive(Debug, Default)]
@@ -131,8 +141,10 @@ struct State {
     /// Live batch id → its requests, in batch order.
     batches: HashMap<u64, Vec<u64>>,
     requests: HashMap<u64, LiveRequest>,
-    /// Block id → the live request holding it.
-    block_owner: HashMap<u32, u64>,
+    /// Block id → the live requests holding it (more than one only for a shared prefix).
+    block_owner: HashMap<u32, HashSet<u64>>,
+    /// What every written KV slot holds.
+    kv: KvContent,
     fail_next: Option<FakeRpc>,
     stats: FakeShardStats,
     adapters: AdapterState,
@@ -312,6 +324,22 @@ impl FakeShard {
         if request.max_new_tokens == 0 {
             return Err(invalid(format!("request {id} asks for no new tokens")));
         }
+        let prompt = request.input_ids.len() as u32;
+        if request.cached_tokens >= prompt
+            || (request.prefill_until != 0
+                && !(request.cached_tokens < request.prefill_until
+                    && request.prefill_until <= prompt))
+        {
+            return Err(invalid(format!(
+                "request {id}: cached_tokens {} and prefill_until {} do not fit a prompt of {prompt}",
+                request.cached_tokens, request.prefill_until
+            )));
+        }
+        if request.cached_tokens > 0 && request.prompt_logprobs.is_some() {
+            return Err(invalid(format!(
+                "request {id}: prompt logprobs need the whole prompt computed"
+            )));
+        }
         let needed = request.input_ids.len() as u64 + u64::from(request.max_new_tokens);
         let capacity = request.blocks.len() as u64 * u64::from(self.block_size);
         if capacity < needed {
@@ -326,10 +354,14 @@ impl FakeShard {
                     self.num_blocks
                 )));
             }
-            if let Some(owner) = state.block_owner.get(&block) {
-                return Err(invalid(format!(
-                    "request {id}: block {block} is in use by request {owner}"
-                )));
+            // The leading blocks of a cached prefix are only read: others may hold them.
+            let shared = (i as u64) * u64::from(self.block_size) < u64::from(request.cached_tokens);
+            if let Some(owner) = state.block_owner.get(&block).and_then(|o| o.iter().next()) {
+                if !shared {
+                    return Err(invalid(format!(
+                        "request {id}: block {block} is in use by request {owner}"
+                    )));
+                }
             }
             if request.blocks[..i].contains(&block) {
                 return Err(invalid(format!("request {id}: block {block} listed twice")));
@@ -362,13 +394,47 @@ impl FakeShard {
             if !new_ids.insert(r.id) {
                 return Err(invalid(format!("request {} listed twice", r.id)));
             }
-            if let Some(block) = r.blocks.iter().find(|b| !new_blocks.insert(**b)) {
+            let shared = (r.cached_tokens as usize).div_ceil(self.block_size as usize);
+            if let Some(block) = r.blocks[shared.min(r.blocks.len())..]
+                .iter()
+                .find(|b| !new_blocks.insert(**b))
+            {
                 return Err(invalid(format!("block {block} given to two new requests")));
+            }
+        }
+        // Every request's own KV is written before any reads the cache, as on the real shard,
+        // so one may share a prefix another of this call computes.
+        let before = state.kv.clone();
+        let mut digests = Vec::with_capacity(request.requests.len());
+        for r in &request.requests {
+            let d = prefix_digests(&r.adapter_id, &r.input_ids);
+            let until = until_of(r);
+            state.kv.write(
+                &r.blocks,
+                self.block_size,
+                &d,
+                r.cached_tokens as usize,
+                until,
+            );
+            digests.push(d);
+        }
+        for (r, d) in request.requests.iter().zip(&digests) {
+            if let Err(message) =
+                state
+                    .kv
+                    .check(&r.blocks, self.block_size, d, r.cached_tokens as usize)
+            {
+                state.kv = before;
+                return Err(invalid(format!("request {}: {message}", r.id)));
             }
         }
         let mut generations = Vec::with_capacity(request.requests.len());
         let mut ids = Vec::with_capacity(request.requests.len());
-        for r in request.requests {
+        for (r, d) in request.requests.into_iter().zip(digests) {
+            if until_of(&r) < r.input_ids.len() {
+                // A chunk: its KV is written, nothing else is kept.
+                continue;
+            }
             let last_prompt_token = *r.input_ids.last().unwrap_or(&0);
             let shift = fake_adapter_shift(&r.adapter_id, self.vocab_size);
             let top = r.sampling.as_ref().map_or(0, |s| s.top_logprobs);
@@ -386,7 +452,7 @@ impl FakeShard {
                 generation.prompt_logprobs = prompt_positions(&r.input_ids, k, self.vocab_size);
             }
             for &block in &r.blocks {
-                state.block_owner.insert(block, r.id);
+                state.block_owner.entry(block).or_default().insert(r.id);
             }
             state.requests.insert(
                 r.id,
@@ -398,12 +464,16 @@ impl FakeShard {
                     adapter_id: r.adapter_id,
                     shift,
                     top_logprobs: top,
+                    cached_len: d.len(),
+                    digest: d.last().copied().unwrap_or(0),
                 },
             );
             ids.push(r.id);
             generations.push(generation);
         }
-        state.batches.insert(request.batch_id, ids.clone());
+        if !ids.is_empty() {
+            state.batches.insert(request.batch_id, ids.clone());
+        }
         let live_adapters = distinct_adapters(state.requests.values());
         state.stats.max_live_adapters = state.stats.max_live_adapters.max(live_adapters);
         Ok(pb::PrefillResponse {
@@ -460,6 +530,12 @@ impl FakeShard {
         let mut generations = Vec::with_capacity(merged.len());
         for id in &merged {
             if let Some(r) = state.requests.get_mut(id) {
+                r.digest = next_digest(r.digest, r.last_token);
+                let position = r.cached_len;
+                r.cached_len += 1;
+                state
+                    .kv
+                    .write_one(&r.blocks, self.block_size, position, r.digest);
                 let generation = self.generation(*id, r.last_token, r.shift, r.top_logprobs);
                 r.last_token = generation.token_id;
                 r.generated += 1;
@@ -544,8 +620,21 @@ impl FakeShard {
 fn release(state: &mut State, request_id: u64) {
     if let Some(r) = state.requests.remove(&request_id) {
         for block in r.blocks {
-            state.block_owner.remove(&block);
+            if let Some(owners) = state.block_owner.get_mut(&block) {
+                owners.remove(&request_id);
+                if owners.is_empty() {
+                    state.block_owner.remove(&block);
+                }
+            }
         }
+    }
+}
+
+/// End of the prompt part a Prefill computes for `r`.
+fn until_of(r: &pb::Request) -> usize {
+    match r.prefill_until {
+        0 => r.input_ids.len(),
+        until => until as usize,
     }
 }
 

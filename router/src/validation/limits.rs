@@ -19,10 +19,12 @@ pub struct RequestedLimits {
 
 impl Limits {
     /// Fills in defaults from the model's context length and checks that the limits fit
-    /// together; the error says which flags clash.
+    /// together; the error says which flags clash. With `chunked_prefill` a prompt longer than
+    /// `max_batch_prefill_tokens` is computed over several steps, so the budget may be smaller.
     pub fn resolve(
         requested: RequestedLimits,
         max_position_embeddings: u32,
+        chunked_prefill: bool,
     ) -> Result<Self, String> {
         let context = max_position_embeddings;
         let max_total_tokens = requested.max_total_tokens.unwrap_or(context.min(4096));
@@ -44,13 +46,22 @@ impl Limits {
                  --max-total-tokens ({max_total_tokens})"
             ));
         }
-        let max_batch_prefill_tokens = requested
-            .max_batch_prefill_tokens
-            .unwrap_or(max_input_tokens.max(4096));
-        if max_batch_prefill_tokens < max_input_tokens {
+        let max_batch_prefill_tokens =
+            requested
+                .max_batch_prefill_tokens
+                .unwrap_or(if chunked_prefill {
+                    4096
+                } else {
+                    max_input_tokens.max(4096)
+                });
+        if max_batch_prefill_tokens == 0 {
+            return Err("--max-batch-prefill-tokens must be at least 1".to_string());
+        }
+        if !chunked_prefill && max_batch_prefill_tokens < max_input_tokens {
             return Err(format!(
                 "--max-batch-prefill-tokens ({max_batch_prefill_tokens}) must be at least \
-                 --max-input-tokens ({max_input_tokens}), or the longest prompt could never run"
+                 --max-input-tokens ({max_input_tokens}) without --chunked-prefill, or the \
+                 longest prompt could never run"
             ));
         }
         Ok(Self {
@@ -67,7 +78,7 @@ mod tests {
 
     #[test]
     fn limits_defaults_and_conflicts() {
-        let limits = Limits::resolve(RequestedLimits::default(), 8192).unwrap();
+        let limits = Limits::resolve(RequestedLimits::default(), 8192, false).unwrap();
         assert_eq!(
             limits,
             Limits {
@@ -76,7 +87,7 @@ mod tests {
                 max_batch_prefill_tokens: 4096
             }
         );
-        let small = Limits::resolve(RequestedLimits::default(), 512).unwrap();
+        let small = Limits::resolve(RequestedLimits::default(), 512, false).unwrap();
         assert_eq!(
             (
                 small.max_input_tokens,
@@ -90,22 +101,30 @@ mod tests {
             max_total_tokens: Some(100),
             ..Default::default()
         };
-        assert!(Limits::resolve(clash, 512)
+        assert!(Limits::resolve(clash, 512, false)
             .unwrap_err()
             .contains("--max-input-tokens (100)"));
         let too_long = RequestedLimits {
             max_total_tokens: Some(1024),
             ..Default::default()
         };
-        assert!(Limits::resolve(too_long, 512)
+        assert!(Limits::resolve(too_long, 512, false)
             .unwrap_err()
             .contains("max_position_embeddings = 512"));
         let prefill = RequestedLimits {
             max_batch_prefill_tokens: Some(10),
             ..Default::default()
         };
-        assert!(Limits::resolve(prefill, 512)
+        assert!(Limits::resolve(prefill, 512, false)
             .unwrap_err()
             .contains("--max-batch-prefill-tokens (10)"));
+        // Chunked prefill runs a long prompt over several steps of a small budget.
+        let chunked = Limits::resolve(prefill, 512, true).unwrap();
+        assert_eq!(chunked.max_batch_prefill_tokens, 10);
+        let default = Limits::resolve(RequestedLimits::default(), 32768, true).unwrap();
+        assert_eq!(
+            (default.max_input_tokens, default.max_batch_prefill_tokens),
+            (4095, 4096)
+        );
     }
 }

@@ -260,6 +260,8 @@ impl TestApp {
             admission: AdmissionSettings::default(),
             tool_call_parser: options.tool_call_parser,
             metrics_max_adapter_labels: 32,
+            prefix_caching: true,
+            chunked_prefill: true,
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {

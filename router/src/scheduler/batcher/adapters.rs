@@ -39,7 +39,10 @@ pub(super) struct PendingUnload {
 impl Batcher {
     pub(super) fn accept(&mut self, command: Command) {
         match command {
-            Command::Submit(entry) => self.queue.push(*entry),
+            Command::Submit(mut entry) => {
+                entry.block_hashes = self.prefix_hashes(&entry.request);
+                self.queue.push(*entry);
+            }
             Command::Unload { adapter_id, done } => {
                 tracing::info!(adapter = ?adapter_id, "adapter unload requested");
                 match self.unloads.iter_mut().find(|u| u.adapter_id == adapter_id) {
@@ -105,6 +108,12 @@ impl Batcher {
                 .partition(|(entry, _)| entry.request.adapter_id == adapter);
             admitted = kept;
             for (entry, admission) in failed {
+                // Blocks it registered for the prefix cache this step will never be computed.
+                for block in admission.blocks.ids() {
+                    if self.step_registered.contains(block) {
+                        self.resources.allocator.unregister(*block);
+                    }
+                }
                 self.resources.allocator.free(admission.blocks);
                 entry.fail(&message);
             }
@@ -129,6 +138,9 @@ impl Batcher {
             let request = pb::UnloadAdapterRequest {
                 adapter_id: adapter_id.clone(),
             };
+            // Whatever happens on the shard, KV cached for this id is not reused: an adapter
+            // loaded again under it may have other weights.
+            *self.adapter_epochs.entry(adapter_id.clone()).or_default() += 1;
             let result = match self.shard.unload_adapter(request).await {
                 Ok(_) => {
                     tracing::info!(adapter = ?adapter_id, "adapter unloaded");
