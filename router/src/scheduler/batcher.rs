@@ -414,6 +414,8 @@ impl Batcher {
                 // A resumed request reported its prompt's logprobs before it was preempted.
                 prompt_logprobs: request.prompt_logprobs.filter(|_| resumed_after == 0),
                 grammar: request.grammar.clone(),
+                cached_tokens: 0,
+                prefill_until: 0,
             });
             ids.push(id);
             self.active.insert(

@@ -188,6 +188,8 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
         adapter_id: String::new(),
         prompt_logprobs: None,
         grammar: None,
+        cached_tokens: 0,
+        prefill_until: 0,
     }
 }
 

@@ -31,6 +31,8 @@ fn req(id: u64, prompt: u32, block: u32, adapter_id: &str) -> pb::Request {
         adapter_id: adapter_id.to_string(),
         prompt_logprobs: None,
         grammar: None,
+        cached_tokens: 0,
+        prefill_until: 0,
     }
 }
 

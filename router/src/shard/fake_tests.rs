@@ -13,6 +13,8 @@ fn req(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> pb::
         adapter_id: String::new(),
         prompt_logprobs: None,
         grammar: None,
+        cached_tokens: 0,
+        prefill_until: 0,
     }
 }
 
