@@ -136,8 +136,7 @@ def build_prefill(
     offsets = torch.arange(int(lens.sum())) - starts[seq_index]
     has_context = context_lens is not None and any(context_lens)
     positions = offsets + torch.tensor(context_lens, dtype=torch.long)[seq_index] if has_context else offsets
-    host_table = block_table.cpu()
-    slots = _slots(host_table, seq_index, positions, block_size)
+    slots = _slots(block_table.cpu(), seq_index, positions, block_size)
     rows_per_seq = logits_rows_per_sequence(prompt_lens, all_logits, sampled)
     logits_indices, sample_rows = starts + lens - 1, None
     if any(n != 1 for n in rows_per_seq):
