@@ -33,6 +33,13 @@ class RequestState:
     matcher: llguidance.LLMatcher | None = None
 
 
+def padded_block_table(tables: list[list[int]], device: torch.device) -> torch.Tensor:
+    """[len(tables), longest] long; short tables are padded with block 0 (never read: masked)."""
+    width = max(len(blocks) for blocks in tables)
+    rows = [blocks + [0] * (width - len(blocks)) for blocks in tables]
+    return torch.tensor(rows, dtype=torch.long).to(device)
+
+
 class CachedBatch:
     """A fixed list of requests; merging or filtering builds a new one. Device tensors that only
     depend on the composition (block table, sampling parameters, seen and counts matrices) are built lazily
@@ -52,11 +59,9 @@ class CachedBatch:
         return [r.id for r in self.requests]
 
     def block_table(self, device: torch.device) -> torch.Tensor:
-        """[B, max_blocks] long; short tables are padded with block 0 (never read: masked)."""
+        """[B, max_blocks] long (see `padded_block_table`)."""
         if self._block_table is None:
-            width = max(len(r.blocks) for r in self.requests)
-            rows = [r.blocks + [0] * (width - len(r.blocks)) for r in self.requests]
-            self._block_table = torch.tensor(rows, dtype=torch.long).to(device)
+            self._block_table = padded_block_table([r.blocks for r in self.requests], device)
         return self._block_table
 
     def lora_meta(self, max_rank: int, device: torch.device) -> LoraBatchMeta | None:

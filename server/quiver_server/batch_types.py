@@ -39,10 +39,13 @@ class GrammarSpec:
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """One request entering a prefill.
+    """One request entering a prefill, or one chunk of its prompt.
 
     `blocks` is the block table the router allocated: enough KV blocks, in order, for
-    len(input_ids) + max_new_tokens tokens.
+    len(input_ids) + max_new_tokens tokens. The prefill computes input_ids[cached_tokens:until]
+    (`until`: prefill_until, or the whole prompt when 0); the first `cached_tokens` already
+    have their K/V in `blocks`. Only a request whose prompt is then complete (`is_final`) is
+    sampled and kept; a chunk comes back later with cached_tokens = its prefill_until.
     """
 
     id: int
@@ -55,6 +58,20 @@ class RequestSpec:
     prompt_logprobs: int | None = None
     # Constrains every generated token; None: free.
     grammar: GrammarSpec | None = None
+    # Leading prompt tokens whose K/V is already in `blocks` (prefix cache, earlier chunks).
+    cached_tokens: int = 0
+    # Chunked prefill: compute up to here only (exclusive); 0 = the whole prompt.
+    prefill_until: int = 0
+
+    @property
+    def until(self) -> int:
+        """End (exclusive) of the prompt tokens this prefill computes."""
+        return self.prefill_until or len(self.input_ids)
+
+    @property
+    def is_final(self) -> bool:
+        """This prefill completes the prompt: the request is sampled and kept."""
+        return self.until >= len(self.input_ids)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,9 @@ The router owns scheduling and block accounting; the engine runs what it is told
 life: `prefill` runs its prompt, writes the prompt's K/V into the blocks the router gave it and
 samples the first token; each `decode` feeds the last sampled token of every request of the
 merged batches, writes its K/V and samples the next; `filter_batch` drops finished requests.
+A prefill may skip a prompt prefix whose K/V its blocks already hold (`cached_tokens`: the
+router's prefix cache, or earlier chunks), and may stop short of the prompt's end
+(`prefill_until`): such a chunk only writes K/V, and a later prefill finishes the prompt.
 
 LoRA adapters (`adapters/`, held by `self.lora`): `load_adapter` reads one into host memory
 (thread-safe, so the service runs it beside the steps), `activate_adapter` copies it into a
@@ -27,7 +30,7 @@ import torch
 
 from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
-from quiver_server.batch_state import CachedBatch, RequestState
+from quiver_server.batch_state import CachedBatch, RequestState, padded_block_table
 from quiver_server.batch_types import (
     AdapterInfo,
     GrammarSpec,
@@ -219,20 +222,37 @@ class Engine:
             self._validate(request, kv_cache.num_blocks)
 
         start = time.perf_counter_ns()
-        states = [self._new_state(r) for r in requests]
-        batch = CachedBatch(states)
-        input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
-        lora_slots = [r.lora_slot for r in states] if any(r.adapter_id for r in requests) else None
-        prompt_lens = [len(r.input_ids) for r in requests]
-        # Requests with prompt logprobs get the logits of every prompt token, the others the last.
+        # Chunks of unfinished prompts only write their K/V: no state, no sample, no batch.
+        finals = [r for r in requests if r.is_final]
+        batch = CachedBatch([self._new_state(r) for r in finals])
+        input_ids = torch.tensor(
+            [t for r in requests for t in r.input_ids[r.cached_tokens : r.until]], dtype=torch.long
+        ).to(self.device)
+        # LoRA applies to the tokens computed now, so its metadata counts the new tokens only.
+        lora_slots = [self.lora.slot_for(r.id, r.adapter_id) for r in requests] if any(
+            r.adapter_id for r in requests) else None
+        new_lens = [r.until - r.cached_tokens for r in requests]
+        sampled = [r.is_final for r in requests]
+        # Requests with prompt logprobs get the logits of every prompt token, the others the last
+        # (validation keeps prompt logprobs to whole prompts computed in one pass).
         asked = [r.prompt_logprobs for r in requests]
         all_logits = [a is not None for a in asked] if any(a is not None for a in asked) else None
+        table = batch.block_table(self.device) if len(finals) == len(requests) else padded_block_table(
+            [r.blocks for r in requests], self.device)
         forward = build_prefill(
-            prompt_lens, batch.block_table(self.device), BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank,
-            all_logits,
+            new_lens, table, BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank, all_logits,
+            [r.cached_tokens for r in requests], sampled,
         )
-        rows_per_sequence = logits_rows_per_sequence(prompt_lens, all_logits)
-        spans = logprobs.prompt_spans([r.input_ids for r in requests], asked, rows_per_sequence)
+        if not finals:
+            self.model(input_ids, forward, kv_cache)
+            return StepResult(generations=[], batch_id=batch_id, request_ids=[],
+                              forward_ns=time.perf_counter_ns() - start)
+        # Chunks have no logits rows, so the final requests' rows are laid out as among themselves.
+        rows_per_sequence = logits_rows_per_sequence(new_lens, all_logits, sampled)
+        spans = logprobs.prompt_spans(
+            [r.input_ids for r in finals], [r.prompt_logprobs for r in finals],
+            [n for n, final in zip(rows_per_sequence, sampled, strict=True) if final],
+        )
         result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start,
                             prompt_spans=spans)
         self.batches[batch_id] = batch
@@ -360,6 +380,7 @@ class Engine:
         self.lora.slot_for(rid, request.adapter_id)
         if not request.input_ids:
             raise ValueError(f"request {rid}: empty prompt")
+        self._validate_span(request)
         if max(request.input_ids) >= self.vocab_size or min(request.input_ids) < 0:
             bad = next(t for t in request.input_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"request {rid}: token id {bad} is out of range for vocab size {self.vocab_size}")
@@ -382,6 +403,26 @@ class Engine:
         sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
         if request.grammar is not None:
             validate_grammar(request.grammar, self.vocab_size)
+
+    @staticmethod
+    def _validate_span(request: RequestSpec) -> None:
+        """The prompt tokens this prefill computes: cached_tokens <= x < until <= len(prompt)."""
+        rid, length = request.id, len(request.input_ids)
+        if not 0 <= request.cached_tokens < length:
+            raise ValueError(
+                f"request {rid}: cached_tokens = {request.cached_tokens} must be less than the prompt's "
+                f"{length} tokens"
+            )
+        if request.prefill_until and not request.cached_tokens < request.prefill_until <= length:
+            raise ValueError(
+                f"request {rid}: prefill_until = {request.prefill_until} must be above cached_tokens = "
+                f"{request.cached_tokens} and at most the prompt's {length} tokens"
+            )
+        if request.prompt_logprobs is not None and (request.cached_tokens or not request.is_final):
+            raise ValueError(
+                f"request {rid}: prompt_logprobs need the whole prompt computed in one prefill "
+                "(no cached_tokens, no prefill_until)"
+            )
 
     def _new_state(self, request: RequestSpec) -> RequestState:
         seen = None

@@ -1,7 +1,10 @@
 """Metadata of one forward pass over a flattened batch of tokens (no padding between sequences).
 
-Prefill: the prompts of B requests are concatenated into T = sum(len) tokens, sequence after
-sequence (lengths in `seq_lens_host`). Decode: one token per sequence (T = B).
+Prefill: the new prompt tokens of B requests are concatenated into T = sum(len) tokens, sequence
+after sequence (lengths in `seq_lens_host`). A sequence may start after a prefix whose K/V is
+already cached (`context_lens_host`: a prefix-cache hit, or earlier chunks of its prompt): its
+positions then start at that context length and attention also reads the prefix from the cache
+through `block_tables`. Decode: one token per sequence (T = B).
 Every token writes its K/V at `slot_mapping[t]` = block * block_size + offset, where block is
 taken from its request's block table at position // block_size.
 
@@ -11,8 +14,9 @@ layer computes o_proj and the MLP only for the rows `logits_indices` selects; `l
 the same mapping for those rows, switched in by `at_logits_rows`.
 
 Logits rows: one per sequence (its last token), except in a prefill for the sequences that ask
-for prompt logprobs, which get one per prompt token; `sample_rows` then says which logits row
-is each sequence's last.
+for prompt logprobs, which get one per prompt token, and for the chunks of a prompt that is not
+complete yet, which get none; `sample_rows` then says which logits row is each sampled
+sequence's last. A prefill may have no logits row at all (when every sequence is a chunk).
 """
 
 from __future__ import annotations
@@ -33,11 +37,16 @@ class ForwardBatch:
     # Rows whose logits are wanted: the last token of each sequence, or in a prefill every token
     # of the sequences that asked for all of them (see `logits_rows_per_sequence`).
     logits_indices: torch.Tensor  # [R] long
-    # Tokens per sequence (host ints): the prompt lengths in prefill, the lengths including the
-    # new token in decode. Attention uses them to split work without a device sync.
+    # Tokens per sequence (host ints): the new prompt tokens in prefill, the lengths including
+    # the new token in decode. Attention uses them to split work without a device sync.
     seq_lens_host: list[int] = field(default_factory=list)
-    # Decode only: block tables cut to the longest sequence, and lengths including the new token.
+    # Prefill: tokens per sequence already in the cache before this pass (host ints, empty when
+    # every sequence starts at 0); its new tokens sit at positions context .. context + len - 1.
+    context_lens_host: list[int] = field(default_factory=list)
+    # Decode: block tables cut to the longest sequence. Prefill: the full block tables, kept only
+    # when some sequence has a cached context (attention gathers that context through them).
     block_tables: torch.Tensor | None = None  # [B, nb] long
+    # Decode only: lengths including the new token.
     seq_lens: torch.Tensor | None = None  # [B] long
     kv_span: int = 0  # decode: nb * block_size, the number of gathered key slots per sequence
     lora: LoraBatchMeta | None = None
@@ -45,6 +54,10 @@ class ForwardBatch:
     # [B] long: each sequence's last-token row among the logits; None when that is every row.
     sample_rows: torch.Tensor | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def context_of(self, sequence: int) -> int:
+        """Tokens of `sequence` cached before this pass (0 in decode: see `seq_lens`)."""
+        return self.context_lens_host[sequence] if self.context_lens_host else 0
 
     def at_logits_rows(self) -> ForwardBatch:
         """This batch as seen by layers that run on the `logits_indices` rows only."""
@@ -84,12 +97,18 @@ def build_lora_meta(
     return LoraBatchMeta.build(slots, tokens_per_request, max_rank, device)
 
 
-def logits_rows_per_sequence(prompt_lens: list[int], all_logits: list[bool] | None) -> list[int]:
-    """How many logits rows each sequence of a prefill gets: its prompt length where
-    `all_logits` says so (prompt logprobs), else one."""
-    if all_logits is None:
-        return [1] * len(prompt_lens)
-    return [n if every else 1 for n, every in zip(prompt_lens, all_logits, strict=True)]
+def logits_rows_per_sequence(
+    prompt_lens: list[int], all_logits: list[bool] | None, sampled: list[bool] | None = None
+) -> list[int]:
+    """How many logits rows each sequence of a prefill gets: none where `sampled` says it is a
+    chunk of an unfinished prompt, its new-token count where `all_logits` says so (prompt
+    logprobs), else one."""
+    rows = [1] * len(prompt_lens) if all_logits is None else [
+        n if every else 1 for n, every in zip(prompt_lens, all_logits, strict=True)
+    ]
+    if sampled is None:
+        return rows
+    return [r if s else 0 for r, s in zip(rows, sampled, strict=True)]
 
 
 def build_prefill(
@@ -100,22 +119,35 @@ def build_prefill(
     lora_slots: list[int] | None = None,
     max_lora_rank: int = 0,
     all_logits: list[bool] | None = None,
+    context_lens: list[int] | None = None,
+    sampled: list[bool] | None = None,
 ) -> ForwardBatch:
-    """block_table: [B, max_blocks] long (rows padded with any valid id), on any device;
+    """prompt_lens: new tokens per sequence (computed in this pass, >= 1 each);
+    block_table: [B, max_blocks] long (rows padded with any valid id), on any device;
     lora_slots: each request's adapter slot (-1 = base model), None if no request has one;
-    all_logits: per request, whether it wants the logits of every prompt token (None: none)."""
+    all_logits: per request, whether it wants the logits of every prompt token (None: none);
+    context_lens: per request, tokens already cached before its new ones (None: all 0);
+    sampled: per request, whether its last new token gets a logits row (None: all do; False
+    for a chunk of a prompt that later passes finish)."""
     lens = torch.tensor(prompt_lens, dtype=torch.long)
     num_seqs = len(prompt_lens)
     seq_index = torch.repeat_interleave(torch.arange(num_seqs), lens)
     starts = torch.cumsum(lens, 0) - lens
-    positions = torch.arange(int(lens.sum())) - starts[seq_index]
+    offsets = torch.arange(int(lens.sum())) - starts[seq_index]
+    has_context = context_lens is not None and any(context_lens)
+    positions = offsets + torch.tensor(context_lens, dtype=torch.long)[seq_index] if has_context else offsets
     slots = _slots(block_table.cpu(), seq_index, positions, block_size)
-    rows_per_seq = logits_rows_per_sequence(prompt_lens, all_logits)
+    rows_per_seq = logits_rows_per_sequence(prompt_lens, all_logits, sampled)
     logits_indices, sample_rows = starts + lens - 1, None
-    if all_logits is not None and any(all_logits):
-        every = torch.tensor(all_logits, dtype=torch.bool)[seq_index]
-        logits_indices = (every | (positions == lens[seq_index] - 1)).nonzero()[:, 0]
-        sample_rows = (torch.tensor(rows_per_seq).cumsum(0) - 1).to(device, non_blocking=True)
+    if any(n != 1 for n in rows_per_seq):
+        rows = torch.tensor(rows_per_seq, dtype=torch.long)
+        # A token's logits are wanted when its sequence wants every row, or it is a sampled
+        # sequence's last; rows == lens says the former (a one-token prompt: both the same).
+        last = offsets == lens[seq_index] - 1
+        wanted = (rows == lens)[seq_index] | (last & (rows > 0)[seq_index])
+        logits_indices = wanted.nonzero()[:, 0]
+        if all_logits is not None and any(all_logits):
+            sample_rows = (rows.cumsum(0) - 1)[rows > 0].to(device, non_blocking=True)
     lora = lora_rows = None
     if lora_slots is not None:
         lora = build_lora_meta(lora_slots, prompt_lens, max_lora_rank, device)
@@ -127,6 +159,8 @@ def build_prefill(
         slot_mapping=slots.to(device, non_blocking=True),
         logits_indices=logits_indices.to(device, non_blocking=True),
         seq_lens_host=list(prompt_lens),
+        context_lens_host=list(context_lens) if has_context and context_lens is not None else [],
+        block_tables=block_table.to(device, non_blocking=True) if has_context else None,
         lora=lora,
         lora_rows=lora_rows,
         sample_rows=sample_rows,

@@ -76,6 +76,8 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
         adapter_id=request.adapter_id,
         prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
         grammar=grammar_from_pb(request.grammar) if request.HasField("grammar") else None,
+        cached_tokens=request.cached_tokens,
+        prefill_until=request.prefill_until,
     )
 
 

@@ -6,7 +6,8 @@ Cache layout per layer: K and V of shape [num_blocks, block_size, num_kv_heads, 
 Query head j reads KV head j // (num_heads // num_kv_heads), as transformers' `repeat_kv` does.
 
 Reference semantics (what any faster kernel must reproduce), for sequence s with n cached tokens
-and query at position p (keys at positions 0..p, all of them written to the cache first):
+and query at position p (keys at positions 0..p, all of them written to the cache first; in a
+prefill, a sequence's new tokens start at its cached context length, 0 without a prefix):
     out[p, j] = softmax_{i in window(p)}(q[p, j] . k[i, j // g] * scale) @ v[i, j // g]
 where window(p) = {i <= p} and, with a sliding window w, additionally {i > p - w}.
 """
@@ -35,23 +36,65 @@ def prefill_attention(
     batch: ForwardBatch,
     scale: float,
     sliding_window: int | None,
+    k_cache: torch.Tensor | None = None,
+    v_cache: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each prompt over itself. q [T, heads, d], k/v [T, kv_heads, d] are the
-    flattened prompts (no padding); the prompts are new, so their K/V are exactly k/v."""
+    """Causal attention of each sequence's new tokens over its prefix and themselves. q
+    [T, heads, d], k/v [T, kv_heads, d] are the flattened new tokens (no padding). A sequence
+    without a cached context attends to exactly k/v; one with a context (`batch.context_of`)
+    reads its keys back from k_cache/v_cache, where `write_kv` has just stored the new ones
+    beside the prefix (so a prefix that another sequence of this pass writes is there too)."""
     out = torch.empty_like(q)
     start = 0
-    for length in batch.seq_lens_host:
+    for sequence, length in enumerate(batch.seq_lens_host):
         end = start + length
         # [1, heads, L, d] views of this sequence; SDPA broadcasts KV heads over query groups.
         qs = q[start:end].transpose(0, 1)[None]
-        ks = k[start:end].transpose(0, 1)[None]
-        vs = v[start:end].transpose(0, 1)[None]
-        if sliding_window is not None and length > sliding_window:
-            pos = torch.arange(length, device=q.device)
-            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+        context = batch.context_of(sequence)
+        if context > 0:
+            assert k_cache is not None and v_cache is not None and batch.block_tables is not None
+            o = _attend_with_context(qs, k_cache, v_cache, batch.block_tables[sequence], context, scale,
+                                     sliding_window)
         else:
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+            ks = k[start:end].transpose(0, 1)[None]
+            vs = v[start:end].transpose(0, 1)[None]
+            if sliding_window is not None and length > sliding_window:
+                pos = torch.arange(length, device=q.device)
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+            else:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)
         start = end
     return out
+
+
+def _attend_with_context(
+    qs: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    context: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """qs [1, heads, L, d]: the queries at positions context .. context + L - 1 over the keys a
+    query there may see, gathered block-wise from the cache in one index_select each for K and V
+    (with a window, only from the first position the earliest query sees)."""
+    length, block_size = qs.shape[2], k_cache.shape[1]
+    end = context + length
+    begin = max(0, context - sliding_window + 1) if sliding_window is not None else 0
+    first_block = begin // block_size
+    blocks = block_table[first_block : -(-end // block_size)]
+    skip = begin - first_block * block_size
+    ks = k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin]
+    vs = v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin]
+    # SDPA's is_causal aligns the diagonal top-left when L < S; the queries sit at the end.
+    q_pos = torch.arange(context, end, device=qs.device)[:, None]
+    k_pos = torch.arange(begin, end, device=qs.device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return F.scaled_dot_product_attention(
+        qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True
+    )

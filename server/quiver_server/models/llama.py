@@ -138,20 +138,34 @@ class Attention(nn.Module):
         """rows: if given, only these tokens' outputs are computed past attention (their K/V
         are still written for every token)."""
         tokens = x.shape[0]
+        q, k, v = self.store_kv(x, cos, sin, batch, k_cache, v_cache)
+        if batch.is_prefill:
+            # Every token's K/V of this layer is in the cache before any sequence reads it back.
+            out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window, k_cache, v_cache)
+        else:
+            out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        if rows is None:
+            return self.o_proj(out, batch)
+        return self.o_proj(out[rows], batch.at_logits_rows())
+
+    def store_kv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projects x to q, k, v (rotated), writes k and v into the cache, returns all three."""
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x, batch).view(tokens, heads + 2 * kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x, batch).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
         # q and k heads sit side by side, so one rotary application covers both.
         qk = self.ops.rotary(qkv[:, : heads + kv_heads], cos, sin)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        if batch.is_prefill:
-            out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window)
-        else:
-            out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window)
-        out = out.reshape(tokens, heads * self.head_dim)
-        if rows is None:
-            return self.o_proj(out, batch)
-        return self.o_proj(out[rows], batch.at_logits_rows())
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -192,6 +206,18 @@ class DecoderLayer(nn.Module):
         x = x + attended
         return x + self.mlp(self.post_attention_layernorm(x), batch)
 
+    def store_kv(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Only what later passes need of this layer: the K/V of x's tokens, into the cache."""
+        self.self_attn.store_kv(self.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
+
 
 class Backbone(nn.Module):
     def __init__(self, cfg: LlamaConfig, ops: KernelOps) -> None:
@@ -215,11 +241,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]
-        (decode: logits_indices is every row)."""
+        (decode: logits_indices is every row). A prefill without logits rows (every sequence a
+        chunk of an unfinished prompt) only writes the K/V: the last layer stops there and the
+        LM head does not run."""
         assert self.rotary is not None, "use LlamaForCausalLM.load"
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         last = len(self.model.layers) - 1
+        if batch.is_prefill and batch.logits_indices.shape[0] == 0:
+            for index, layer in enumerate(self.model.layers[:last]):
+                x = layer(x, cos, sin, batch, kv_cache.k[index], kv_cache.v[index])
+            final = self.model.layers[last]
+            assert isinstance(final, DecoderLayer)
+            final.store_kv(x, cos, sin, batch, kv_cache.k[last], kv_cache.v[last])
+            return x.new_empty(0, self.config.vocab_size)
         for index, layer in enumerate(self.model.layers):
             # Past the last layer's attention only the rows whose logits are wanted matter:
             # in a prefill that skips the o_proj and MLP of every other prompt token.
