@@ -148,6 +148,7 @@ def test_requests_that_can_never_run_are_400_not_429(small):
 
 
 def test_concurrency_counts_requests_not_choices(small):
+    _wait_until_idle(small)
     # More choices than --max-concurrent-requests in one request: one request, served.
     with small.client() as client:
         response = client.completions.create(model=small.model, prompt="Hi", n=MAX_CHOICES,
@@ -208,6 +209,19 @@ def _prompt_tokens(served: Served, prompt: str) -> int:
     return response.usage.prompt_tokens
 
 
+def _wait_until_idle(served: Served) -> None:
+    """Polls /metrics (with a deadline) until nothing runs or waits: streams an earlier test
+    closed are let go at the scheduler's next step, and until then they hold admission slots
+    (a new request would get 429) and KV blocks."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        metrics = served.stack.metrics()
+        if metrics["quiver_requests_running"] == 0 and metrics["quiver_requests_waiting"] == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError("the server never became idle")
+
+
 async def _wait_until_cache_full(served: Served) -> None:
     """Polls /metrics (with a deadline) until no KV block is free."""
     deadline = time.monotonic() + 60
@@ -220,6 +234,7 @@ async def _wait_until_cache_full(served: Served) -> None:
 
 
 def test_a_short_request_is_not_starved_by_long_streams_that_fill_the_cache(small):
+    _wait_until_idle(small)
     prompts = ("one long story", "another long story")
     max_tokens = _long_max_tokens(small, max(_prompt_tokens(small, p) for p in prompts))
     preemptions_before = small.stack.metrics().get("quiver_preemptions_total", 0.0)
@@ -257,6 +272,7 @@ def test_a_short_request_is_not_starved_by_long_streams_that_fill_the_cache(smal
 
 
 def test_a_request_that_cannot_start_in_time_gets_503_queue_timeout(patient):
+    _wait_until_idle(patient)
     prompts = ("one long story", "another long story")
     max_tokens = _long_max_tokens(patient, max(_prompt_tokens(patient, p) for p in prompts))
 

@@ -24,7 +24,13 @@ def _check_stream_envelope(chunks: list, final) -> None:
     *body, usage_chunk = chunks
     assert usage_chunk.choices == [], "with include_usage the last chunk has no choices"
     assert usage_chunk.usage is not None
-    assert usage_chunk.usage.to_dict() == final.usage.to_dict()
+    streamed, whole = usage_chunk.usage, final.usage
+    assert (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == (
+        whole.prompt_tokens, whole.completion_tokens, whole.total_tokens)
+    # The stream repeats the prompt just served: every full 16-token KV block of it but the one
+    # holding its last token comes from the prefix cache.
+    assert streamed.prompt_tokens_details is not None
+    assert streamed.prompt_tokens_details.cached_tokens == (streamed.prompt_tokens - 1) // 16 * 16
     assert all(c.usage is None for c in body), "usage only on the last chunk"
     reasons = [ch.finish_reason for c in body for ch in c.choices if ch.finish_reason is not None]
     assert reasons == [final.choices[0].finish_reason], reasons

@@ -46,26 +46,36 @@ def prefill_attention(
     beside the prefix (so a prefix that another sequence of this pass writes is there too)."""
     out = torch.empty_like(q)
     start = 0
-    for sequence, length in enumerate(batch.seq_lens_host):
-        end = start + length
-        # [1, heads, L, d] views of this sequence; SDPA broadcasts KV heads over query groups.
-        qs = q[start:end].transpose(0, 1)[None]
+    lengths = batch.seq_lens_host
+    sequence = 0
+    while sequence < len(lengths):
+        length = lengths[sequence]
         context = batch.context_of(sequence)
+        # Consecutive fresh sequences of one length go through SDPA together, as one
+        # [n, heads, L, d] batch: one call instead of n (a bench of equal prompts is one call).
+        run = 1
+        if context == 0:
+            while (sequence + run < len(lengths) and lengths[sequence + run] == length
+                   and batch.context_of(sequence + run) == 0):
+                run += 1
+        end = start + run * length
+        qs = q[start:end].unflatten(0, (run, length)).transpose(1, 2)
         if context > 0:
             assert k_cache is not None and v_cache is not None and batch.block_tables is not None
             o = _attend_with_context(qs, k_cache, v_cache, batch.block_tables[sequence], context, scale,
                                      sliding_window)
         else:
-            ks = k[start:end].transpose(0, 1)[None]
-            vs = v[start:end].transpose(0, 1)[None]
+            ks = k[start:end].unflatten(0, (run, length)).transpose(1, 2)
+            vs = v[start:end].unflatten(0, (run, length)).transpose(1, 2)
             if sliding_window is not None and length > sliding_window:
                 pos = torch.arange(length, device=q.device)
                 mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
             else:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        out[start:end] = o.transpose(1, 2).flatten(0, 1)
         start = end
+        sequence += run
     return out
 
 
