@@ -641,6 +641,40 @@ impl Batcher {
         }
     }
 
+    /// Registers in the prefix cache the full blocks of a request's generated tokens that it
+    /// leaves behind (its prompt's are there already): a conversation's next turn, or the
+    /// request itself resumed after preemption, then finds its output's KV too. Only for a
+    /// request whose steps all succeeded: after a failure the cache content is unknown.
+    pub(super) fn cache_output(&mut self, running: &Running) {
+        if !self.config.prefix_caching || running.prefilled < running.prompt_len() {
+            return;
+        }
+        // The last sampled token was never fed through the model: its KV is not cached.
+        let fed = running.tokens.len().saturating_sub(1);
+        let block_size = self.config.block_size.max(1) as usize;
+        let known = running.block_hashes.len();
+        if (running.request.input_ids.len() + fed) / block_size <= known {
+            return;
+        }
+        let mut sequence = running.request.input_ids.clone();
+        sequence.extend_from_slice(&running.tokens[..fed]);
+        let epoch = self
+            .adapter_epochs
+            .get(&running.request.adapter_id)
+            .copied()
+            .unwrap_or(0);
+        let hashes = block_hashes(
+            &running.request.adapter_id,
+            epoch,
+            &sequence,
+            self.config.block_size,
+        );
+        let allocator = &mut self.resources.allocator;
+        for (&block, &hash) in running.blocks.ids().iter().zip(&hashes).skip(known) {
+            allocator.register(block, hash);
+        }
+    }
+
     /// The names of `request`'s full prompt blocks for the prefix cache (none when it is off).
     pub(super) fn prefix_hashes(&self, request: &GenerationRequest) -> Vec<BlockHash> {
         if !self.config.prefix_caching {
@@ -740,6 +774,7 @@ impl Batcher {
             }
             // Finished, or the client is gone (its receiver was dropped).
             if let Some(running) = self.active.remove(&id) {
+                self.cache_output(&running);
                 let events = self.resources.release(running);
                 if let Some(reason) = finish {
                     tracing::debug!(request_id = id, ?reason, "request finished");

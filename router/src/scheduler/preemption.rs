@@ -127,6 +127,8 @@ impl Batcher {
         }
         for id in victims {
             if let Some(running) = self.active.remove(id) {
+                // Its resumed prompt (prompt + output) then starts with cached blocks.
+                self.cache_output(&running);
                 self.requeue(*id, running);
             }
         }

@@ -298,3 +298,19 @@ async fn a_client_that_leaves_mid_prefill_frees_its_blocks() {
     complete(&scheduler, request(&prompt(0, 40, 6), 2)).await;
     assert_all_released(&shard, &scheduler).await;
 }
+
+#[tokio::test]
+async fn a_next_turn_reuses_the_blocks_of_the_previous_answer() {
+    let shard = shard(16, 64);
+    let scheduler = start(&shard, config(16, 64));
+    let question = prompt(0, 10, 4);
+    let answer = complete(&scheduler, request(&question, 40)).await;
+    // The answer's first 39 tokens were fed back through the model: with the question, 49
+    // tokens of KV, three full blocks. The next turn repeats them and goes on.
+    let mut next_turn = question.clone();
+    next_turn.extend_from_slice(&answer.tokens);
+    next_turn.extend_from_slice(&[7, 8, 9]);
+    let next = complete(&scheduler, request(&next_turn, 4)).await;
+    assert_eq!(next.cached_tokens, 48);
+    assert_all_released(&shard, &scheduler).await;
+}
