@@ -121,10 +121,10 @@ def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *
                       flags_note=" ".join(command[3:]))
 
 
-def llama_server(binary: Path, gguf: Path, loras: dict[str, Path], logs: Path, limits: Limits, threads: int, *,
-                 prefix_caching: bool, label: str) -> PeerServer:
-    """llama.cpp's llama-server: `limits.max_seqs` slots over one unified KV cache, adapters loaded
-    at scale 0 and picked per request (`lora: [{id, scale}]`)."""
+def llama_server(binary: Path, gguf: Path, served: str, loras: dict[str, Path], logs: Path, limits: Limits,
+                 threads: int, *, prefix_caching: bool, label: str) -> PeerServer:
+    """llama.cpp's llama-server: `limits.max_seqs` slots over one unified KV cache, every adapter
+    loaded and picked per request (`lora: [{id, scale}]`)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "--parallel", str(limits.max_seqs), "--ctx-size", str(limits.kv_tokens), "--kv-unified",
@@ -132,11 +132,14 @@ def llama_server(binary: Path, gguf: Path, loras: dict[str, Path], logs: Path, l
                "--ubatch-size", "512", "--no-warmup", "--metrics"]
     if not prefix_caching:
         command += ["--cache-ram", "0"]
-    model_bodies = {}
-    for index, (name, path) in enumerate(loras.items()):
+    for path in loras.values():
         command += ["--lora", str(path)]
-        model_bodies[name] = {"model": name, "lora": [{"id": index, "scale": 1.0}]}
-    if loras:
-        command.append("--lora-init-without-apply")
+    # Every request names every adapter's scale: one left out of a request's list keeps its global
+    # scale (1.0 as loaded; --lora-init-without-apply did not change that here), so a base request
+    # lists them all at 0 and an adapter's request its own at 1.
+    names = list(loras)
+    model_bodies = {name: {"model": name, "lora": [{"id": i, "scale": 1.0 if other == name else 0.0}
+                                                   for i, other in enumerate(names)]}
+                    for name in [served, *names]} if names else {}
     return PeerServer(label, command, logs / f"{label}.log", port, model_bodies=model_bodies,
                       extra_body={"cache_prompt": prefix_caching}, flags_note=" ".join(command[1:]))

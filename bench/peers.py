@@ -190,7 +190,7 @@ def phase_a_servers(args, setup: Setup) -> list[Entry]:
                 lora_paths=None, eager=False, kv_gib=1, label="vllm-compiled"), ["base"]))
     if "llama.cpp" in args.servers and setup.gguf is not None and setup.llama_dir is not None:
         entries.append(Entry(peer_servers.llama_server(
-            setup.llama_dir / "llama-server", setup.gguf, setup.gguf_loras, setup.logs, limits, threads=2,
+            setup.llama_dir / "llama-server", setup.gguf, SERVED_NAME, setup.gguf_loras, setup.logs, limits, threads=2,
             prefix_caching=False, label="llama.cpp"), want))
     return entries
 
@@ -223,7 +223,7 @@ def phase_b_servers(args, setup: Setup, shared: cache_scenarios.SharedPrefix,
             lora_paths=None, eager=False, kv_gib=2, label="vllm-compiled-prefix-cache"), want))
     if "llama.cpp" in args.servers and setup.gguf is not None and setup.llama_dir is not None:
         entries.append(Entry(peer_servers.llama_server(
-            setup.llama_dir / "llama-server", setup.gguf, {}, setup.logs, limits, threads=2,
+            setup.llama_dir / "llama-server", setup.gguf, SERVED_NAME, {}, setup.logs, limits, threads=2,
             prefix_caching=True, label="llama.cpp-prefix-cache"), want))
     return entries
 
