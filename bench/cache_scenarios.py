@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import bench_model
 import load
@@ -76,11 +76,26 @@ def measure_shared_prefix(base_url: str, spec: SharedPrefix, model: str, vocab_s
 class _Stream:
     timing: load.StreamTiming
     text: str = ""
-    tokens: list[float] = field(default_factory=list)
+
+
+async def _all_set(events: list[asyncio.Event]) -> None:
+    for event in events:
+        await event.wait()
 
 
 async def _stream(conn: SseConnection, body: dict, out: _Stream, progress: asyncio.Event | None,
                   warmup_tokens: int) -> None:
+    """One streamed completion into `out`; `progress` is set once it has streamed `warmup_tokens`
+    (or ended, whichever is first)."""
+    try:
+        await _read_stream(conn, body, out, progress, warmup_tokens)
+    finally:
+        if progress is not None:
+            progress.set()
+
+
+async def _read_stream(conn: SseConnection, body: dict, out: _Stream, progress: asyncio.Event | None,
+                       warmup_tokens: int) -> None:
     async for chunk in conn.post_stream("/completions", body):
         choices = chunk.get("choices")
         if choices and choices[0].get("text"):
@@ -113,15 +128,14 @@ async def _arrivals_run(base_url: str, spec: LongArrivals, model_fields: dict, v
         tasks = [asyncio.create_task(_stream(conns[i], _body(model_fields, short[i], spec.running_max_tokens),
                                              running[i], started[i], spec.warmup_tokens))
                  for i in range(spec.running)]
-        for task, event in zip(tasks, started, strict=True):
-            task.add_done_callback(lambda _, event=event: event.set())  # a stream that ends early
-        gate = asyncio.ensure_future(asyncio.gather(*(e.wait() for e in started)))
+        gate = asyncio.create_task(_all_set(started))
         while not gate.done():
-            await asyncio.wait([gate, *tasks], return_when=asyncio.FIRST_COMPLETED)
-            for task in tasks:
-                if task.done() and task.exception() is not None:
+            done, _ = await asyncio.wait([gate, *tasks], return_when=asyncio.FIRST_COMPLETED)
+            for finished in done:
+                error = finished.exception()
+                if error is not None:
                     gate.cancel()
-                    raise task.exception()  # type: ignore[misc]
+                    raise error
         arrived_at = time.perf_counter()
         arriving = [_Stream(load.StreamTiming(arrived_at)) for _ in range(spec.arrivals)]
         arrival_tasks = [asyncio.create_task(_stream(conns[spec.running + j],
