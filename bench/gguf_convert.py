@@ -66,33 +66,36 @@ def _run(command: list[str], env: dict[str, str], log_path: Path) -> None:
 
 def convert(model_dir: Path, adapter_root: Path, adapter_ids: list[str], llama_dir: Path,
             convert_py: Path, out_dir: Path) -> tuple[Path, dict[str, Path]]:
-    """(base GGUF, {adapter id: LoRA GGUF}) under out_dir, converted once per model/adapters."""
+    """(base GGUF, {adapter id: LoRA GGUF}) under out_dir. The base is converted once per model
+    and converter; each adapter once (a run with more adapters converts only the new ones; an
+    adapter's file is renamed into place only when its conversion succeeded)."""
     model_dir = model_dir.resolve()
     recipe = {"model_config": json.loads((model_dir / "config.json").read_text()),
-              "adapters": adapter_ids, "converter": str(llama_dir), "outtype": "f32"}
+              "adapter_root": str(adapter_root.resolve()), "converter": str(llama_dir), "outtype": "f32"}
     base = out_dir / "model-f32.gguf"
     loras = {a: out_dir / f"lora-{a}-f32.gguf" for a in adapter_ids}
     marker = out_dir / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == recipe and base.exists() \
-            and all(p.exists() for p in loras.values()):
-        return base, loras
-    shutil.rmtree(out_dir, ignore_errors=True)
     source = out_dir / "hf-source"
-    source.mkdir(parents=True)
-    # The model's files as they are, plus the SentencePiece form of its vocabulary.
-    for item in model_dir.iterdir():
-        if item.is_file() and item.name != "bench-shape.json":
-            (source / item.name).symlink_to(item)
-    sys.path.insert(0, str(convert_py))
-    vocab_size = recipe["model_config"]["vocab_size"]
-    write_sentencepiece_model(source / "tokenizer.model", vocab_size)
     env = _converter_env(llama_dir, convert_py)
     log_path = out_dir / "convert.log"
     src = llama_dir / "src"
-    _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(source), "--outtype", "f32",
-          "--outfile", str(base)], env, log_path)
+    if not (marker.exists() and json.loads(marker.read_text()) == recipe and base.exists()):
+        shutil.rmtree(out_dir, ignore_errors=True)
+        source.mkdir(parents=True)
+        # The model's files as they are, plus the SentencePiece form of its vocabulary.
+        for item in model_dir.iterdir():
+            if item.is_file() and item.name != "bench-shape.json":
+                (source / item.name).symlink_to(item)
+        sys.path.insert(0, str(convert_py))
+        write_sentencepiece_model(source / "tokenizer.model", recipe["model_config"]["vocab_size"])
+        _run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(source), "--outtype", "f32",
+              "--outfile", str(base)], env, log_path)
+        marker.write_text(json.dumps(recipe))
     for adapter_id, path in loras.items():
+        if path.exists():
+            continue
+        partial = path.with_suffix(".partial")
         _run([sys.executable, str(src / "convert_lora_to_gguf.py"), str(adapter_root / adapter_id),
-              "--base", str(source), "--outtype", "f32", "--outfile", str(path)], env, log_path)
-    marker.write_text(json.dumps(recipe))
+              "--base", str(source), "--outtype", "f32", "--outfile", str(partial)], env, log_path)
+        partial.rename(path)
     return base, loras
