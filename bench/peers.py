@@ -294,22 +294,29 @@ def main() -> None:
     install_peers(args, setup)
     for family, reason in setup.unavailable.items():
         log(f"{family} UNAVAILABLE: {reason[:300]}")
-    entries = run_phase(args, setup, phase_a_servers(args, setup), prompts, shared, arrivals)
-    entries += run_phase(args, setup, phase_b_servers(args, setup, shared, arrivals), prompts, shared, arrivals)
-    report = peers_report.build(args, setup, entries, shared, arrivals)
     args.results_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
     kind = "cpu-quick" if args.quick else "cpu"
-    path = args.results_dir / f"peers-{kind}-{stamp}.json"
-    plot_path = path.with_suffix(".png")
-    try:
-        peers_plot.plot(report, plot_path)
-        report["plot"] = str(plot_path)
-    except Exception as err:  # noqa: BLE001 - the figures matter more than their picture
-        report["plot"] = {"error": f"{type(err).__name__}: {err}"}
-    path.write_text(json.dumps(report, indent=2) + "\n")
+    path = args.results_dir / f"peers-{kind}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    entries = run_phase(args, setup, phase_a_servers(args, setup), prompts, shared, arrivals)
+    # Phase A's report is written at once, so a run cut short in phase B keeps it.
+    write_report(args, setup, entries, shared, arrivals, path, plot=False)
+    entries += run_phase(args, setup, phase_b_servers(args, setup, shared, arrivals), prompts, shared, arrivals)
+    report = write_report(args, setup, entries, shared, arrivals, path, plot=True)
     log(f"report written to {path}")
     print(json.dumps(report, indent=2))
+
+
+def write_report(args, setup: Setup, entries: list[Entry], shared, arrivals, path: Path, plot: bool) -> dict:
+    report = peers_report.build(args, setup, entries, shared, arrivals)
+    if plot:
+        plot_path = path.with_suffix(".png")
+        try:
+            peers_plot.plot(report, plot_path)
+            report["plot"] = str(plot_path)
+        except Exception as err:  # noqa: BLE001 - the figures matter more than their picture
+            report["plot"] = {"error": f"{type(err).__name__}: {err}"}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
 
 
 if __name__ == "__main__":
