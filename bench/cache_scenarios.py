@@ -5,8 +5,9 @@
   distinct suffix each; time to first token and throughput (prefix caching pays off here).
 - long prompts arriving: `running` streams decode long outputs; once each has streamed
   `warmup_tokens`, `arrivals` requests with long prompts are sent; the running streams'
-  inter-token gaps that end after that moment (the prefill of the long prompts, and after) are
-  reported with the long requests' time to first token (chunked prefill keeps those gaps even).
+  inter-token gaps that end after that moment and before the last long request ends (its
+  prefill and its decode) are reported with the long requests' time to first token (chunked
+  prefill keeps those gaps even).
 
 Every repeat draws new prompts (seeded by the repeat): a server with prefix caching would
 otherwise serve a repeat's prompts from the previous repeat's cache. The shared prefix is the
@@ -145,17 +146,18 @@ async def _arrivals_run(base_url: str, spec: LongArrivals, model_fields: dict, v
     finally:
         await asyncio.gather(*(c.close() for c in conns))
     last_first_token = max(s.timing.token_times[0] for s in arriving)
-    gaps_during, gaps_before = [], []
+    arrivals_done = max(s.timing.token_times[-1] for s in arriving)
+    gaps_during, gaps_before, gaps_prefill = [], [], []
     for stream in running:
         for a, b in zip(stream.timing.token_times, stream.timing.token_times[1:], strict=False):
-            if b > arrived_at:
-                gaps_during.append(b - a)
-            else:
+            if b <= arrived_at:
                 gaps_before.append(b - a)
-    # Gaps while the long prompts were prefilled: those ending before the last arrival's first token.
-    gaps_prefill = [b - a for s in running for a, b in zip(s.timing.token_times, s.timing.token_times[1:],
-                                                            strict=False)
-                    if arrived_at < b <= last_first_token]
+            # The window: the long prompts' prefill and their decode, until the last of them ends.
+            # Later gaps (the running streams alone again) would dilute the p99 below the stalls.
+            elif b <= arrivals_done:
+                gaps_during.append(b - a)
+                if b <= last_first_token:
+                    gaps_prefill.append(b - a)
     during = percentiles(gaps_during)
     return {
         "running_streams": spec.running,
