@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape serve test test-rust test-server test-integration docs soak bench lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape serve test test-rust test-server test-integration docs soak bench bench-peers lint clean
 
 install: python rust
 
@@ -121,6 +121,16 @@ soak: install
 
 bench: install
 	$(PY) bench/run.py
+
+# quiver beside vLLM's CPU build and llama.cpp's llama-server (bench/peers.py,
+# docs/benchmarks-peers.md): the peers install into .cache/peers on first use; the report and its
+# plot (pyproject's `bench` extra: matplotlib) go to bench/results/.
+$(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
+	$(UV) pip install --python $(PY) -e '.[test,bench]'
+	touch $@
+
+bench-peers: install $(VENV)/.bench-installed
+	$(PY) bench/peers.py
 
 # ruff and mypy: pyproject's `lint` extra, pinned there; configured in pyproject.toml.
 $(VENV)/.lint-installed: pyproject.toml $(VENV)/.installed

@@ -39,6 +39,15 @@ class Workload:
     requests_per_client: int
     adapters: tuple[str, ...] = ()  # requests spread over these `model` names (adapter ids)
     logprobs: int = 0  # completions' `logprobs` (alternatives per token); 0: not asked
+    # Fields every request carries beyond the OpenAI ones (a peer's cache switch, see peers.py).
+    extra_body: dict = field(default_factory=dict)
+    # Fields per model name replacing `model` in the body: how a server without per-request
+    # adapter names (llama-server) is told which adapter a request uses.
+    model_bodies: dict[str, dict] = field(default_factory=dict)
+
+    def body(self, model: str) -> dict:
+        """The request's selection of model or adapter, and the extra fields."""
+        return {**(self.model_bodies.get(model) or {"model": model}), **self.extra_body}
 
     @property
     def models(self) -> tuple[str, ...]:
@@ -56,9 +65,10 @@ class Workload:
 
 
 async def _stream_once(conn: SseConnection, model: str, prompt: list[int],
-                       max_tokens: int, logprobs: int = 0) -> StreamTiming:
+                       max_tokens: int, logprobs: int = 0, selection: dict | None = None) -> StreamTiming:
+    """One streamed completion; `selection` replaces {"model": model} in the body (Workload.body)."""
     timing = StreamTiming(sent_at=time.perf_counter())
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+    body = {**(selection or {"model": model}), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
     if logprobs:
         body["logprobs"] = logprobs
@@ -100,7 +110,8 @@ async def _client_loop(conn: SseConnection, workload: Workload, client_index: in
     for round_index in range(workload.requests_per_client):
         index = round_index * concurrency + client_index
         model, prompt = workload.request(index)
-        timings.append((index, await _stream_once(conn, model, prompt, workload.max_tokens, workload.logprobs)))
+        timings.append((index, await _stream_once(conn, model, prompt, workload.max_tokens, workload.logprobs,
+                                                  workload.body(model))))
     return timings
 
 
@@ -110,7 +121,7 @@ async def _run(base_url: str, workload: Workload, concurrency: int) -> tuple[dic
         # One short request per model first, outside the measurement: connection set-up,
         # first-call paths, and each adapter loaded and in a device slot (steady state is what
         # is measured; the first request of an adapter also pays for reading it from disk).
-        await asyncio.gather(*(_stream_once(conn, model, workload.prompts[0], 4)
+        await asyncio.gather(*(_stream_once(conn, model, workload.prompts[0], 4, 0, workload.body(model))
                                for conn, model in zip(conns, workload.models, strict=False)))
         cpu_started, started = time.process_time(), time.perf_counter()
         per_client = await asyncio.gather(

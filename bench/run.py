@@ -19,6 +19,12 @@ serves the same weights with a tokenizer that can spell JSON (json_model.py): 32
 under a JSON schema, against the same streams all free; the stall of 8 new schemas on 16 free
 streams; the per-step mask cost from /metrics. They make the report's `structured_output` block;
 `--structured-concurrency 0 --stall-streams 0` leaves them out.
+
+Issue 16's workloads (cache_bench.py) follow on stacks of their own: a shared 1,024-token system
+prefix over 32 streams with `--prefix-caching true` against `false`, and 4 prompts of 2,048
+tokens arriving while 28 streams decode with `--chunked-prefill true` against `false`; they make
+the report's `prefix_caching` and `chunked_prefill` blocks (`--shared-prefix-concurrency 0` and
+`--long-running 0` leave them out).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import torch  # noqa: E402
 
 import adapters  # noqa: E402
 import bench_model  # noqa: E402
+import cache_bench  # noqa: E402
+import cache_scenarios  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import json_model  # noqa: E402
@@ -105,6 +113,15 @@ def parse_args() -> argparse.Namespace:
                    help="tokens of each free stream in the window before the arrivals")
     p.add_argument("--stall-stream-tokens", type=int, default=512,
                    help="max_tokens of the compile-stall free streams (cut once the window closes)")
+    p.add_argument("--shared-prefix-concurrency", type=int, default=32,
+                   help="streams of the shared-prefix scenario (prefix caching on against off); 0: none")
+    p.add_argument("--prefix-tokens", type=int, default=1024, help="the shared system prefix of those prompts")
+    p.add_argument("--suffix-tokens", type=int, default=64, help="the distinct suffix of each of them")
+    p.add_argument("--long-running", type=int, default=28,
+                   help="streams decoding when the long prompts arrive (chunked prefill on against off); 0: none")
+    p.add_argument("--long-running-tokens", type=int, default=256, help="max_tokens of those streams")
+    p.add_argument("--long-arrivals", type=int, default=4, help="long prompts arriving")
+    p.add_argument("--long-prompt-tokens", type=int, default=2048, help="length of each long prompt")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -122,6 +139,7 @@ def parse_args() -> argparse.Namespace:
         args.repeats = 1
         args.stall_window_tokens = min(args.stall_window_tokens, 8)
         args.stall_stream_tokens = min(args.stall_stream_tokens, 256)
+        args.long_running_tokens = min(args.long_running_tokens, 64)
     return args
 
 
@@ -312,6 +330,20 @@ def main() -> None:
     report = reports.build_report(args, shape, scenarios, quiver, baselines)
     if structured_block is not None:
         report["structured_output"] = structured_block
+    with tempfile.TemporaryDirectory(prefix="quiver-bench-cache-") as tmp:
+        if args.shared_prefix_concurrency:
+            spec = cache_scenarios.SharedPrefix(args.shared_prefix_concurrency, args.prefix_tokens, args.suffix_tokens,
+                                                args.max_tokens, args.requests_per_client)
+            log(f"{spec.name}: --prefix-caching true against false ({args.repeats} repeats)")
+            report["prefix_caching"] = cache_bench.shared_prefix(model_dir, shape.dtype, args.device, shape.vocab_size,
+                                                                 spec, args.repeats, Path(tmp))
+        if args.long_running:
+            arrivals = cache_scenarios.LongArrivals(args.long_running, args.prompt_tokens, args.long_running_tokens,
+                                                    arrivals=args.long_arrivals,
+                                                    arrival_prompt_tokens=args.long_prompt_tokens)
+            log(f"{arrivals.name}: --chunked-prefill true against false ({args.repeats} repeats)")
+            report["chunked_prefill"] = cache_bench.long_arrivals(model_dir, shape.dtype, args.device, shape.vocab_size,
+                                                                  arrivals, args.repeats, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)

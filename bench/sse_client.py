@@ -40,14 +40,21 @@ class SseConnection:
 
     async def post_stream(self, path: str, body: dict) -> AsyncIterator[dict]:
         """POSTs `body` and yields each SSE event's JSON until `data: [DONE]`."""
-        if self._writer is None:
-            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         payload = json.dumps(body).encode()
         head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
                 f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
                 f"Content-Length: {len(payload)}\r\n\r\n").encode()
-        self._writer.write(head + payload)
-        status, headers = await self._read_head()
+        reused = self._writer is not None
+        try:
+            status, headers = await self._send(head + payload)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            if not reused:
+                raise
+            # The server closed the kept-alive connection without saying so (llama-server does,
+            # after a streamed response): nothing of this request was answered, so it is sent
+            # again on a new connection, as HTTP clients do.
+            await self.close()
+            status, headers = await self._send(head + payload)
         if status != 200:
             raise HttpError(f"HTTP {status}: {(await self._read_body(headers)).decode(errors='replace')}")
         if headers.get("transfer-encoding", "").lower() != "chunked":
@@ -66,6 +73,12 @@ class SseConnection:
                     yield json.loads(data)
         if headers.get("connection", "").lower() == "close":
             await self.close()
+
+    async def _send(self, request: bytes) -> tuple[int, dict[str, str]]:
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        self._writer.write(request)
+        return await self._read_head()
 
     @property
     def _connected_reader(self) -> asyncio.StreamReader:

