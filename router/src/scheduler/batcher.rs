@@ -658,14 +658,9 @@ impl Batcher {
         }
         let mut sequence = running.request.input_ids.clone();
         sequence.extend_from_slice(&running.tokens[..fed]);
-        let epoch = self
-            .adapter_epochs
-            .get(&running.request.adapter_id)
-            .copied()
-            .unwrap_or(0);
         let hashes = block_hashes(
             &running.request.adapter_id,
-            epoch,
+            self.adapter_epoch(&running.request.adapter_id),
             &sequence,
             self.config.block_size,
         );
@@ -675,19 +670,19 @@ impl Batcher {
         }
     }
 
+    /// How many times `adapter_id` was unloaded: part of its blocks' names.
+    fn adapter_epoch(&self, adapter_id: &str) -> u64 {
+        self.adapter_epochs.get(adapter_id).copied().unwrap_or(0)
+    }
+
     /// The names of `request`'s full prompt blocks for the prefix cache (none when it is off).
     pub(super) fn prefix_hashes(&self, request: &GenerationRequest) -> Vec<BlockHash> {
         if !self.config.prefix_caching {
             return Vec::new();
         }
-        let epoch = self
-            .adapter_epochs
-            .get(&request.adapter_id)
-            .copied()
-            .unwrap_or(0);
         block_hashes(
             &request.adapter_id,
-            epoch,
+            self.adapter_epoch(&request.adapter_id),
             &request.input_ids,
             self.config.block_size,
         )
