@@ -1,0 +1,425 @@
+//! One step's Prefill: the next chunks of prompts under way, then the queued requests that fit
+//! the prefill budget (prefix-cache hits cost nothing of it), the blocks they register in the
+//! prefix cache, and what a finished request leaves there.
+
+use std::sync::atomic::Ordering;
+
+use tokio::time::Instant;
+
+use super::adapters::Activation;
+use super::{
+    protocol_error, sampling_to_pb, step_attributes, Admission, Batcher, Entry, Resources, Running,
+};
+use crate::pb;
+use crate::scheduler::blocks::{BlockAllocator, BlockHash};
+use crate::scheduler::preemption::Starved;
+use crate::scheduler::prefix_hash::block_hashes;
+use crate::scheduler::queue::Admit;
+use crate::scheduler::GenerationRequest;
+use crate::telemetry::{within_step, StepSpan};
+
+impl Batcher {
+    /// Runs one Prefill: the next chunks of prompts whose prefill goes on, then the waiting
+    /// requests that fit, within `max_batch_prefill_tokens` computed tokens (prefix-cache hits
+    /// are not computed). Returns the new cached batch of the requests whose prompt is done, if
+    /// any is left after its first token.
+    pub(super) async fn prefill_waiting(&mut self) -> Option<pb::CachedBatch> {
+        self.drop_gone_prefilling();
+        if self.queue.is_empty() && self.prefilling.is_empty() {
+            return None;
+        }
+        // A client that left while queued never reaches the shard.
+        self.queue.retain(|entry| !entry.events.is_closed());
+        self.expire_queued();
+        if let Some(starved) = self.starved.take() {
+            self.preempt_for(starved).await;
+        }
+        self.step_registered.clear();
+        let mut budget = u64::from(self.config.max_batch_prefill_tokens.max(1));
+        let chunks = self.next_chunks(&mut budget);
+        let admitted = self.admit_waiting(budget, !chunks.is_empty()).await;
+        if admitted.is_empty() && chunks.is_empty() {
+            return None;
+        }
+
+        let batch_id = self.next_batch_id;
+        self.next_batch_id += 1;
+        let mut ids = Vec::with_capacity(chunks.len() + admitted.len());
+        let mut requests = Vec::with_capacity(ids.capacity());
+        let mut prefill_tokens = 0u64;
+        for (id, from, until) in chunks {
+            let running = &self.active[&id];
+            requests.push(running.to_pb(id, from, until));
+            prefill_tokens += u64::from(until - from);
+            ids.push(id);
+        }
+        for (entry, admission) in admitted {
+            let id = entry.id;
+            let running = self.start_running(entry, admission);
+            requests.push(running.to_pb(id, running.cached_tokens, running.prefilled));
+            prefill_tokens += u64::from(running.prefilled - running.cached_tokens);
+            if running.prefilled < running.prompt_len() {
+                self.prefilling.push(id);
+            }
+            self.active.insert(id, running);
+            ids.push(id);
+        }
+        let finals: Vec<u64> = requests
+            .iter()
+            .filter(|r| r.prefill_until == 0)
+            .map(|r| r.id)
+            .collect();
+        tracing::debug!(
+            batch_id,
+            size = ids.len(),
+            finals = finals.len(),
+            prefill_tokens,
+            "prefill"
+        );
+
+        self.gauges.observed.prefill_batch(requests.len());
+        let request = pb::PrefillRequest { batch_id, requests };
+        self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
+        let step = StepSpan::start(
+            "prefill",
+            || step_attributes(batch_id, ids.len(), prefill_tokens),
+            ids.iter().filter_map(|id| self.traced(*id)),
+        );
+        let outcome = within_step(step.as_ref(), self.shard.prefill(request)).await;
+        if let Some(step) = step {
+            step.end(outcome.as_ref().err().map(|e| e as _));
+        }
+        let error = match outcome {
+            Ok(response) => {
+                self.prefilling.retain(|id| !finals.contains(id));
+                self.gauges.record_grammar(response.grammar_ns);
+                self.on_generations(&response.generations);
+                match response.batch {
+                    Some(batch) if batch.request_ids == finals => {
+                        if finals.is_empty() {
+                            return None;
+                        }
+                        return self.drop_finished(batch).await;
+                    }
+                    None if finals.is_empty() => return None,
+                    // A batch that lost requests would leave their blocks held for good.
+                    _ => protocol_error("Prefill did not return the batch of finished prompts"),
+                }
+            }
+            Err(error) => error,
+        };
+        // What this step registered in the prefix cache was never computed.
+        for block in std::mem::take(&mut self.step_registered) {
+            self.resources.allocator.unregister(block);
+        }
+        self.prefilling.retain(|id| !ids.contains(id));
+        self.fail_batch(batch_id, &ids, &error).await;
+        None
+    }
+
+    /// The next chunk of each prompt whose prefill goes on, oldest first, within `budget`:
+    /// (request id, from, until).
+    fn next_chunks(&mut self, budget: &mut u64) -> Vec<(u64, u32, u32)> {
+        let mut chunks = Vec::new();
+        for &id in &self.prefilling {
+            if *budget == 0 {
+                break;
+            }
+            let running = self
+                .active
+                .get_mut(&id)
+                .expect("prefilling requests are active");
+            let from = running.prefilled;
+            let take = u64::from(running.prompt_len() - from).min(*budget) as u32;
+            running.prefilled = from + take;
+            *budget -= u64::from(take);
+            register_computed(
+                &mut self.resources.allocator,
+                &mut self.step_registered,
+                running.blocks.ids(),
+                &running.block_hashes,
+                from,
+                from + take,
+                self.config.block_size,
+            );
+            chunks.push((id, from, from + take));
+        }
+        chunks
+    }
+
+    /// Takes the waiting requests that fit into this step (`budget` computed prompt tokens
+    /// left; `busy`: chunks of earlier prompts are in it already) and activates their adapters.
+    async fn admit_waiting(&mut self, budget: u64, busy: bool) -> Vec<(Entry, Admission)> {
+        if self.queue.is_empty() {
+            return Vec::new();
+        }
+        let queue = &self.queue;
+        let slots = &mut self.resources.slots;
+        slots.drop_reservations_unless(|adapter| queue.has_waiting(adapter));
+        let max_batch_size = self.config.max_batch_size.max(1) as usize;
+        let mut room = max_batch_size.saturating_sub(self.active.len());
+        let mut budget_left = budget;
+        let mut admitted_count = usize::from(busy);
+        let mut activations = Vec::new();
+        let mut waiting_for_slot = Vec::new();
+        let mut starved = None;
+        let patience = self.config.preemption_wait;
+        let block_size = self.config.block_size.max(1);
+        let chunked = self.config.chunked_prefill;
+        let now = Instant::now();
+        let Resources { allocator, slots } = &mut self.resources;
+        let registered = &mut self.step_registered;
+        let (mut queried, mut hit) = (0u64, 0u64);
+        let admitted = self.queue.next_batch(|entry| {
+            let waited_too_long = now.duration_since(entry.queued_at) >= patience;
+            if room == 0 {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, true));
+                }
+                return Admit::Stop;
+            }
+            if budget_left == 0 {
+                return Admit::Stop;
+            }
+            let request = &entry.request;
+            let prompt = request.input_ids.len() as u32;
+            // At least the last prompt token is computed: its logits give the first token. A
+            // request that wants the prompt's logprobs computes every prompt token.
+            let reusable: &[BlockHash] = if request.prompt_logprobs.is_some() {
+                &[]
+            } else {
+                let most = ((prompt - 1) / block_size) as usize;
+                &entry.block_hashes[..most.min(entry.block_hashes.len())]
+            };
+            let cached = allocator.cached_prefix_len(reusable) * block_size;
+            let needed = u64::from(prompt - cached);
+            // Prompt logprobs come from one pass over the whole prompt: never chunked.
+            let chunkable = chunked && request.prompt_logprobs.is_none();
+            let until = if needed <= budget_left {
+                prompt
+            } else if chunkable {
+                cached + budget_left as u32
+            } else if admitted_count == 0 {
+                // The first request of a step goes in whatever its length, or it never could.
+                prompt
+            } else {
+                return Admit::Stop;
+            };
+            let adapter = request.adapter_id.as_str();
+            let slot = if adapter.is_empty() {
+                None
+            } else if let Some(slot) = slots.find(adapter) {
+                Some(slot)
+            } else {
+                waiting_for_slot.push(adapter.to_owned());
+                return Admit::Skip;
+            };
+            let Some((blocks, hits)) =
+                allocator.allocate_with_prefix(reusable, entry.blocks_needed)
+            else {
+                if waited_too_long {
+                    starved = Some(Starved::new(entry.blocks_needed, false));
+                }
+                return Admit::Stop;
+            };
+            debug_assert_eq!(hits * block_size, cached);
+            if let Some(slot) = slot {
+                if let Some(evicted) = slots.claim(slot, adapter) {
+                    activations.push(Activation::new(slot, adapter, evicted));
+                }
+            }
+            if !entry.block_hashes.is_empty() && request.prompt_logprobs.is_none() {
+                queried += u64::from(prompt);
+                hit += u64::from(cached);
+            }
+            register_computed(
+                allocator,
+                registered,
+                blocks.ids(),
+                &entry.block_hashes,
+                cached,
+                until,
+                block_size,
+            );
+            room -= 1;
+            admitted_count += 1;
+            budget_left = budget_left.saturating_sub(u64::from(until - cached));
+            Admit::Take(Admission {
+                blocks,
+                slot,
+                cached_tokens: cached,
+                prefill_until: until,
+            })
+        });
+        if !waiting_for_slot.is_empty() {
+            slots.reserve(&waiting_for_slot);
+        }
+        self.starved = starved;
+        self.gauges
+            .prefix_queries
+            .fetch_add(queried, Ordering::Relaxed);
+        self.gauges.prefix_hits.fetch_add(hit, Ordering::Relaxed);
+        self.activate(activations, admitted).await
+    }
+
+    /// A request taken from the queue, as the batcher keeps it from its first prefill on.
+    fn start_running(&self, entry: Entry, admission: Admission) -> Running {
+        let Entry {
+            id,
+            request,
+            events,
+            queued_at,
+            permit,
+            resumed_after,
+            trace,
+            block_hashes,
+            ..
+        } = entry;
+        if resumed_after == 0 {
+            self.gauges
+                .observed
+                .queue_wait(&request.adapter_id, queued_at.elapsed());
+        }
+        if let Some(trace) = &trace {
+            trace.admitted(resumed_after);
+        }
+        tracing::debug!(
+            request_id = id,
+            queue_ms = queued_at.elapsed().as_millis() as u64,
+            resumed_after,
+            cached_tokens = admission.cached_tokens,
+            "request admitted"
+        );
+        Running {
+            events,
+            blocks: admission.blocks,
+            slot: admission.slot,
+            permit,
+            request,
+            tokens: Vec::new(),
+            admitted_at: Instant::now(),
+            resumed_after,
+            trace,
+            prefilled: admission.prefill_until,
+            cached_tokens: admission.cached_tokens,
+            block_hashes,
+        }
+    }
+
+    /// Releases the requests mid-prefill whose client left (they are in no shard batch).
+    fn drop_gone_prefilling(&mut self) {
+        let active = &self.active;
+        let gone: Vec<u64> = self
+            .prefilling
+            .iter()
+            .copied()
+            .filter(|id| active.get(id).is_some_and(|r| r.events.is_closed()))
+            .collect();
+        for id in gone {
+            self.prefilling.retain(|&p| p != id);
+            if let Some(running) = self.active.remove(&id) {
+                tracing::debug!(
+                    request_id = id,
+                    "client gone mid-prefill; request cancelled"
+                );
+                self.resources.release(running);
+            }
+        }
+    }
+
+    /// Registers in the prefix cache the full blocks of a request's generated tokens that it
+    /// leaves behind (its prompt's are there already): a conversation's next turn, or the
+    /// request itself resumed after preemption, then finds its output's KV too. Only for a
+    /// request whose steps all succeeded: after a failure the cache content is unknown.
+    pub(in crate::scheduler) fn cache_output(&mut self, running: &Running) {
+        if !self.config.prefix_caching || running.prefilled < running.prompt_len() {
+            return;
+        }
+        // The last sampled token was never fed through the model: its KV is not cached.
+        let fed = running.tokens.len().saturating_sub(1);
+        let block_size = self.config.block_size.max(1) as usize;
+        let known = running.block_hashes.len();
+        if (running.request.input_ids.len() + fed) / block_size <= known {
+            return;
+        }
+        let mut sequence = running.request.input_ids.clone();
+        sequence.extend_from_slice(&running.tokens[..fed]);
+        let hashes = block_hashes(
+            &running.request.adapter_id,
+            self.adapter_epoch(&running.request.adapter_id),
+            &sequence,
+            self.config.block_size,
+        );
+        let allocator = &mut self.resources.allocator;
+        for (&block, &hash) in running.blocks.ids().iter().zip(&hashes).skip(known) {
+            allocator.register(block, hash);
+        }
+    }
+
+    /// How many times `adapter_id` was unloaded: part of its blocks' names.
+    fn adapter_epoch(&self, adapter_id: &str) -> u64 {
+        self.adapter_epochs.get(adapter_id).copied().unwrap_or(0)
+    }
+
+    /// The names of `request`'s full prompt blocks for the prefix cache (none when it is off).
+    pub(in crate::scheduler) fn prefix_hashes(
+        &self,
+        request: &GenerationRequest,
+    ) -> Vec<BlockHash> {
+        if !self.config.prefix_caching {
+            return Vec::new();
+        }
+        block_hashes(
+            &request.adapter_id,
+            self.adapter_epoch(&request.adapter_id),
+            &request.input_ids,
+            self.config.block_size,
+        )
+    }
+}
+
+impl Running {
+    /// The shard's view of this request for a Prefill computing prompt tokens `from..until`.
+    fn to_pb(&self, id: u64, from: u32, until: u32) -> pb::Request {
+        let request = &self.request;
+        pb::Request {
+            id,
+            input_ids: request.input_ids.clone(),
+            blocks: self.blocks.ids().to_vec(),
+            sampling: Some(sampling_to_pb(request, self.resumed_after)),
+            max_new_tokens: request.max_new_tokens,
+            adapter_id: request.adapter_id.clone(),
+            // A resumed request reported its prompt's logprobs before it was preempted.
+            prompt_logprobs: request.prompt_logprobs.filter(|_| self.resumed_after == 0),
+            grammar: request.grammar.clone(),
+            cached_tokens: from,
+            prefill_until: if until < self.prompt_len() { until } else { 0 },
+        }
+    }
+}
+
+/// Registers in the prefix cache the full blocks among prompt tokens `from..until` that a
+/// Prefill is about to compute, noting them in `registered` so a failed step can take them
+/// back. Later requests (in this very Prefill too: the shard writes a layer's KV before any
+/// attention of that layer reads it) may then share them.
+fn register_computed(
+    allocator: &mut BlockAllocator,
+    registered: &mut Vec<u32>,
+    blocks: &[u32],
+    hashes: &[BlockHash],
+    from: u32,
+    until: u32,
+    block_size: u32,
+) {
+    let first = (from / block_size) as usize;
+    let end = ((until / block_size) as usize).min(hashes.len());
+    for index in first..end {
+        let block = blocks[index];
+        if !allocator.is_cached(block) {
+            allocator.register(block, hashes[index]);
+            if allocator.is_cached(block) {
+                registered.push(block);
+            }
+        }
+    }
+}
