@@ -18,6 +18,7 @@ impl ServingFlags {
             max_batch_prefill_tokens,
             prefix_caching,
             chunked_prefill,
+            prefill_pace,
             max_batch_total_tokens,
             max_batch_size,
             max_concurrent_requests,
@@ -61,6 +62,7 @@ impl ServingFlags {
             )
             .flag("--prefix-caching", prefix_caching.to_string())
             .flag("--chunked-prefill", chunked_prefill.to_string())
+            .flag("--prefill-pace", prefill_pace.to_string())
             .flag_if_set(
                 "--max-batch-total-tokens",
                 max_batch_total_tokens.map(|n| n.to_string()),
@@ -172,6 +174,7 @@ mod tests {
             max_batch_prefill_tokens: Some(4096),
             prefix_caching: false,
             chunked_prefill: false,
+            prefill_pace: 0.5,
             max_batch_total_tokens: Some(100_000),
             max_batch_size: 32,
             max_concurrent_requests: 64,

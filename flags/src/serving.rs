@@ -50,6 +50,14 @@ pub struct ServingFlags {
           action = clap::ArgAction::Set)]
     pub chunked_prefill: bool,
 
+    /// While requests decode and fewer wait for their first token, size each step's prefill
+    /// chunks to take about this many times a decode step (both measured as the server runs),
+    /// so that a long prompt slows the running streams by a bounded factor instead of stalling
+    /// them; 0 always fills --max-batch-prefill-tokens.
+    #[arg(long, env = "QUIVER_PREFILL_PACE", default_value_t = 1.0,
+          value_parser = parse_pace)]
+    pub prefill_pace: f64,
+
     /// Cap on KV-cache token slots over all running requests (router default: all the shard holds).
     #[arg(long, env = "QUIVER_MAX_BATCH_TOTAL_TOKENS")]
     pub max_batch_total_tokens: Option<u32>,
@@ -171,6 +179,15 @@ pub struct ServingFlags {
 }
 
 /// A share of the KV cache: more than 0, at most 1.
+fn parse_pace(text: &str) -> Result<f64, String> {
+    let pace: f64 = text.parse().map_err(|error| format!("{error}"))?;
+    if pace.is_finite() && pace >= 0.0 {
+        Ok(pace)
+    } else {
+        Err(format!("must be a finite number of at least 0, got {text}"))
+    }
+}
+
 fn parse_share(text: &str) -> Result<f64, String> {
     let share: f64 = text.parse().map_err(|error| format!("{error}"))?;
     if share > 0.0 && share <= 1.0 {

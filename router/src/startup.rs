@@ -40,9 +40,10 @@ pub struct Settings {
     pub tool_call_parser: Option<ToolCallParser>,
     /// `--metrics-max-adapter-labels`.
     pub metrics_max_adapter_labels: usize,
-    /// `--prefix-caching`, `--chunked-prefill`.
+    /// `--prefix-caching`, `--chunked-prefill`, `--prefill-pace`.
     pub prefix_caching: bool,
     pub chunked_prefill: bool,
+    pub prefill_pace: f64,
 }
 
 /// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
@@ -108,6 +109,7 @@ impl Settings {
             metrics_max_adapter_labels: args.serving.metrics_max_adapter_labels as usize,
             prefix_caching: args.serving.prefix_caching,
             chunked_prefill: args.serving.chunked_prefill,
+            prefill_pace: args.serving.prefill_pace,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
@@ -200,6 +202,7 @@ pub async fn start(
             max_queue_wait: settings.admission.max_queue_wait,
             prefix_caching: settings.prefix_caching,
             chunked_prefill: settings.chunked_prefill,
+            prefill_pace: settings.prefill_pace,
         },
         scheduler_metrics.clone(),
     );

@@ -33,9 +33,11 @@ use crate::shard::{ShardBackend, ShardError};
 use crate::telemetry::{within_step, RequestTrace, StepSpan};
 
 mod adapters;
+mod pace;
 mod prefill;
 
 use adapters::PendingUnload;
+use pace::PrefillPace;
 
 type EventSender = mpsc::UnboundedSender<Result<TokenEvent, GenerationError>>;
 /// The `--max-concurrent-requests` permit of one HTTP request, shared by its choices.
@@ -232,6 +234,8 @@ pub(super) struct Batcher {
     /// A queue head that waited past `preemption_wait` for blocks or a batch slot in the last
     /// step: room is made for it before the next one.
     pub(super) starved: Option<Starved>,
+    /// What steps cost, to size prefill chunks while requests decode.
+    pace: PrefillPace,
 }
 
 impl Batcher {
@@ -247,6 +251,7 @@ impl Batcher {
                 allocator: BlockAllocator::new(config.usable_blocks()),
                 slots: AdapterSlots::new(config.max_active_adapters),
             },
+            pace: PrefillPace::new(config.prefill_pace),
             config,
             incoming,
             queue: Queue::new(),
@@ -352,11 +357,13 @@ impl Batcher {
                 .iter()
                 .filter_map(|(id, running)| Some((*id, running.trace.as_ref()?))),
         );
+        let started = Instant::now();
         let outcome = within_step(
             step.as_ref(),
             self.shard.decode(pb::DecodeRequest { batches }),
         )
         .await;
+        self.pace.record_decode(started.elapsed());
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }

@@ -31,6 +31,8 @@ mod slots;
 #[cfg(test)]
 mod adapter_tests;
 #[cfg(test)]
+mod pace_tests;
+#[cfg(test)]
 mod preemption_tests;
 #[cfg(test)]
 mod prefix_tests;
@@ -177,7 +179,7 @@ pub enum UnloadError {
 pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, GenerationError>>;
 
 /// Sizes the scheduler works within; the KV geometry comes from the shard's Warmup.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SchedulerConfig {
     /// Tokens per KV block.
     pub block_size: u32,
@@ -205,6 +207,9 @@ pub struct SchedulerConfig {
     /// Prefill prompts longer than a step's `max_batch_prefill_tokens` in chunks over several
     /// steps, each step also decoding the running requests.
     pub chunked_prefill: bool,
+    /// While requests decode, size a step's prefill to take about this many times a decode
+    /// step (`batcher/pace.rs`); 0: always up to `max_batch_prefill_tokens`.
+    pub prefill_pace: f64,
 }
 
 impl SchedulerConfig {

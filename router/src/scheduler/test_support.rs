@@ -26,6 +26,8 @@ pub(super) fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
         max_queue_wait: None,
         prefix_caching: true,
         chunked_prefill: true,
+        // Chunk sizes that depend on measured step times would make step counts vary.
+        prefill_pace: 0.0,
     }
 }
 

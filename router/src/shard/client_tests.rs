@@ -316,6 +316,7 @@ async fn the_scheduler_runs_over_grpc() {
         max_queue_wait: None,
         prefix_caching: true,
         chunked_prefill: true,
+        prefill_pace: 0.0,
     };
     let scheduler = Scheduler::start(Arc::new(client), config);
     let mut events = scheduler

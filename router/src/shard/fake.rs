@@ -55,6 +55,7 @@ use adapters::AdapterState;
 use kv_content::{next_digest, KvContent};
 use logprobs::fake_top;
 pub use logprobs::{fake_logprob, fake_seeded_first_token};
+use prefill::computed_tokens;
 
 /// The fake's token rule for the base model: the token after `previous`.
 pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
@@ -118,6 +119,8 @@ pub struct FakeShardStats {
     pub max_live_adapters: usize,
     /// Most distinct adapters (base model not counted) seen in one Decode.
     pub max_decode_adapters: usize,
+    /// Prompt tokens each Prefill computed (cached ones excluded), in order.
+    pub prefill_tokens: Vec<u32>,
 }
 
 #[derive(Debug)]
@@ -171,6 +174,10 @@ pub struct FakeShard {
     block_size: u32,
     num_blocks: u32,
     step_delay: Duration,
+    /// Extra Prefill time per computed prompt token.
+    prefill_token_delay: Duration,
+    /// Extra time of each Decode.
+    decode_delay: Duration,
     rank: u32,
     world_size: u32,
     model_path: String,
@@ -189,6 +196,8 @@ impl FakeShard {
             block_size: 16,
             num_blocks: 1024,
             step_delay: Duration::ZERO,
+            prefill_token_delay: Duration::ZERO,
+            decode_delay: Duration::ZERO,
             rank: 0,
             world_size: 1,
             model_path: String::new(),
@@ -215,6 +224,19 @@ impl FakeShard {
     /// Time each Prefill and Decode takes (to let requests arrive mid-generation).
     pub fn with_step_delay(mut self, delay: Duration) -> Self {
         self.step_delay = delay;
+        self
+    }
+
+    /// Time each computed prompt token adds to a Prefill, after the step delay (a shard
+    /// whose prefill cost grows with the prompt, for prefill pacing).
+    pub fn with_prefill_token_delay(mut self, delay: Duration) -> Self {
+        self.prefill_token_delay = delay;
+        self
+    }
+
+    /// Time each Decode takes, after the step delay.
+    pub fn with_decode_delay(mut self, delay: Duration) -> Self {
+        self.decode_delay = delay;
         self
     }
 
@@ -516,6 +538,10 @@ impl ShardBackend for FakeShard {
     ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>> {
         async move {
             self.delay().await;
+            let computed = computed_tokens(&request);
+            if !self.prefill_token_delay.is_zero() {
+                tokio::time::sleep(self.prefill_token_delay * computed).await;
+            }
             self.prefill_now(request)
         }
         .boxed()
@@ -524,6 +550,9 @@ impl ShardBackend for FakeShard {
     fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>> {
         async move {
             self.delay().await;
+            if !self.decode_delay.is_zero() {
+                tokio::time::sleep(self.decode_delay).await;
+            }
             self.decode_now(request)
         }
         .boxed()

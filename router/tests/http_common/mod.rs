@@ -262,6 +262,7 @@ impl TestApp {
             metrics_max_adapter_labels: 32,
             prefix_caching: true,
             chunked_prefill: true,
+            prefill_pace: 0.0,
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {

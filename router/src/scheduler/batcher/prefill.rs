@@ -35,7 +35,7 @@ impl Batcher {
             self.preempt_for(starved).await;
         }
         self.step_registered.clear();
-        let mut budget = u64::from(self.config.max_batch_prefill_tokens.max(1));
+        let mut budget = u64::from(self.step_budget());
         let chunks = self.next_chunks(&mut budget);
         let admitted = self.admit_waiting(budget, !chunks.is_empty()).await;
         if admitted.is_empty() && chunks.is_empty() {
@@ -85,7 +85,9 @@ impl Batcher {
             || step_attributes(batch_id, ids.len(), prefill_tokens),
             ids.iter().filter_map(|id| self.traced(*id)),
         );
+        let started = Instant::now();
         let outcome = within_step(step.as_ref(), self.shard.prefill(request)).await;
+        self.pace.record_prefill(started.elapsed(), prefill_tokens);
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }
@@ -115,6 +117,15 @@ impl Batcher {
         self.prefilling.retain(|id| !ids.contains(id));
         self.fail_batch(batch_id, &ids, &error).await;
         None
+    }
+
+    /// Prompt tokens this step may compute (`batcher/pace.rs`).
+    fn step_budget(&self) -> u32 {
+        let decoding = self.running.as_ref().map_or(0, |b| b.request_ids.len());
+        let waiting = self.queue.len() + self.prefilling.len();
+        let cap = self.config.max_batch_prefill_tokens.max(1);
+        self.pace
+            .budget(cap, self.config.block_size.max(1), decoding, waiting)
     }
 
     /// The next chunk of each prompt whose prefill goes on, oldest first, within `budget`:

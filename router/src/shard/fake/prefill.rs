@@ -83,6 +83,7 @@ impl FakeShard {
         let mut guard = self.begin(FakeRpc::Prefill)?;
         let state = &mut *guard;
         state.stats.prefill_calls += 1;
+        state.stats.prefill_tokens.push(computed_tokens(&request));
         let grammars = request.requests.iter().map(|r| r.grammar.clone());
         state.grammars.prefilled.extend(grammars);
         if state.batches.contains_key(&request.batch_id) {
@@ -203,4 +204,21 @@ fn until_of(r: &pb::Request) -> usize {
         0 => r.input_ids.len(),
         until => until as usize,
     }
+}
+
+/// Prompt tokens a Prefill computes: each request's `cached_tokens..prefill_until` (its whole
+/// prompt when `prefill_until` is 0).
+pub(super) fn computed_tokens(request: &pb::PrefillRequest) -> u32 {
+    request
+        .requests
+        .iter()
+        .map(|r| {
+            let until = if r.prefill_until == 0 {
+                r.input_ids.len() as u32
+            } else {
+                r.prefill_until
+            };
+            until.saturating_sub(r.cached_tokens)
+        })
+        .sum()
 }
