@@ -1,7 +1,12 @@
 """Churn (issue 12): concurrent streams over more adapters than device slots, a fifth of the
 clients walking away mid-stream. Every stream that finishes carries peft's greedy tokens; once the
 churn is over every KV block is free, nothing runs or waits, no adapter slot stays pinned, and the
-adapters and the base still give peft's and transformers' tokens."""
+adapters and the base still give peft's and transformers' tokens.
+
+The server runs with prefix caching on (its default), and a third of the clients share one long
+prompt per model, so blocks are shared by requests that run together, leave, and are reused
+from the cache: "every block free" then counts the unreferenced cached blocks as free, as the
+allocator does, and a block leaked by a reference count would show."""
 
 from __future__ import annotations
 
@@ -39,6 +44,9 @@ LEAVER_MAX_TOKENS = 400
 ROUNDS = scaled(1)
 # The slot check's requests: long enough that two of them certainly overlap in the batch.
 OVERLAP_TOKENS = 64
+# A prompt of several KV blocks (about 70 tokens; a leaver asks 400 more of the 512 allowed),
+# shared by a third of the clients (of each model).
+SHARED_PROMPT = "The quick brown fox jumps over the lazy dog, and then it rests. " * 2
 # Guards against a hang (a deadlock would stop here), not timing assertions.
 ROUND_TIMEOUT_S = 240
 
@@ -66,8 +74,11 @@ def _model(i: int) -> str | None:
 
 
 def _prompt(i: int) -> str | list[dict]:
-    """Client i's prompt: a chat every third client, else the completion prompts in turn."""
-    return CHAT if i % 3 == 2 else COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)]
+    """Client i's prompt: a chat every third client, the shared long prompt every third, else the
+    completion prompts in turn."""
+    if i % 3 == 2:
+        return CHAT
+    return SHARED_PROMPT if i % 3 == 1 else COMPLETION_PROMPTS[i % len(COMPLETION_PROMPTS)]
 
 
 def _prompt_ids(adapters, prompt) -> list[int]:
@@ -141,7 +152,7 @@ def _assert_slots_all_usable(adapters, stack, pair: tuple[str, str]) -> None:
 
 
 def test_churn_returns_every_block_and_slot_and_keeps_outputs_exact(adapters, stack):
-    wait_idle(stack)
+    hits_before = wait_idle(stack)["quiver_prefix_cache_hits_total"]
     for round_ in range(ROUNDS):
         with PeakRunning(stack) as running:
             results = _run(stack, _churn(stack))
@@ -158,6 +169,8 @@ def test_churn_returns_every_block_and_slot_and_keeps_outputs_exact(adapters, st
         metrics = wait_idle(stack)
         assert metrics["quiver_adapter_slots"] == SLOTS
         assert metrics["quiver_adapters_active"] <= SLOTS
+        assert metrics["quiver_prefix_cache_hits_total"] > hits_before, "the shared prompt was never a cache hit"
+        hits_before = metrics["quiver_prefix_cache_hits_total"]
 
     # Any slot pinned by one adapter would be outside one of these two pairs.
     _assert_slots_all_usable(adapters, stack, (ADAPTERS[0], ADAPTERS[1]))

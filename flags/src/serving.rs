@@ -32,7 +32,7 @@ pub struct ServingFlags {
     pub max_total_tokens: Option<u32>,
 
     /// Most prompt tokens computed in one step, prefix-cache hits not counted (router default:
-    /// 4096 with chunked prefill, else max(--max-input-tokens, 4096)).
+    /// 2048 with chunked prefill, else max(--max-input-tokens, 4096)).
     #[arg(long, env = "QUIVER_MAX_BATCH_PREFILL_TOKENS")]
     pub max_batch_prefill_tokens: Option<u32>,
 
@@ -50,10 +50,10 @@ pub struct ServingFlags {
           action = clap::ArgAction::Set)]
     pub chunked_prefill: bool,
 
-    /// While requests decode and fewer wait for their first token, size each step's prefill
-    /// chunks to take about this many times a decode step (both measured as the server runs),
-    /// so that a long prompt slows the running streams by a bounded factor instead of stalling
-    /// them; 0 always fills --max-batch-prefill-tokens.
+    /// While requests decode and fewer than a quarter as many wait for their first token, size
+    /// each step's prefill chunks to take about this many times a decode step (both measured
+    /// as the server runs), so that a long prompt slows the running streams by a bounded
+    /// factor instead of stalling them; 0 always fills --max-batch-prefill-tokens.
     #[arg(long, env = "QUIVER_PREFILL_PACE", default_value_t = 1.0,
           value_parser = parse_pace)]
     pub prefill_pace: f64,

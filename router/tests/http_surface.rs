@@ -77,7 +77,7 @@ async fn info_reports_model_and_limits() {
     let limits = &info["limits"];
     assert_eq!(limits["max_input_tokens"], 48);
     assert_eq!(limits["max_total_tokens"], 64);
-    assert_eq!(limits["max_batch_prefill_tokens"], 4096);
+    assert_eq!(limits["max_batch_prefill_tokens"], 2048);
     assert_eq!(limits["max_stop_sequences"], 16);
     // The fake reports 256 blocks of 4 tokens.
     assert_eq!(limits["block_size"], 4);

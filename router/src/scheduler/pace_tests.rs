@@ -31,16 +31,15 @@ fn paced(pace: f64) -> SchedulerConfig {
     }
 }
 
-/// Two streams decode; a 320-token prompt arrives. Returns the Prefill sizes after the
+/// Five streams decode; a 320-token prompt arrives. Returns the Prefill sizes after the
 /// streams' own, and the longest gap between two tokens of a running stream meanwhile.
 async fn long_prompt_among_decoding(pace: f64) -> (Vec<u32>, Duration) {
     let shard = shard();
     let scheduler = start(&shard, paced(pace));
     let short: Vec<u32> = (1..=8).collect();
-    let mut running = vec![
-        scheduler.submit(request(&short, 60)).unwrap(),
-        scheduler.submit(request(&short, 60)).unwrap(),
-    ];
+    let mut running: Vec<_> = (0..5)
+        .map(|_| scheduler.submit(request(&short, 60)).unwrap())
+        .collect();
     for events in &mut running {
         next_token(events).await;
     }

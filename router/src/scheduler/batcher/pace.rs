@@ -8,11 +8,17 @@
 //! so that a step's prefill takes about `pace` times the last decode steps: the running
 //! streams slow down by a bounded factor while the prompt goes in, on any CPU and model.
 //!
-//! When at least as many requests wait for their first token as decode, the full
-//! `--max-batch-prefill-tokens` applies: holding many requests back to spare a few (a burst
-//! of new requests, the first steps after start-up) would cost more than it saves.
+//! Pacing holds back a few requests for the sake of many: it applies only while fewer than a
+//! quarter as many requests wait for their first token as decode. Otherwise the full
+//! `--max-batch-prefill-tokens` applies: a burst of new requests, the first steps after
+//! start-up, or a wave of requests that finished together and come back. Holding those back
+//! would cost them more time than it saves the running streams, and throughput too: the
+//! decode steps run at a fraction of the batch meanwhile, for about the same cost a step.
 
 use std::time::Duration;
+
+/// Pacing applies while `waiting * WAITING_SHARE < decoding`.
+const WAITING_SHARE: usize = 4;
 
 /// Weight of the newest measurement in the running averages: recent enough to follow the
 /// batch as it grows and shrinks, smooth enough that one slow step does not swing the chunks.
@@ -51,10 +57,10 @@ impl PrefillPace {
     }
 
     /// The prompt tokens the next step may compute: `cap` (`--max-batch-prefill-tokens`)
-    /// unless requests decode and fewer wait; then what takes about `pace` decode steps, at
-    /// least `floor` so that prompts always go on.
+    /// unless requests decode and fewer than a quarter as many wait; then what takes about
+    /// `pace` decode steps, at least `floor` so that prompts always go on.
     pub(super) fn budget(&self, cap: u32, floor: u32, decoding: usize, waiting: usize) -> u32 {
-        if self.pace <= 0.0 || decoding == 0 || waiting >= decoding {
+        if self.pace <= 0.0 || decoding == 0 || waiting * WAITING_SHARE >= decoding {
             return cap;
         }
         let (Some(decode), Some(per_token)) = (self.decode_secs, self.prefill_secs_per_token)
@@ -102,14 +108,17 @@ mod tests {
     }
 
     #[test]
-    fn full_budget_when_nothing_decodes_or_as_many_wait() {
+    fn full_budget_when_nothing_decodes_or_a_quarter_as_many_wait() {
         let mut pace = PrefillPace::new(1.0);
         pace.record_decode(ms(50));
         pace.record_prefill(ms(400), 1000);
         assert_eq!(pace.budget(4096, 16, 0, 4), 4096);
-        assert_eq!(pace.budget(4096, 16, 4, 4), 4096);
+        assert_eq!(pace.budget(4096, 16, 16, 4), 4096);
+        assert_eq!(pace.budget(4096, 16, 17, 15), 4096);
         assert_eq!(pace.budget(4096, 16, 1, 31), 4096);
-        assert_eq!(pace.budget(4096, 16, 5, 4), 125);
+        assert_eq!(pace.budget(4096, 16, 17, 4), 125);
+        assert_eq!(pace.budget(4096, 16, 28, 4), 125);
+        assert_eq!(pace.budget(4096, 16, 2, 0), 125);
     }
 
     #[test]
