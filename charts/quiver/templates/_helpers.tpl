@@ -95,6 +95,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "quiver.flag" (dict "flag" "--max-concurrent-requests" "value" $v.limits.maxConcurrentRequests) }}
 {{- include "quiver.flag" (dict "flag" "--max-queue-wait-secs" "value" $v.limits.maxQueueWaitSecs) }}
 {{- include "quiver.flag" (dict "flag" "--max-request-body-bytes" "value" $v.limits.maxRequestBodyBytes) }}
+{{- include "quiver.flag" (dict "flag" "--prefix-caching" "value" $v.scheduling.prefixCaching) }}
+{{- include "quiver.flag" (dict "flag" "--chunked-prefill" "value" $v.scheduling.chunkedPrefill) }}
+{{- include "quiver.flag" (dict "flag" "--prefill-pace" "value" $v.scheduling.prefillPace) }}
 {{- include "quiver.flag" (dict "flag" "--gpu-memory-fraction" "value" $v.memory.gpuMemoryFraction) }}
 {{- include "quiver.flag" (dict "flag" "--cpu-kv-cache-gib" "value" $v.memory.cpuKvCacheGib) }}
 {{- include "quiver.flag" (dict "flag" "--adapter-source" "value" $v.adapters.source) }}
