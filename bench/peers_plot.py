@@ -12,20 +12,22 @@ import sys
 from pathlib import Path
 
 
-def _bars(axis, title: str, unit: str, values: dict[str, dict[str, float]]) -> None:
-    """values: {scenario: {server: value}}, drawn as groups of bars per scenario."""
+def _bars(axis, title: str, unit: str, values: dict[str, dict[str, float]], colors: dict[str, str]) -> None:
+    """values: {scenario: {server: value}}, drawn as groups of bars per scenario, each server in
+    its own colour in every panel."""
     scenarios = list(values)
     servers = sorted({s for per in values.values() for s in per})
     width = 0.8 / max(1, len(servers))
     for i, server in enumerate(servers):
         xs = [j + i * width for j, scenario in enumerate(scenarios) if server in values[scenario]]
         ys = [values[scenario][server] for scenario in scenarios if server in values[scenario]]
-        bars = axis.bar(xs, ys, width, label=server)
+        bars = axis.bar(xs, ys, width, label=server, color=colors[server])
         axis.bar_label(bars, fmt="%.3g", fontsize=6)
     axis.set_xticks([j + width * (len(servers) - 1) / 2 for j in range(len(scenarios))], scenarios, fontsize=8)
     axis.set_title(title, fontsize=9)
     axis.set_ylabel(unit, fontsize=8)
-    axis.legend(fontsize=6)
+    # Outside the bars, right of the panel: inside, it hid the figures of some.
+    axis.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def plot(report: dict, path: Path) -> None:
@@ -51,9 +53,12 @@ def plot(report: dict, path: Path) -> None:
                                           ("long prompts arriving", "s", long_itl)) if v]
     if not panels:
         raise ValueError("the report has no figures to plot")
-    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 3.6 * len(panels)), squeeze=False)
+    servers = sorted(report["servers"])
+    palette = plt.get_cmap("tab10").colors
+    colors = {server: palette[i % len(palette)] for i, server in enumerate(servers)}
+    figure, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
     for axis, (title, unit, values) in zip(axes[:, 0], panels, strict=True):
-        _bars(axis, title, unit, values)
+        _bars(axis, title, unit, values, colors)
     cpu = report.get("machine", {}).get("cpu_model", "")
     figure.suptitle(f"make bench-peers ({cpu}, {report['machine'].get('cpu_count')} cores)", fontsize=10)
     figure.tight_layout()

@@ -88,6 +88,14 @@ mod tests {
         Duration::from_millis(n)
     }
 
+    /// A pace that measured one decode step of `decode` and one prefill of `tokens` in `prefill`.
+    fn measured(pace: f64, decode: Duration, prefill: Duration, tokens: u64) -> PrefillPace {
+        let mut measured = PrefillPace::new(pace);
+        measured.record_decode(decode);
+        measured.record_prefill(prefill, tokens);
+        measured
+    }
+
     #[test]
     fn full_budget_until_both_costs_are_known() {
         let mut pace = PrefillPace::new(1.0);
@@ -101,17 +109,13 @@ mod tests {
 
     #[test]
     fn pace_scales_the_chunk() {
-        let mut pace = PrefillPace::new(0.5);
-        pace.record_decode(ms(50));
-        pace.record_prefill(ms(400), 1000);
+        let pace = measured(0.5, ms(50), ms(400), 1000);
         assert_eq!(pace.budget(4096, 16, 28, 4), 62);
     }
 
     #[test]
     fn full_budget_when_nothing_decodes_or_a_quarter_as_many_wait() {
-        let mut pace = PrefillPace::new(1.0);
-        pace.record_decode(ms(50));
-        pace.record_prefill(ms(400), 1000);
+        let pace = measured(1.0, ms(50), ms(400), 1000);
         assert_eq!(pace.budget(4096, 16, 0, 4), 4096);
         assert_eq!(pace.budget(4096, 16, 16, 4), 4096);
         assert_eq!(pace.budget(4096, 16, 17, 15), 4096);
@@ -123,23 +127,17 @@ mod tests {
 
     #[test]
     fn off_at_zero() {
-        let mut pace = PrefillPace::new(0.0);
-        pace.record_decode(ms(50));
-        pace.record_prefill(ms(400), 1000);
+        let pace = measured(0.0, ms(50), ms(400), 1000);
         assert_eq!(pace.budget(4096, 16, 28, 4), 4096);
     }
 
     #[test]
     fn bounded_by_floor_and_cap() {
-        let mut pace = PrefillPace::new(1.0);
-        pace.record_decode(ms(1));
-        pace.record_prefill(ms(1000), 100);
+        let pace = measured(1.0, ms(1), ms(1000), 100);
         assert_eq!(pace.budget(4096, 16, 28, 4), 16);
         // A floor above the cap gives the cap.
         assert_eq!(pace.budget(8, 16, 28, 4), 8);
-        let mut fast = PrefillPace::new(1.0);
-        fast.record_decode(ms(1000));
-        fast.record_prefill(Duration::from_nanos(1), 1);
+        let fast = measured(1.0, ms(1000), Duration::from_nanos(1), 1);
         assert_eq!(fast.budget(4096, 16, 28, 4), 4096);
     }
 
