@@ -54,8 +54,8 @@ def plot(report: dict, path: Path) -> None:
     if not panels:
         raise ValueError("the report has no figures to plot")
     servers = sorted(report["servers"])
-    palette = plt.get_cmap("tab10").colors
-    colors = {server: palette[i % len(palette)] for i, server in enumerate(servers)}
+    # matplotlib's default colour cycle, C0..C9, one per server in every panel.
+    colors = {server: f"C{i % 10}" for i, server in enumerate(servers)}
     figure, axes = plt.subplots(len(panels), 1, figsize=(11, 3.6 * len(panels)), squeeze=False)
     for axis, (title, unit, values) in zip(axes[:, 0], panels, strict=True):
         _bars(axis, title, unit, values, colors)
