@@ -178,7 +178,7 @@ pub struct ServingFlags {
     pub otel_service_name: String,
 }
 
-/// A share of the KV cache: more than 0, at most 1.
+/// A pace of prefill against decode: finite, at least 0.
 fn parse_pace(text: &str) -> Result<f64, String> {
     let pace: f64 = text.parse().map_err(|error| format!("{error}"))?;
     if pace.is_finite() && pace >= 0.0 {
@@ -188,6 +188,7 @@ fn parse_pace(text: &str) -> Result<f64, String> {
     }
 }
 
+/// A share of the KV cache: more than 0, at most 1.
 fn parse_share(text: &str) -> Result<f64, String> {
     let share: f64 = text.parse().map_err(|error| format!("{error}"))?;
     if share > 0.0 && share <= 1.0 {

@@ -363,7 +363,9 @@ impl Batcher {
             self.shard.decode(pb::DecodeRequest { batches }),
         )
         .await;
-        self.pace.record_decode(started.elapsed());
+        if outcome.is_ok() {
+            self.pace.record_decode(started.elapsed());
+        }
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }

@@ -87,7 +87,9 @@ impl Batcher {
         );
         let started = Instant::now();
         let outcome = within_step(step.as_ref(), self.shard.prefill(request)).await;
-        self.pace.record_prefill(started.elapsed(), prefill_tokens);
+        if outcome.is_ok() {
+            self.pace.record_prefill(started.elapsed(), prefill_tokens);
+        }
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }

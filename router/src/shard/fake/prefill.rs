@@ -212,13 +212,6 @@ pub(super) fn computed_tokens(request: &pb::PrefillRequest) -> u32 {
     request
         .requests
         .iter()
-        .map(|r| {
-            let until = if r.prefill_until == 0 {
-                r.input_ids.len() as u32
-            } else {
-                r.prefill_until
-            };
-            until.saturating_sub(r.cached_tokens)
-        })
+        .map(|r| (until_of(r) as u32).saturating_sub(r.cached_tokens))
         .sum()
 }
