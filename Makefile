@@ -106,8 +106,9 @@ test-server: python
 	for isa in $(wordlist 2,9,$(CPU_ISAS)); do QUIVER_CPU_ISA=$$isa $(PY) -m pytest server/tests -q -m cpu_kernels || exit 1; done
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
+# The slowest tests are listed at the end, so a CI log shows where the suite's time goes.
 test-integration: install node-clients chart-tools gie-scrape
-	$(PY) -m pytest integration-tests -q
+	$(PY) -m pytest integration-tests -q --durations=15
 
 # The documentation site, as strict as a published build: a broken link or a page missing from
 # the nav fails it. Built into .cache/site so that the tree stays clean.
