@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -41,7 +43,11 @@ class PeerServer:
     # fields every request carries (llama-server's per-request cache switch)
     extra_body: dict = field(default_factory=dict)
     flags_note: str = ""
+    # An environment variable that gets a private scratch folder, removed at stop: vLLM puts
+    # its ZeroMQ sockets in the temp folder and leaves them there when it is killed.
+    scratch_env: str = ""
     proc: subprocess.Popen | None = None
+    scratch: Path | None = None
 
     @property
     def base_url(self) -> str:
@@ -50,6 +56,9 @@ class PeerServer:
     def start(self, timeout_s: float) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", **self.env}
+        if self.scratch_env:
+            self.scratch = Path(tempfile.mkdtemp(prefix=f"quiver-bench-{self.label}-"))
+            env[self.scratch_env] = str(self.scratch)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True, stdin=subprocess.DEVNULL)
@@ -68,6 +77,14 @@ class PeerServer:
         raise PeerUnavailable(f"{self.label}: /health not 200 after {timeout_s:.0f}s: {self.log_tail()}")
 
     def stop(self) -> None:
+        try:
+            self._stop_process()
+        finally:
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                self.scratch = None
+
+    def _stop_process(self) -> None:
         if self.proc is None:
             return
         with contextlib.suppress(ProcessLookupError):
@@ -118,7 +135,7 @@ def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *
         "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
     }
     return PeerServer(label, command, logs / f"{label}.log", port, env=env,
-                      flags_note=" ".join(command[3:]))
+                      flags_note=" ".join(command[3:]), scratch_env="VLLM_RPC_BASE_PATH")
 
 
 def llama_server(binary: Path, gguf: Path, served: str, loras: dict[str, Path], logs: Path, limits: Limits,
