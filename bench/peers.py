@@ -126,6 +126,7 @@ class Entry:
     scenarios: list[str]
     runs: dict[str, list] = field(default_factory=dict)  # scenario: [(figures, texts) per repeat]
     error: str | None = None
+    startup_s: float | None = None  # launch to the first /health 200
 
 
 @dataclass
@@ -252,7 +253,8 @@ def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrival
             started = time.monotonic()
             try:
                 entry.server.start(args.startup_timeout)
-                log(f"{entry.server.label} up in {time.monotonic() - started:.0f} s")
+                entry.startup_s = round(time.monotonic() - started, 2)
+                log(f"{entry.server.label} up in {entry.startup_s:.0f} s")
             except PeerUnavailable as err:
                 entry.error = str(err)
                 log(f"{entry.server.label} UNAVAILABLE: {entry.error[:300]}")

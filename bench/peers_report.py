@@ -100,7 +100,8 @@ def build(args, setup, entries, shared, arrivals) -> dict:
     quiver_texts: dict[str, dict[int, str]] = {}
     for entry in entries:
         label = entry.server.label
-        block: dict = {"flags": entry.server.flags_note, "scenarios": {}}
+        # Start-up is timed with the other servers of the phase idle (they start one at a time).
+        block: dict = {"flags": entry.server.flags_note, "startup_s": entry.startup_s, "scenarios": {}}
         if entry.error is not None:
             block["error"] = entry.error
         for scenario, runs in entry.runs.items():

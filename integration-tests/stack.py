@@ -83,6 +83,10 @@ class StackError(RuntimeError):
     pass
 
 
+# Every stack started in this process, so the test session can prove none outlived it.
+STARTED: list[Stack] = []
+
+
 class Stack:
     """One running launcher. Use as a context manager, or call `start()`/`stop()`."""
 
@@ -105,6 +109,10 @@ class Stack:
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> Stack:
         if not LAUNCHER.exists():
             raise StackError(f"{LAUNCHER} is missing: run `make install` (or `make rust`) first")
+        if self.proc is not None and self.proc.poll() is None:
+            # A second launcher would lose the first one's process (left running) while its
+            # /health probe got the first one's answer.
+            raise StackError("this stack is running already: `with Stack(...)` starts it")
         env = dict(os.environ)
         # The launcher finds quiver-server / quiver-router on PATH (or next to itself).
         env["PATH"] = os.pathsep.join([str(BIN_DIR), str(VENV_BIN), env.get("PATH", "")])
@@ -122,6 +130,7 @@ class Stack:
             cwd=REPO_ROOT,
             start_new_session=True,
         )
+        STARTED.append(self)
         log.close()
         try:
             self.wait_healthy(timeout_s)

@@ -118,7 +118,7 @@ def chunking(pool, tmp_path_factory):
         max_total_tokens=MAX_TOTAL_TOKENS, max_batch_prefill_tokens=16, extra_env=SHARD_ENV,
         extra_args=["--prefix-caching", "false", "--chunked-prefill", "true"],
     )
-    with Stack(config, tmp_path_factory.mktemp("logs") / "chunked.log").start() as stack:
+    with Stack(config, tmp_path_factory.mktemp("logs") / "chunked.log") as stack:
         yield stack, str(model_dir)
 
 
