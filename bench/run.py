@@ -144,12 +144,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts,
-                                logs: Path, adapter_root: Path | None) -> tuple[dict, dict, dict]:
+                                logs: Path, adapter_root: Path | None) -> tuple[dict, dict, dict, float]:
     """Every scenario on one running stack, and transformers' `generate` for the base scenarios,
     their repeats alternating (quiver run 1, generate run 1, quiver run 2, ...): a shared machine
     drifts by tens of percent over minutes, and alternating puts both sides in the same periods.
     Returns ({scenario: quiver measurement}, {scenario: generate measurement}, {scenario:
-    {request index: generated text}}). A failing adapter scenario is recorded as {"error": ...}
+    {request index: generated text}}, quiver's start-up seconds). A failing adapter scenario is recorded as {"error": ...}
     and the others still run, so a broken adapter path shows in the report next to working base
     figures."""
     log("transformers baseline: loading the same weights (used between quiver's runs)")
@@ -170,7 +170,10 @@ def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args,
     errors: dict[str, dict] = {}
     stack = Stack(config, logs / "quiver.log")
     log(f"starting quiver ({shape.name}, {args.device}); log: {stack.log_path}")
+    started = time.monotonic()
     stack.start(timeout_s=900 if args.device == "cuda" else 120)
+    startup_s = round(time.monotonic() - started, 2)
+    log(f"quiver up in {startup_s} s")
     try:
         for repeat in range(args.repeats):
             for scenario in scenarios:
@@ -199,7 +202,7 @@ def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args,
         if name not in errors:
             quiver[name], texts[name] = load.best_of(runs)
     generate = {name: hf_baseline.best_of(runs) for name, runs in generate_runs.items()}
-    return quiver, generate, texts
+    return quiver, generate, texts, startup_s
 
 
 def run_peft(model_dir: Path, shape: bench_model.Shape, args, scenarios, prompts, adapter_root: Path,
@@ -315,10 +318,11 @@ def main() -> None:
     quiver: dict = {}
     generate: dict = {}
     texts: dict = {}
+    startup_s = None
     structured_block = None
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
         if scenarios:
-            quiver, generate, texts = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
+            quiver, generate, texts, startup_s = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
                                                                   Path(tmp), adapter_root if adapter_counts else None)
         if structured_wanted:
             structured_block = run_structured(model_dir, shape, args, prompts, Path(tmp), ids[:structured_adapters],
@@ -328,6 +332,10 @@ def main() -> None:
         baselines["peft_one_at_a_time"] = run_peft(model_dir, shape, args, scenarios, prompts, adapter_root,
                                                   texts)
     report = reports.build_report(args, shape, scenarios, quiver, baselines)
+    if startup_s is not None:
+        # Launch to the first /health 200: model load, kernels, warm-up, router (no baseline runs
+        # beside it; bench-peers times the peers' start-up).
+        report["quiver_startup_s"] = startup_s
     if structured_block is not None:
         report["structured_output"] = structured_block
     with tempfile.TemporaryDirectory(prefix="quiver-bench-cache-") as tmp:
