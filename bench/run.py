@@ -149,9 +149,9 @@ def run_quiver_and_transformers(model_dir: Path, shape: bench_model.Shape, args,
     their repeats alternating (quiver run 1, generate run 1, quiver run 2, ...): a shared machine
     drifts by tens of percent over minutes, and alternating puts both sides in the same periods.
     Returns ({scenario: quiver measurement}, {scenario: generate measurement}, {scenario:
-    {request index: generated text}}, quiver's start-up seconds). A failing adapter scenario is recorded as {"error": ...}
-    and the others still run, so a broken adapter path shows in the report next to working base
-    figures."""
+    {request index: generated text}}, quiver's start-up seconds). A failing adapter scenario is
+    recorded as {"error": ...} and the others still run, so a broken adapter path shows in the
+    report next to working base figures."""
     log("transformers baseline: loading the same weights (used between quiver's runs)")
     model = hf_baseline.load(str(model_dir), args.device, shape.dtype)
     config = StackConfig(
