@@ -229,6 +229,21 @@ def phase_b_servers(args, setup: Setup, shared: cache_scenarios.SharedPrefix,
     return entries
 
 
+def warm_adapters(setup: Setup, entry: Entry, prompts: list[list[int]]) -> None:
+    """One untimed request per adapter (2 tokens) before the repeats. A server that loads an
+    adapter on its first request (quiver does) would otherwise pay the loads in its first repeat
+    alone, which then measures loading as much as serving."""
+    server = entry.server
+    workload = load.Workload(SERVED_NAME, prompts, 2, 1, tuple(setup.adapter_ids),
+                             extra_body=server.extra_body, model_bodies=server.model_bodies)
+    log(f"{server.label}: one untimed request per adapter")
+    try:
+        load.measure(server.base_url + "/v1", workload, len(setup.adapter_ids), 1)
+    except Exception as err:  # noqa: BLE001 - reported, not hidden
+        entry.error = f"adapters warm-up: {type(err).__name__}: {err}"
+        log(f"{server.label} FAILED: {entry.error[:300]}")
+
+
 def run_one(args, setup: Setup, entry: Entry, scenario: str, repeat: int, prompts: list[list[int]],
             shared: cache_scenarios.SharedPrefix, arrivals: cache_scenarios.LongArrivals) -> tuple[dict, dict]:
     server = entry.server
@@ -258,6 +273,9 @@ def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrival
             except PeerUnavailable as err:
                 entry.error = str(err)
                 log(f"{entry.server.label} UNAVAILABLE: {entry.error[:300]}")
+        for entry in entries:
+            if entry.error is None and "adapters" in entry.scenarios:
+                warm_adapters(setup, entry, prompts)
         for repeat in range(args.repeats):
             for entry in entries:
                 for scenario in entry.scenarios:
