@@ -20,7 +20,7 @@ $(UV):
 
 # Bytecode compiled at install: uv leaves it out, and where PYTHONDONTWRITEBYTECODE is set (as on
 # this project's build machines) every shard start and test process would compile torch and
-# transformers from source again: a tiny model's stack took 13 s to start instead of 3.
+# transformers from source again: a tiny model's stack took 11 s to start instead of 3.
 $(VENV)/.installed: pyproject.toml | $(UV)
 	$(UV) pip install --compile-bytecode --python $(PY) -e '.[test]'
 	touch $@

@@ -322,8 +322,8 @@ def main() -> None:
     structured_block = None
     with tempfile.TemporaryDirectory(prefix="quiver-bench-") as tmp:
         if scenarios:
-            quiver, generate, texts, startup_s = run_quiver_and_transformers(model_dir, shape, args, scenarios, prompts,
-                                                                  Path(tmp), adapter_root if adapter_counts else None)
+            quiver, generate, texts, startup_s = run_quiver_and_transformers(
+                model_dir, shape, args, scenarios, prompts, Path(tmp), adapter_root if adapter_counts else None)
         if structured_wanted:
             structured_block = run_structured(model_dir, shape, args, prompts, Path(tmp), ids[:structured_adapters],
                                               adapter_root)

@@ -13,8 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import stack as stack_module  # noqa: E402
-from stack import Stack, StackConfig  # noqa: E402
+from stack import STARTED, Stack, StackConfig  # noqa: E402
 from model_builders import build_model_dir, build_parrot_model  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2"]
@@ -102,7 +101,7 @@ def no_stack_outlives_the_session() -> Iterator[None]:
     then. One still running is a leak of the suite (it keeps a port, a shard and its memory);
     it is killed and the session fails, naming its log."""
     yield
-    left = [stack for stack in stack_module.STARTED if stack.proc is not None and stack.proc.poll() is None]
+    left = [stack for stack in STARTED if stack.proc is not None and stack.proc.poll() is None]
     for stack in left:
         stack.kill()
     assert not left, f"stacks left running after the tests: {[str(s.log_path) for s in left]}"
