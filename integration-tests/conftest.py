@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from stack import STARTED, Stack, StackConfig  # noqa: E402
 from model_builders import build_model_dir, build_parrot_model  # noqa: E402
+from demo_stack import Demo, start_demo  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2"]
 # Distinct weights per architecture (llama and mistral share a layout).
@@ -112,6 +113,15 @@ def pool(tmp_path_factory) -> Iterator[StackPool]:
     pool = StackPool(tmp_path_factory.mktemp("quiver"))
     yield pool
     pool.close()
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> Iterator[Demo]:
+    """The real demo (SmolLM2-135M-Instruct and its pirate adapter), written and served by the
+    launcher as `make serve` does it, once per session."""
+    served = start_demo(tmp_path_factory.mktemp("demo"))
+    yield served
+    served.stack.stop()
 
 
 @pytest.fixture(scope="session")

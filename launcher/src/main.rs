@@ -18,12 +18,10 @@ mod pb {
 
 use std::io::IsTerminal;
 
-use clap::Parser;
-
 use crate::args::LauncherArgs;
 
 fn main() -> std::process::ExitCode {
-    let args = LauncherArgs::parse();
+    let args = LauncherArgs::from_env();
     init_logging(args.json_logs);
     // One thread is plenty for a supervisor, and it matters: the children's parent-death
     // signal fires when the *thread* that spawned them exits, and this one lives until the end.

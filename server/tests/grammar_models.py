@@ -16,7 +16,7 @@ from tiny_models import build_tiny_model
 from tokenizers import Tokenizer
 
 from quiver_server.batch_types import GrammarSpec, RequestSpec, SamplingParams
-from quiver_server.demo_model import train_tokenizer
+from quiver_server.tiny_model import train_tokenizer
 from quiver_server.engine import Engine
 
 TOKENIZER_VOCAB = 400

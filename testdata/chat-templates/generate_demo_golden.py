@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 from transformers.utils.chat_template_utils import render_jinja_template
 
-from quiver_server.demo_model import CHATML_TEMPLATE, ENDOFTEXT, IM_END
+from quiver_server.tiny_model import CHATML_TEMPLATE, ENDOFTEXT, IM_END
 
 HERE = Path(__file__).resolve().parent
 TEMPLATE_FILE = "quiver-demo.json"

@@ -1,19 +1,20 @@
-"""The demo model serves a chat whose history holds OpenAI tool turns (an assistant call with
+"""The tiny model (the demo before it was real, whose ChatML template renders tools) serves a chat
+whose history holds OpenAI tool turns (an assistant call with
 `content: null`, then `tool` results) with tools declared: 200, and the prompt the server
-tokenized is exactly what transformers' `apply_chat_template` makes from the demo model's own
+tokenized is exactly what transformers' `apply_chat_template` makes from the model's own
 tokenizer files for the same messages and tools. A malformed tool call is an OpenAI-shaped 400."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
+from quiver_server.tiny_model import write_tiny_model
 from stack import Stack, StackConfig
-
-DEMO_STARTUP_TIMEOUT_S = 180  # the first start writes the model and trains its tokenizer
 
 TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city.",
@@ -32,15 +33,13 @@ HISTORY: list[dict[str, Any]] = [
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("demo-tools")
-    cache = root / "cache"
-    stack = Stack(StackConfig(model_id=None, cache_dir=cache, dtype=None, device=None), root / "demo.log")
-    stack.start(timeout_s=DEMO_STARTUP_TIMEOUT_S)
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tool-turns")
+    model_dir = Path(write_tiny_model(root / "model"))
+    stack = Stack(StackConfig(model_id=str(model_dir)), root / "tiny.log")
+    stack.start()
     try:
-        configs = list(cache.rglob("tokenizer_config.json"))
-        assert len(configs) == 1, f"expected one demo model under {cache}, found {configs}"
-        yield stack, configs[0].parent
+        yield stack, model_dir
     finally:
         stack.stop()
 
@@ -51,8 +50,8 @@ def _model_name(stack: Stack) -> str:
     return json.loads(body)["data"][0]["id"]
 
 
-def test_tool_call_history_renders_like_transformers(demo):
-    stack, model_dir = demo
+def test_tool_call_history_renders_like_transformers(tiny):
+    stack, model_dir = tiny
     body = {"model": _model_name(stack), "messages": HISTORY, "tools": TOOLS, "max_tokens": 4,
             "return_token_ids": True}
     status, response = stack.post_json("/v1/chat/completions", body, timeout=120)
@@ -68,8 +67,8 @@ def test_tool_call_history_renders_like_transformers(demo):
     assert response["usage"]["prompt_tokens"] == len(want)
 
 
-def test_malformed_tool_call_is_an_openai_400(demo):
-    stack, _ = demo
+def test_malformed_tool_call_is_an_openai_400(tiny):
+    stack, _ = tiny
     broken = [HISTORY[1], {"role": "assistant", "content": None,
                            "tool_calls": [{"id": "c1", "type": "function", "function": {"arguments": "{}"}}]}]
     status, response = stack.post_json("/v1/chat/completions",

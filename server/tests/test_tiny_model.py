@@ -1,4 +1,4 @@
-"""The demo model loads with stock transformers, renders ChatML and tokenizes any text losslessly."""
+"""The tiny model (the demo before it was a real model) loads with stock transformers, renders ChatML and tokenizes any text losslessly."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from quiver_server.demo_model import CHATML_TEMPLATE, write_demo_model
+from quiver_server.tiny_model import CHATML_TEMPLATE, write_tiny_model
 
 # Text that breaks naive tokenizers: combining emoji, CJK, tabs, CR LF, quotes, braces.
 TRICKY_USER = (
@@ -78,7 +78,7 @@ ROUND_TRIP_TEXTS = [
 
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return Path(write_demo_model(tmp_path_factory.mktemp("demo") / "model"))
+    return Path(write_tiny_model(tmp_path_factory.mktemp("demo") / "model"))
 
 
 def test_loads_with_transformers_and_generates(demo_dir: Path) -> None:
@@ -106,7 +106,7 @@ def test_loads_with_transformers_and_generates(demo_dir: Path) -> None:
 
 
 def test_weights_are_random_but_reproducible(demo_dir: Path, tmp_path: Path) -> None:
-    again = Path(write_demo_model(tmp_path / "again"))
+    again = Path(write_tiny_model(tmp_path / "again"))
     first = AutoModelForCausalLM.from_pretrained(demo_dir).state_dict()
     second = AutoModelForCausalLM.from_pretrained(again).state_dict()
     assert first.keys() == second.keys()
@@ -146,7 +146,7 @@ def test_tokenizer_round_trips_unicode(demo_dir: Path, text: str) -> None:
 def test_refuses_to_overwrite_a_non_empty_directory(tmp_path: Path) -> None:
     (tmp_path / "keep.txt").write_text("mine")
     with pytest.raises(FileExistsError):
-        write_demo_model(tmp_path)
+        write_tiny_model(tmp_path)
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 

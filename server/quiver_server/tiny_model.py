@@ -1,7 +1,8 @@
-"""Writes quiver's demo model: a tiny random-weight Llama with a real tokenizer and chat template.
+"""Writes quiver's tiny model: a random-weight Llama with a real tokenizer and chat template.
 
-It lets `quiver-launcher` with no `--model-id` serve something on any machine without a download.
-Its answers are random text; what is real is everything around the weights: a byte-level BPE
+It was the demo before the demo became a real model (quiver_server/demo); the tests that need a
+fast model with a ChatML-with-tools template use it (`quiver-server tiny-model DIR`). Its answers
+are random text; what is real is everything around the weights: a byte-level BPE
 tokenizer (trained here, from text that ships with Python), ChatML special tokens and template,
 EOS ids in generation_config.json, and the files laid out exactly as `save_pretrained` writes
 them, so the whole serving path is exercised as with a hub model.
@@ -143,14 +144,8 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE):
     return tokenizer
 
 
-# Written into the model as `quiver-demo-version`. Bump it (and the launcher's
-# DEMO_MODEL_VERSION in launcher/src/demo.rs) whenever what is written changes: the launcher
-# then writes a cached demo model of another version again. 2: the chat template renders tools.
-DEMO_MODEL_VERSION = "2"
-
-
-def write_demo_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
-    """Writes the demo model into `target_dir` (which must not exist or be empty); returns its path.
+def write_tiny_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
+    """Writes the tiny model into `target_dir` (which must not exist or be empty); returns its path.
 
     Files are written to a temporary sibling directory and renamed into place, so a reader that
     sees `target_dir` (the launcher checking its cache) always sees a complete model.
@@ -169,7 +164,7 @@ def write_demo_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("demo model written to %s", target)
+    logger.info("tiny model written to %s", target)
     return str(target)
 
 
@@ -195,7 +190,6 @@ def _write_files(out: Path, seed: int) -> None:
     tokenizer.chat_template = CHATML_TEMPLATE
     tokenizer.model_max_length = MAX_POSITIONS
     tokenizer.save_pretrained(out)
-    (out / "quiver-demo-version").write_text(DEMO_MODEL_VERSION + "\n")
 
     vocab = tokenizer.get_vocab()
     token_id = {token: vocab[token] for token in SPECIAL_TOKENS}
@@ -222,8 +216,8 @@ def _write_files(out: Path, seed: int) -> None:
     )
     model.save_pretrained(out)
     (out / "README.md").write_text(
-        "# quiver demo model\n\n"
-        "A tiny Llama with **random weights**, written by `quiver-server demo-model`: it answers\n"
+        "# quiver tiny model\n\n"
+        "A tiny Llama with **random weights**, written by `quiver-server tiny-model`: it answers\n"
         "with random text. The tokenizer (byte-level BPE, ChatML special tokens) is real, so the\n"
         "whole serving path works as with a real model. Serve a real model with\n"
         "`quiver-launcher --model-id <hub id or directory>`.\n"
