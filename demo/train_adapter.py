@@ -150,6 +150,8 @@ def main() -> None:
     config_path = args.out / "adapter_config.json"
     saved = json.loads(config_path.read_text())
     saved["base_model_name_or_path"] = BASE_NAME
+    # peft keeps target_modules as a set: sorted, so every run writes the same file.
+    saved["target_modules"] = sorted(saved["target_modules"])
     config_path.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
     # Our card, not peft's template.
     (args.out / "README.md").write_text(MODEL_CARD.format(
