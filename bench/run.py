@@ -25,6 +25,11 @@ prefix over 32 streams with `--prefix-caching true` against `false`, and 4 promp
 tokens arriving while 28 streams decode with `--chunked-prefill true` against `false`; they make
 the report's `prefix_caching` and `chunked_prefill` blocks (`--shared-prefix-concurrency 0` and
 `--long-running 0` leave them out).
+
+The real-model block (real_model.py) runs the demo model, SmolLM2-135M-Instruct with its pirate
+adapter, in float32 and bfloat16 on chat prompts of realistic lengths, against transformers'
+generate in the same dtype, with greedy agreement against transformers in float32
+(`--real-model-repeats 0` leaves it out).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import json_model  # noqa: E402
 import peft_baseline  # noqa: E402
+import real_model  # noqa: E402
 import report as reports  # noqa: E402
 import structured  # noqa: E402
 from stack import Stack, StackConfig  # noqa: E402
@@ -122,6 +128,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-running-tokens", type=int, default=256, help="max_tokens of those streams")
     p.add_argument("--long-arrivals", type=int, default=4, help="long prompts arriving")
     p.add_argument("--long-prompt-tokens", type=int, default=2048, help="length of each long prompt")
+    p.add_argument("--real-model-repeats", type=int, default=3,
+                   help="alternating repeats of the real-model block (the demo model in float32 and "
+                        "bfloat16, real_model.py); 0: no such block")
+    p.add_argument("--real-model-max-tokens", type=int, default=64, help="tokens per request of that block")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -140,6 +150,8 @@ def parse_args() -> argparse.Namespace:
         args.stall_window_tokens = min(args.stall_window_tokens, 8)
         args.stall_stream_tokens = min(args.stall_stream_tokens, 256)
         args.long_running_tokens = min(args.long_running_tokens, 64)
+        args.real_model_repeats = min(args.real_model_repeats, 1)
+        args.real_model_max_tokens = min(args.real_model_max_tokens, 16)
     return args
 
 
@@ -352,6 +364,11 @@ def main() -> None:
             log(f"{arrivals.name}: --chunked-prefill true against false ({args.repeats} repeats)")
             report["chunked_prefill"] = cache_bench.long_arrivals(model_dir, shape.dtype, args.device, shape.vocab_size,
                                                                   arrivals, args.repeats, Path(tmp))
+    if args.real_model_repeats:
+        log(f"real model: the demo model in float32 and bfloat16 ({args.real_model_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-real-") as tmp:
+            report["real_model"] = real_model.run(args.model_root, args.device, args.real_model_repeats,
+                                                  args.real_model_max_tokens, args.requests_per_client, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)

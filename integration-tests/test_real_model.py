@@ -128,7 +128,7 @@ def test_json_schema_answer_validates(demo, model):
     response_format = {"type": "json_schema", "json_schema": {"name": "capital", "schema": CITY_SCHEMA}}
     with demo.client() as client:
         response = client.chat.completions.create(model=model, messages=messages, max_tokens=96, temperature=0,
-                                                  response_format=response_format)  # type: ignore[arg-type]
+                                                  response_format=response_format)
     choice = response.choices[0]
     assert choice.finish_reason == "stop", choice
     jsonschema.validate(json.loads(choice.message.content or ""), CITY_SCHEMA)

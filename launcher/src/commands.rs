@@ -421,7 +421,13 @@ mod tests {
                 Path::new("/cache/x"),
                 Path::new("/cache")
             )),
-            ["demo-model", "/cache/x", "--cache-dir", "/cache", "--json-logs"]
+            [
+                "demo-model",
+                "/cache/x",
+                "--cache-dir",
+                "/cache",
+                "--json-logs"
+            ]
         );
     }
 }

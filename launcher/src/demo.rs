@@ -33,7 +33,12 @@ pub fn serve_demo_adapters(args: &mut LauncherArgs, demo_dir: &Path) -> bool {
     args.serving.adapter_root = Some(demo_dir.join(ADAPTERS_DIR));
     args.serving.adapter_source = AdapterSource::Local;
     for id in DEMO_ADAPTERS {
-        if !args.serving.preload_adapters.iter().any(|given| given == id) {
+        if !args
+            .serving
+            .preload_adapters
+            .iter()
+            .any(|given| given == id)
+        {
             args.serving.preload_adapters.push((*id).to_owned());
         }
     }
@@ -123,7 +128,10 @@ mod tests {
             Some(Path::new("/c/demo-model/adapters"))
         );
         assert_eq!(args.serving.adapter_source, AdapterSource::Local);
-        assert_eq!(args.serving.preload_adapters, ["mine", "quiver-demo-pirate"]);
+        assert_eq!(
+            args.serving.preload_adapters,
+            ["mine", "quiver-demo-pirate"]
+        );
     }
 
     #[test]

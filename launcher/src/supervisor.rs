@@ -46,7 +46,10 @@ pub async fn run(args: LauncherArgs) -> Result<(), LaunchError> {
                         dir.display()
                     );
                     if serve_demo_adapters(&mut args, &dir) {
-                        tracing::info!("serving the demo adapters too: {}", DEMO_ADAPTERS.join(", "));
+                        tracing::info!(
+                            "serving the demo adapters too: {}",
+                            DEMO_ADAPTERS.join(", ")
+                        );
                     } else {
                         tracing::info!(
                             "--adapter-root or --adapter-source given: the demo adapters are not \

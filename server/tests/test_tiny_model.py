@@ -1,4 +1,5 @@
-"""The tiny model (the demo before it was a real model) loads with stock transformers, renders ChatML and tokenizes any text losslessly."""
+"""The tiny model (the demo before it was a real model) loads with stock transformers, renders
+ChatML and tokenizes any text losslessly."""
 
 from __future__ import annotations
 

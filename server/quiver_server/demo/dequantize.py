@@ -25,7 +25,7 @@ def dequantize_gguf(gguf: Path, out_dir: Path) -> None:
     # The loaded model remembers it came from a GGUF and refuses to save; its weights are plain
     # float32 tensors now, so it is saved as the unquantized checkpoint it has become.
     del model.config.quantization_config
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     logger.info("demo model: writing %s", out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
