@@ -59,8 +59,10 @@ def _stack(demo: Path, dtype: str, device: str, prompts: list[list[int]], max_to
         cpu_kv_cache_gib=2.0 if device == "cpu" else None,
         max_total_tokens=max(len(p) for p in prompts) + max(max_tokens, AGREEMENT_MAX_TOKENS) + 16,
         max_batch_size=32,
+        # Off: every scenario and repeat sends the same prompts, and cached prefixes would make
+        # each run after the first cheaper than the one before (bench-peers runs the peers so too).
         extra_args=["--adapter-source", "local", "--adapter-root", str(demo / "adapters"),
-                    "--preload-adapters", ADAPTER],
+                    "--preload-adapters", ADAPTER, "--prefix-caching", "false"],
     )
     return Stack(config, logs / f"quiver-real-{dtype}.log")
 
@@ -158,6 +160,7 @@ def run(model_root: Path, device: str, repeats: int, max_tokens: int, requests_p
         "prompts": {**real_prompts.length_summary(prompts),
                     "kind": "chat, rendered by the model's template (bench/real_prompts.py)"},
         "max_tokens": max_tokens, "requests_per_client": requests_per_client, "repeats": repeats,
+        "prefix_caching": False,
         "greedy_agreement_reference": f"transformers float32 greedy, {AGREEMENT_PROMPTS} prompts, up to "
                                       f"{AGREEMENT_MAX_TOKENS} tokens, stopping at EOS",
     }
