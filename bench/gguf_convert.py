@@ -49,11 +49,16 @@ def write_sentencepiece_model(path: Path, vocab_size: int) -> None:
     path.write_bytes(model.SerializeToString())
 
 
-def _converter_env(llama_dir: Path, convert_py: Path) -> dict[str, str]:
+def converter_env(llama_dir: Path, convert_py: Path) -> dict[str, str]:
     env = dict(os.environ)
     paths = [str(convert_py), str(llama_dir / "src" / "gguf-py")]
     env["PYTHONPATH"] = os.pathsep.join(paths + [p for p in [env.get("PYTHONPATH")] if p])
     return env
+
+
+def run_converter(arguments: list[str], env: dict[str, str], log_path: Path) -> None:
+    """One of llama.cpp's converter scripts with its arguments, in this venv's Python."""
+    _run([sys.executable, *arguments], env, log_path)
 
 
 def _run(command: list[str], env: dict[str, str], log_path: Path) -> None:
@@ -76,7 +81,7 @@ def convert(model_dir: Path, adapter_root: Path, adapter_ids: list[str], llama_d
     loras = {a: out_dir / f"lora-{a}-f32.gguf" for a in adapter_ids}
     marker = out_dir / MARKER
     source = out_dir / "hf-source"
-    env = _converter_env(llama_dir, convert_py)
+    env = converter_env(llama_dir, convert_py)
     log_path = out_dir / "convert.log"
     src = llama_dir / "src"
     if not (marker.exists() and json.loads(marker.read_text()) == recipe and base.exists()):

