@@ -44,11 +44,20 @@ fn sigterm_drains_the_router_then_stops_the_shards_and_exits_zero() {
         value_after(&router_args, "--model-id"),
         demo_dir.display().to_string()
     );
+    // The demo adapter is served beside it, from the demo's own adapter directory.
+    let adapters = demo_dir.join("adapters").display().to_string();
+    assert_eq!(value_after(&router_args, "--adapter-source"), "local");
+    assert_eq!(value_after(&router_args, "--adapter-root"), adapters);
+    assert_eq!(
+        value_after(&router_args, "--preload-adapters"),
+        "quiver-demo-pirate"
+    );
     let shard0 = h.child_args("shard-0");
     assert_eq!(
         shard0[..2],
         ["serve".to_owned(), demo_dir.display().to_string()]
     );
+    assert_eq!(value_after(&shard0, "--adapter-root"), adapters);
     let sockets: Vec<_> = router_args
         .windows(2)
         .filter(|w| w[0] == "--shard-uds")
@@ -101,7 +110,7 @@ fn a_cached_demo_model_of_another_version_is_written_again() {
     let config = std::fs::read_to_string(demo_dir.join("config.json")).unwrap();
     assert_eq!(config.trim(), "{}", "the old model was kept");
     let version = std::fs::read_to_string(demo_dir.join("quiver-demo-version")).unwrap();
-    assert_eq!(version.trim(), "2");
+    assert_eq!(version.trim(), "3");
 
     kill(h.launcher_pid(), Signal::SIGTERM).unwrap();
     assert_eq!(h.wait_exit().code(), Some(0), "{}", h.log());

@@ -9,7 +9,7 @@
 /// `shard-<rank>.stopped` whether the router had stopped before it.
 pub const FAKE_SERVER: &str = r#"#!/bin/sh
 if [ "$1" = "demo-model" ]; then
-  mkdir -p "$2" && echo '{}' > "$2/config.json" && echo 2 > "$2/quiver-demo-version"
+  mkdir -p "$2/adapters/quiver-demo-pirate" && echo '{}' > "$2/config.json" && echo 3 > "$2/quiver-demo-version"
   exit 0
 fi
 rank=x; prev=
