@@ -13,6 +13,8 @@ them (a shared machine drifts over minutes; alternating puts every server in the
   best base configuration); llama-server with the adapters.
 - B, prefix caching on: the shared-prefix and long-prompts-arriving workloads
   (cache_scenarios.py) on quiver, vLLM (no LoRA, compiled) and llama-server.
+- R, the real model (`real`, peers_real.py): the demo model and its adapter on every server, in
+  float32 and in the formats people run on CPUs, with greedy agreement against transformers.
 
 Prints ONE JSON report (peers_report.py) on stdout, writes it and its plot (peers_plot.py) to
 bench/results/; progress goes to stderr. docs/benchmarks-peers.md documents every peer flag.
