@@ -127,7 +127,8 @@ def warm_up(server, scenarios: list[str], prompts: list[list[int]]) -> None:
 
 
 def agreement(server, real: RealSetup) -> dict:
-    """The server's greedy answers (to EOS) against transformers' float32 ones, as text."""
+    """The server's greedy answers (to EOS) against transformers' float32 ones, as text (positions
+    are characters)."""
     selection = server.model_bodies.get(BASE) or {"model": BASE}
     extra = {k: v for k, v in server.extra_body.items() if k == "cache_prompt"}
 
@@ -140,10 +141,7 @@ def agreement(server, real: RealSetup) -> dict:
 
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         texts = list(pool.map(answer, real.prompts[:AGREEMENT_PROMPTS]))
-    equal = sum(a == b for a, b in zip(texts, real.reference_texts, strict=True))
-    parted = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-              for a, b in zip(texts, real.reference_texts, strict=True) if a != b]
-    return {"equal": f"{equal}/{len(texts)}", "first_differing_character_of_the_rest": parted}
+    return real_model.agreement(texts, real.reference_texts)
 
 
 def summary(args, real: RealSetup) -> dict:

@@ -14,9 +14,11 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -107,8 +109,9 @@ def greedy_reference(model, prompts: list[list[int]]) -> list[list[int]]:
     return outputs
 
 
-def agreement(served: list[list[int]], reference: list[list[int]]) -> dict:
-    """Requests whose greedy tokens equal the reference's, and where the others first part."""
+def agreement(served: Sequence[Sequence], reference: Sequence[Sequence]) -> dict:
+    """Requests whose greedy answers (token ids, or text) equal the reference's, and the position
+    (token or character) where each of the others first parts from it."""
     equal = sum(a == b for a, b in zip(served, reference, strict=True))
     parted = [next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
               for a, b in zip(served, reference, strict=True) if a != b]
@@ -185,9 +188,7 @@ def run(model_root: Path, device: str, repeats: int, max_tokens: int, requests_p
     return block
 
 
+
 def _with_median(row: dict) -> dict:
     """A best-of row with the median of all its runs (what the docs quote)."""
-    runs = sorted(row["throughput_tok_s_all_runs"])
-    middle = len(runs) // 2
-    median = runs[middle] if len(runs) % 2 else (runs[middle - 1] + runs[middle]) / 2
-    return {**row, "throughput_tok_s_median": round(median, 2)}
+    return {**row, "throughput_tok_s_median": round(statistics.median(row["throughput_tok_s_all_runs"]), 2)}
