@@ -59,6 +59,14 @@ class ForwardBatch:
         """Tokens of `sequence` cached before this pass (0 in decode: see `seq_lens`)."""
         return self.context_lens_host[sequence] if self.context_lens_host else 0
 
+    def sequence_ends(self) -> torch.Tensor:
+        """[T] long: each token's sequence length at the end of this pass (LongRoPE's switch)."""
+        if not self.is_prefill:
+            return self.positions + 1
+        lens = torch.tensor(self.seq_lens_host, dtype=torch.long)
+        ends = lens + torch.tensor(self.context_lens_host, dtype=torch.long) if self.context_lens_host else lens
+        return torch.repeat_interleave(ends, lens).to(self.positions.device, non_blocking=True)
+
     def at_logits_rows(self) -> ForwardBatch:
         """This batch as seen by layers that run on the `logits_indices` rows only."""
         if self.lora is None:

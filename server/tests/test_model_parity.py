@@ -1,4 +1,4 @@
-"""Our Llama-family forward pass on the paged KV cache against transformers, in float32.
+"""Every family's forward pass on the paged KV cache against transformers, in float32.
 
 One flattened batch of prompts of different lengths (no padding), with block tables scattered
 over the cache, must give every prompt the logits transformers gives it alone; decode steps
@@ -53,6 +53,37 @@ CASES = {
         "qwen2",
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
     ),
+    "qwen3": ("qwen3", {}),
+    "qwen3-attention-bias-sliding-window": (
+        "qwen3", {"attention_bias": True, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-normalized-dense-layer": ("qwen3_moe", {"norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "mixtral": ("mixtral", {}),
+    "mixtral-sliding-window": ("mixtral", {"sliding_window": 6}),
+    # Caps small enough to bend the tiny model's scores and logits.
+    "gemma2": ("gemma2", {"sliding_window": 6, "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0}),
+    "gemma2-tied": ("gemma2", {"tie_word_embeddings": True, "sliding_window": 6}),
+    "gemma3": ("gemma3_text", {
+        "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                            "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+    }),
+    # transformers' Gemma 3 applies the final cap but never attn_logit_softcapping (nor do we).
+    "gemma3-softcap-tied": ("gemma3_text", {"tie_word_embeddings": True, "attn_logit_softcapping": 2.0,
+                                            "final_logit_softcapping": 3.0}),
+    "phi3": ("phi3", {}),
+    "phi3-sliding-window": ("phi3", {"sliding_window": 6}),
+    "phi4-mini-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75, "tie_word_embeddings": True}),
+    # The 33-token prompt passes original_max_position_embeddings: LongRoPE's long factors.
+    "phi3-longrope": ("phi3", {"max_position_embeddings": 1024, "original_max_position_embeddings": 24,
+                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
+                                                   "short_factor": [1.0 + 0.1 * i for i in range(8)],
+                                                   "long_factor": [2.0 + 0.5 * i for i in range(8)],
+                                                   "original_max_position_embeddings": 24}}),
+    "granite": ("granite", {"embedding_multiplier": 2.0, "attention_multiplier": 0.2, "residual_multiplier": 0.5,
+                            "logits_scaling": 2.0, "attention_bias": True, "mlp_bias": True}),
+    "llama-rope-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                      "original_max_position_embeddings": 256}}),
 }
 
 
@@ -61,7 +92,9 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     arch, kwargs = CASES[request.param]
     seed = list(CASES).index(request.param)
     path = build_tiny_model(tmp_path_factory.mktemp(request.param), arch, seed=seed, **kwargs)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Eager attention: transformers' SDPA path drops attention soft-capping (Gemma 3 with a cap).
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
     return path, reference
 
 
@@ -141,5 +174,5 @@ def test_rope_frequencies_match_transformers_for_both_config_layouts(rope_config
 
 
 def test_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(ValueError, match="yarn"):
-        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="mrope"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}})

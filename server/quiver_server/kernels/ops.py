@@ -69,11 +69,11 @@ class KernelOps:
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-        scale: float, sliding_window: int | None,
+        scale: float, sliding_window: int | None, softcap: float | None = None,
     ) -> torch.Tensor:
         """q [B, heads, d], one new token per sequence, over its sequence's cached K/V (the new
         token's own K/V already written); semantics in `layers/attention.py`."""
-        return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window)
+        return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap)
 
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [B, V] -> (argmax token [B] long, its log-softmax [B] float32)."""
@@ -117,8 +117,10 @@ class CpuKernelOps(KernelOps):
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-        scale: float, sliding_window: int | None,
+        scale: float, sliding_window: int | None, softcap: float | None = None,
     ) -> torch.Tensor:
+        if softcap is not None:  # the C++ kernel has no soft-capping (Gemma 2): the torch path
+            return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap)
         # Reads the cache in place, where the torch path gathers every sequence's blocks first.
         assert batch.block_tables is not None and batch.seq_lens is not None
         return cpu_ops.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,

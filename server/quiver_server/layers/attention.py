@@ -9,15 +9,16 @@ Reference semantics (what any faster kernel must reproduce), for sequence s with
 and query at position p (keys at positions 0..p, all of them written to the cache first; in a
 prefill, a sequence's new tokens start at its cached context length, 0 without a prefix):
     out[p, j] = softmax_{i in window(p)}(q[p, j] . k[i, j // g] * scale) @ v[i, j // g]
-where window(p) = {i <= p} and, with a sliding window w, additionally {i > p - w}.
+where window(p) = {i <= p} and, with a sliding window w, additionally {i > p - w}. With logit
+soft-capping c (Gemma 2), the scores q . k * scale become c * tanh(scores / c) before the softmax.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from quiver_server.forward_batch import ForwardBatch
+from quiver_server.kernels.attention_torch import sdpa
 
 
 def write_kv(
@@ -38,6 +39,7 @@ def prefill_attention(
     sliding_window: int | None,
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its prefix and themselves. q
     [T, heads, d], k/v [T, kv_heads, d] are the flattened new tokens (no padding). A sequence
@@ -63,16 +65,16 @@ def prefill_attention(
         if context > 0:
             assert k_cache is not None and v_cache is not None and batch.block_tables is not None
             o = _attend_with_context(qs, k_cache, v_cache, batch.block_tables[sequence], context, scale,
-                                     sliding_window)
+                                     sliding_window, softcap)
         else:
             ks = k[start:end].unflatten(0, (run, length)).transpose(1, 2)
             vs = v[start:end].unflatten(0, (run, length)).transpose(1, 2)
             if sliding_window is not None and length > sliding_window:
                 pos = torch.arange(length, device=q.device)
                 mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - sliding_window)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                o = sdpa(qs, ks, vs, mask, scale, softcap)
             else:
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                o = sdpa(qs, ks, vs, None, scale, softcap, is_causal=True)
         out[start:end] = o.transpose(1, 2).flatten(0, 1)
         start = end
         sequence += run
@@ -87,6 +89,7 @@ def _attend_with_context(
     context: int,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     """qs [1, heads, L, d]: the queries at positions context .. context + L - 1 over the keys a
     query there may see, gathered block-wise from the cache in one index_select each for K and V
@@ -105,6 +108,4 @@ def _attend_with_context(
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
-    return F.scaled_dot_product_attention(
-        qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    return sdpa(qs, ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], mask, scale, softcap)

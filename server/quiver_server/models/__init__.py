@@ -3,8 +3,9 @@
 A family (`family.ModelFamily`) is a torch module with `config` (vocab_size, num_layers,
 num_kv_heads, head_dim, max_position_embeddings), `forward(input_ids, batch, kv_cache) -> logits`,
 a classmethod `load(model_dir, config, dtype, ops)`, and a `layout` of its projections
-(`family.ProjectionLayout`) that the adapter code reads. Adding a family: its own model file and
-an entry here.
+(`family.ProjectionLayout`) that the adapter code reads. Every family here is a
+`decoder.DecoderForCausalLM` that declares its pieces; adding one is a small file and an entry
+here (docs/models.md lists them with what is tested).
 """
 
 from __future__ import annotations
@@ -15,11 +16,16 @@ from typing import Any
 import torch
 
 from quiver_server.kernels.ops import KernelOps, select_ops
-from quiver_server.models import llama
+from quiver_server.models import gemma, granite, llama, mixture, phi3
 from quiver_server.models.family import ModelFamily
 
 MODEL_FAMILIES: dict[str, type[ModelFamily]] = {
-    model_type: llama.LlamaForCausalLM for model_type in llama.MODEL_TYPES
+    **{model_type: llama.LlamaForCausalLM for model_type in llama.MODEL_TYPES},
+    **{model_type: gemma.GemmaForCausalLM for model_type in gemma.MODEL_TYPES},
+    **{model_type: phi3.Phi3ForCausalLM for model_type in phi3.MODEL_TYPES},
+    **{model_type: granite.GraniteForCausalLM for model_type in granite.MODEL_TYPES},
+    "mixtral": mixture.MixtralForCausalLM,
+    "qwen3_moe": mixture.Qwen3MoeForCausalLM,
 }
 
 

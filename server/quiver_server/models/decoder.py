@@ -1,0 +1,305 @@
+"""The decoder every served family is built from, on the paged KV cache.
+
+A family declares its pieces in a `DecoderConfig` (norm form, q/k norms, sandwich norms,
+activation, rotary per layer, sliding windows, soft-capping, Granite's multipliers, a dense or
+sparse MLP) and its weight names in a `ProjectionLayout`; `DecoderForCausalLM` subclasses add
+only that (see `models/llama.py` for the smallest). Module and parameter names mirror
+transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up are fused into one
+`Linear` each where the checkpoint stores them apart; `load_weights` maps checkpoint names onto
+the fused parts. The ops (C++ kernels on CPU, torch elsewhere) are the shard's `KernelOps`,
+chosen once at load and handed to every layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from quiver_server.forward_batch import ForwardBatch
+from quiver_server.kernels import cpu_gemm, torch_ops
+from quiver_server.kernels.ops import KernelOps
+from quiver_server.kv_cache import PagedKVCache
+from quiver_server.layers.activation import gated_activation
+from quiver_server.layers.attention import prefill_attention, write_kv
+from quiver_server.layers.linear import Linear
+from quiver_server.layers.norm import make_norm
+from quiver_server.layers.rotary import RotaryEmbedding
+from quiver_server.models.decoder_config import DecoderConfig
+from quiver_server.models.family import ProjectionLayout
+from quiver_server.models.moe import SparseMoe
+from quiver_server.weights import iter_tensors
+
+Loader = Callable[[torch.Tensor], None]
+CosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scale = cfg.scale
+        self.softcap = cfg.attention_softcap
+        self.sliding_window = cfg.sliding_windows[layer_index]
+        self.rotary_dim = cfg.ropes[cfg.layer_ropes[layer_index]].rotary_dim(cfg.head_dim)
+        q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        parts = ({"qkv_proj": q_width + 2 * kv_width} if cfg.fused_checkpoint
+                 else {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width})
+        self.qkv_proj = Linear(cfg.hidden_size, parts, bias=cfg.qkv_bias, ops=ops)
+        self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, ops=ops)
+        if cfg.qk_norm:
+            self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps, ops)
+            self.k_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps, ops)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """rows: if given, only these tokens' outputs are computed past attention (their K/V
+        are still written for every token)."""
+        tokens = x.shape[0]
+        q, k, v = self.store_kv(x, cos_sin, batch, k_cache, v_cache)
+        if batch.is_prefill:
+            # Every token's K/V of this layer is in the cache before any sequence reads it back.
+            out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window, k_cache, v_cache, self.softcap)
+        else:
+            out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap)
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        if rows is None:
+            return self.o_proj(out, batch)
+        return self.o_proj(out[rows], batch.at_logits_rows())
+
+    def store_kv(
+        self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projects x to q, k, v (normed and rotated), writes k and v into the cache, returns all three."""
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x, batch).view(x.shape[0], heads + 2 * kv_heads, self.head_dim)
+        qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
+        # q and k heads sit side by side, so one rotary application covers both.
+        qk = self._rotate(qk, *cos_sin)
+        q, k = qk[:, :heads], qk[:, heads:]
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        return q, k, v
+
+    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return self.ops.rotary(qk, cos, sin)
+        # Partial rotary (Phi-4-mini): the leading rotary_dim of each head turn, the rest pass.
+        rotated = torch_ops.rotary(qk[..., : self.rotary_dim], cos, sin)
+        return torch.cat((rotated, qk[..., self.rotary_dim :]), dim=-1)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+        super().__init__()
+        width = cfg.intermediate_size
+        parts = {"gate_up_proj": 2 * width} if cfg.fused_checkpoint else {"gate_proj": width, "up_proj": width}
+        self.gate_up_proj = Linear(cfg.hidden_size, parts, bias=cfg.mlp_bias, ops=ops)
+        self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias, ops=ops)
+        self.act = gated_activation(cfg.activation, ops)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x, batch)), batch)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps) -> None:
+        super().__init__()
+        self.rope_index = cfg.layer_ropes[layer_index]
+        self.residual_multiplier = cfg.residual_multiplier
+        self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.self_attn = Attention(cfg, layer_index, ops)
+        self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
+            self.post_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.sandwich = cfg.sandwich_norms
+        self.mlp: nn.Module = SparseMoe(cfg, ops) if cfg.is_moe_layer(layer_index) else MLP(cfg, ops)
+
+    def forward(
+        self, x: torch.Tensor, ropes: list[CosSin], batch: ForwardBatch, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), ropes[self.rope_index], batch, k_cache, v_cache, rows)
+        if rows is not None:
+            x, batch = x[rows], batch.at_logits_rows()
+        if self.sandwich:
+            x = self._residual(x, self.post_attention_layernorm(attended))
+            mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch))
+            return self._residual(x, mlp_out)
+        x = self._residual(x, attended)
+        return self._residual(x, self.mlp(self.post_attention_layernorm(x), batch))
+
+    def _residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
+        if self.residual_multiplier != 1.0:
+            return x + block_out * self.residual_multiplier
+        return x + block_out
+
+    def store_kv(
+        self, x: torch.Tensor, ropes: list[CosSin], batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    ) -> None:
+        """Only what later passes need of this layer: the K/V of x's tokens, into the cache."""
+        self.self_attn.store_kv(self.input_layernorm(x), ropes[self.rope_index], batch, k_cache, v_cache)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+        super().__init__()
+        # Storage given up front: the loader fills it, and initialising it on the meta device
+        # would import torch._dynamo (seconds of every shard start) for nothing.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
+
+
+class DecoderForCausalLM(nn.Module):
+    """A family subclasses this with its `MODEL_TYPES`, `layout` and `config_from_hf`, and
+    `checkpoint_name` where its checkpoint names differ from the module names."""
+
+    layout: ClassVar[ProjectionLayout]
+
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+        super().__init__()
+        self.config = cfg
+        self.ops = ops
+        self.model = Backbone(cfg, ops)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`
+        self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
+
+    @classmethod
+    def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
+        raise NotImplementedError
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        """A checkpoint tensor's name as this model's modules name it."""
+        return name
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids [T] (flattened batch) -> logits [len(batch.logits_indices), vocab]
+        (decode: logits_indices is every row). A prefill without logits rows (every sequence a
+        chunk of an unfinished prompt) only writes the K/V: the last layer stops there and the
+        LM head does not run."""
+        assert self.rotaries, "use DecoderForCausalLM.load"
+        cfg = self.config
+        x = self.model.embed_tokens(input_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * (torch.tensor(cfg.embed_scale, dtype=x.dtype) if cfg.embed_scale_in_dtype else cfg.embed_scale)
+        ends = batch.sequence_ends() if any(r.needs_sequence_ends for r in self.rotaries) else None
+        ropes = [rotary.cos_sin(batch.positions, x.dtype, ends) for rotary in self.rotaries]
+        layers = self.model.layers
+        last = len(layers) - 1
+        if batch.is_prefill and batch.logits_indices.shape[0] == 0:
+            for index in range(last):
+                x = layers[index](x, ropes, batch, kv_cache.k[index], kv_cache.v[index])
+            layers[last].store_kv(x, ropes, batch, kv_cache.k[last], kv_cache.v[last])
+            return x.new_empty(0, cfg.vocab_size)
+        for index, layer in enumerate(layers):
+            # Past the last layer's attention only the rows whose logits are wanted matter:
+            # in a prefill that skips the o_proj and MLP of every other prompt token.
+            rows = batch.logits_indices if index == last and batch.is_prefill else None
+            x = layer(x, ropes, batch, kv_cache.k[index], kv_cache.v[index], rows)
+        x = self.model.norm(x)  # decode: every row is wanted
+        if self.lm_head_packed is not None:
+            logits = cpu_gemm.linear(x, self.lm_head_packed, None)
+        else:
+            logits = self.lm_head(x)
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits
+
+    @classmethod
+    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps) -> DecoderForCausalLM:
+        cfg = cls.config_from_hf(config)
+        device = ops.device
+        with torch.device("meta"):
+            model = cls(cfg, ops)
+        # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
+        model = model.to(dtype).to_empty(device=device)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
+        model.load_weights(iter_tensors(model_dir, device))
+        model.pack_weights()
+        return model.eval()
+
+    def pack_weights(self) -> None:
+        """Every projection and the LM head on prepacked weights where the ops pack them (float32
+        on CPU, `kernels.cpu_gemm`). A tied LM head packs a copy: the embedding lookup still
+        needs the plain table."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_weight()
+        self.lm_head_packed = self.ops.pack(self.lm_head.weight)
+        if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
+            self.lm_head.register_parameter("weight", None)
+
+    def checkpoint_loaders(self) -> dict[str, Loader]:
+        """Every tensor name a transformers checkpoint of this config must contain (in this
+        model's naming, see `checkpoint_name`) -> what stores it."""
+        loaders: dict[str, Loader] = {}
+        sparse = [name for name, module in self.named_modules() if isinstance(module, SparseMoe)]
+        for module_name, module in self.named_modules():
+            if isinstance(module, SparseMoe):
+                loaders.update(module.checkpoint_loaders(module_name))
+            elif any(module_name.startswith(f"{prefix}.") for prefix in sparse):
+                continue  # the sparse MLP names its own tensors
+            elif isinstance(module, Linear):
+                loaders.update(_linear_loaders(module_name, module))
+            else:
+                for name, param in module.named_parameters(recurse=False):
+                    loaders[f"{module_name}.{name}"] = _copy_into(f"{module_name}.{name}", param)
+        if self.config.tie_word_embeddings:
+            loaders.pop("lm_head.weight", None)
+        return loaders
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        loaders = self.checkpoint_loaders()
+        loaded: set[str] = set()
+        for checkpoint_name, tensor in tensors:
+            if checkpoint_name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store the (recomputed) RoPE buffer
+            name = self.checkpoint_name(checkpoint_name)
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still carry a copy
+            loader = loaders.get(name)
+            if loader is None:
+                raise ValueError(f"unexpected tensor {checkpoint_name!r} in checkpoint for {self.config.model_type}")
+            loader(tensor)
+            loaded.add(name)
+        missing = sorted(set(loaders) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _linear_loaders(module_name: str, linear: Linear) -> dict[str, Loader]:
+    """A fused Linear's parts load under their checkpoint names, siblings of the Linear."""
+    parent = module_name.rpartition(".")[0]
+    kinds = ("weight", "bias") if linear.bias is not None else ("weight",)
+    return {
+        f"{parent}.{part}.{kind}": (lambda tensor, part=part, kind=kind: linear.load_part(part, kind, tensor))
+        for part in linear.parts
+        for kind in kinds
+    }
+
+
+def _copy_into(name: str, param: torch.Tensor) -> Loader:
+    def load(tensor: torch.Tensor) -> None:
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+
+    return load

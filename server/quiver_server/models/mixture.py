@@ -1,0 +1,78 @@
+"""The sparse-MLP families on the shared decoder: Mixtral and Qwen3-MoE (`models/moe.py` has the
+experts). LoRA serves on their attention projections; the experts are not LoRA targets yet."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any, ClassVar
+
+from quiver_server.models.decoder import DecoderForCausalLM
+from quiver_server.models.decoder_config import DecoderConfig, MoeConfig, common_fields
+from quiver_server.models.family import ProjectionLayout
+from quiver_server.models.layouts import ATTENTION_ONLY
+from quiver_server.models.llama import qwen_windows
+
+MODEL_TYPES = ("mixtral", "qwen3_moe")
+
+# Mixtral checkpoints: block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down).
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
+_MIXTRAL_PROJECTIONS = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+
+
+class MixtralForCausalLM(DecoderForCausalLM):
+    layout: ClassVar[ProjectionLayout] = ATTENTION_ONLY
+
+    @classmethod
+    def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
+        fields = common_fields(config)
+        window = config.get("sliding_window")
+        moe = MoeConfig(
+            num_experts=int(config["num_local_experts"]),
+            top_k=int(config["num_experts_per_tok"]),
+            intermediate_size=fields["intermediate_size"],
+            normalize_top_k=True,
+            weights_in_float32=True,
+        )
+        return replace(
+            DecoderConfig(**fields),
+            sliding_windows=(None if window is None else int(window),) * fields["num_layers"],
+            moe=moe,
+            moe_layers=(True,) * fields["num_layers"],
+        )
+
+    @classmethod
+    def checkpoint_name(cls, name: str) -> str:
+        name = _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m[1]}.{_MIXTRAL_PROJECTIONS[m[2]]}.", name)
+        return name.replace(".block_sparse_moe.", ".mlp.")
+
+
+class Qwen3MoeForCausalLM(DecoderForCausalLM):
+    layout: ClassVar[ProjectionLayout] = ATTENTION_ONLY
+
+    @classmethod
+    def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
+        fields = common_fields(config)
+        num_layers = fields["num_layers"]
+        num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+        step = int(config.get("decoder_sparse_step", 1))
+        dense = set(config.get("mlp_only_layers") or [])
+        moe = MoeConfig(
+            num_experts=num_experts,
+            top_k=int(config["num_experts_per_tok"]),
+            intermediate_size=int(config["moe_intermediate_size"]),
+            normalize_top_k=bool(config.get("norm_topk_prob", False)),
+            weights_in_float32=False,
+        )
+        bias = bool(config.get("attention_bias", False))
+        return replace(
+            DecoderConfig(**fields),
+            qkv_bias=bias,
+            o_bias=bias,
+            qk_norm=True,
+            sliding_windows=qwen_windows(config, num_layers),
+            moe=moe,
+            moe_layers=tuple(
+                num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers)
+            ),
+        )
