@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from device import TEST_DEVICE
 from tiny_models import build_tiny_model
 
 from quiver_server.forward_batch import build_decode, build_prefill
@@ -23,7 +24,7 @@ from quiver_server.models import load_model
 from quiver_server.weights import load_config
 
 ATOL = 1e-4
-CPU = torch.device("cpu")
+DEVICE = TEST_DEVICE
 PROMPT_LENGTHS = (5, 17, 33)  # inside one block, across one boundary, across two
 DECODE_STEPS = 4
 
@@ -113,19 +114,19 @@ def _scattered_block_tables(num_sequences: int, blocks_each: int, seed: int) -> 
 @torch.inference_mode()
 def test_prefill_then_decode_logits_match_transformers(case: tuple[Path, transformers.PreTrainedModel]) -> None:
     path, reference = case
-    model = load_model(path, load_config(path), torch.float32, CPU)
+    model = load_model(path, load_config(path), torch.float32, DEVICE)
     cfg = model.config
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
     blocks_each = spec.blocks_for_tokens(max(PROMPT_LENGTHS) + DECODE_STEPS)
-    kv_cache = PagedKVCache(spec, blocks_each * len(PROMPT_LENGTHS), CPU)
+    kv_cache = PagedKVCache(spec, blocks_each * len(PROMPT_LENGTHS), DEVICE)
     table = _scattered_block_tables(len(PROMPT_LENGTHS), blocks_each, seed=1)
     prompts = _prompts(seed=2)
 
     # Prefill all prompts as one flat batch; ask for the logits of every position.
     lens = [len(p) for p in prompts]
-    batch = build_prefill(lens, table, BLOCK_SIZE, CPU)
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens)))
-    ours = model(torch.tensor([t for p in prompts for t in p]), batch, kv_cache).split(lens)
+    batch = build_prefill(lens, table, BLOCK_SIZE, DEVICE)
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens), device=DEVICE))
+    ours = model(torch.tensor([t for p in prompts for t in p], device=DEVICE), batch, kv_cache).cpu().split(lens)
     for prompt, logits in zip(prompts, ours, strict=True):
         expected = reference(torch.tensor([prompt])).logits[0]
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
@@ -134,8 +135,8 @@ def test_prefill_then_decode_logits_match_transformers(case: tuple[Path, transfo
     sequences = [list(p) for p in prompts]
     for step in range(DECODE_STEPS):
         fed = [(7 * step + 11 * i + 3) % cfg.vocab_size for i in range(len(sequences))]
-        batch = build_decode([len(s) for s in sequences], table, BLOCK_SIZE, CPU)
-        logits = model(torch.tensor(fed), batch, kv_cache)
+        batch = build_decode([len(s) for s in sequences], table.to(DEVICE), BLOCK_SIZE, DEVICE)
+        logits = model(torch.tensor(fed, device=DEVICE), batch, kv_cache).cpu()
         for i, token in enumerate(fed):
             sequences[i].append(token)
             expected = reference(torch.tensor([sequences[i]])).logits[0, -1]

@@ -4,8 +4,8 @@ Routing: softmax of the router logits in float32, the top-k experts per token, o
 renormalised to sum to one, the weights cast to the activation dtype or kept in float32
 (`MoeConfig`). Experts: gated MLPs whose weights are stacked, gate|up [E, 2I, H] and down
 [E, H, I]. The batch's (token, expert) pairs are sorted by expert and each projection runs as
-one grouped matmul over all experts (`F.grouped_mm`, on CPU and CUDA): no loop over tokens, and
-on the paths that have the grouped kernel, none over experts either.
+one grouped matmul over all experts (torch's grouped_mm, on CPU and CUDA): no loop over tokens,
+and where torch has the grouped kernel for the device and dtype, none over experts either.
 
 Checkpoints store each expert's projections apart (model.layers.N.mlp.experts.E.gate_proj);
 they load into the stacks by expert index.
@@ -76,12 +76,47 @@ class SparseMoe(nn.Module):
         return loaders
 
 
+# torch's grouped matmul (public from 2.10, private before); where it is missing or refuses a
+# device and dtype, one matmul per expert stands in. Probed once per (device type, dtype).
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_grouped_works: dict[tuple[str, torch.dtype], bool] = {}
+
+
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of x sorted by group; group g (rows offsets[g-1]:offsets[g]) times weight[g]^T
-    ([E, out, in]). One grouped kernel where torch has it for this device and dtype (CPU;
-    CUDA in bfloat16), else one matmul per expert."""
-    if x.device.type == "cpu" or x.dtype == torch.bfloat16:
-        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    ([E, out, in]). One grouped kernel where torch has one for this device and dtype, else one
+    matmul per expert."""
+    if _has_grouped_mm(x.device, x.dtype):
+        assert _GROUPED_MM is not None
+        return _GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
+    return _per_expert_linear(x, weight, offsets)
+
+
+def _has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.type, dtype)
+    if key not in _grouped_works:
+        _grouped_works[key] = _probe_grouped_mm(device, dtype)
+    return _grouped_works[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped kernel runs here and agrees with per-expert matmuls (two groups,
+    one of them empty, on shapes that meet the CUDA kernel's alignment)."""
+    if _GROUPED_MM is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=generator).to(device, dtype)
+    weight = torch.randn(3, 16, 32, generator=generator).to(device, dtype)
+    offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+    try:
+        grouped = _GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    looped = _per_expert_linear(x, weight, offsets)
+    return bool(torch.allclose(grouped.float(), looped.float(), atol=0.1, rtol=0.05))
+
+
+def _per_expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(x.shape[0], weight.shape[1])
     bounds = [0, *offsets.tolist()]
     for expert in range(weight.shape[0]):
