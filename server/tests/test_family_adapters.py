@@ -56,7 +56,9 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         "attention": build_adapter(base, root / "attention", seed=22, r=4, lora_alpha=8, target_modules=attention,
                                    use_rslora=True),
     }
-    engine = Engine(str(base), "tiny", dtype="float32", device=str(TEST_DEVICE), cpu_kv_cache_gib=0.01)
+    # A small share of a GPU: each family's engine sizes its KV cache from what is free.
+    engine = Engine(str(base), "tiny", dtype="float32", device=str(TEST_DEVICE), cpu_kv_cache_gib=0.01,
+                    gpu_memory_fraction=0.2)
     engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=MAX_RANK)
     for slot, (name, path) in enumerate(adapters.items()):
         info = engine.load_adapter(name, "local", str(path))
@@ -65,6 +67,10 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     references = {name: peft_reference(base, path) for name, path in adapters.items()}
     references[None] = peft_reference(base, None)
     yield Family(engine, references)
+    # A failed test's traceback keeps the engine alive: its cache must not starve the next family's.
+    engine.kv_cache = None
+    if TEST_DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 @torch.inference_mode()

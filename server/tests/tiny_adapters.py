@@ -54,8 +54,10 @@ def build_adapter(
 
 
 def peft_reference(base_dir: Path, adapter_dir: Path | None) -> torch.nn.Module:
-    """The base model from disk with the adapter from disk (None: the bare base), float32."""
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    """The base model from disk with the adapter from disk (None: the bare base), float32.
+    Eager attention: some transformers releases' SDPA path drops Gemma 2's soft-capping."""
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32,
+                                                             attn_implementation="eager")
     if adapter_dir is None:
         return base.eval()
     return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
