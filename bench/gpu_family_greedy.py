@@ -14,6 +14,7 @@ import random
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -26,7 +27,7 @@ from quiver_server.engine import Engine
 NEW_TOKENS = 16
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
          "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048, "pad_token_id": 0}
-FAMILIES = {
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("llama", {}),
     "qwen3": ("qwen3", {}),
     "qwen3_moe": ("qwen3_moe", {"num_experts": 8, "moe_intermediate_size": 128, "norm_topk_prob": True}),
@@ -54,11 +55,13 @@ def _engine_greedy(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def _reference(model: torch.nn.Module, prompt: list[int], device: torch.device) -> tuple[list[int], list[float]]:
+def _reference(
+    model: transformers.PreTrainedModel, prompt: list[int], device: torch.device
+) -> tuple[list[int], list[float]]:
     """Greedy tokens and, per step, the gap between the two best logits."""
-    out = model.generate(input_ids=torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
+    out = model.generate(  # type: ignore[operator]
+        input_ids=torch.tensor([prompt], device=device), max_new_tokens=NEW_TOKENS, do_sample=False,
+        eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
     gaps = [float((lambda top: top[0] - top[1])(logits[0].float().topk(2).values)) for logits in out.logits]
     return out.sequences[0, len(prompt):].tolist(), gaps
 
@@ -75,9 +78,11 @@ def main() -> None:
               "dtype": args.dtype, "new_tokens": NEW_TOKENS, "families": {}}
     for name, (arch, overrides) in FAMILIES.items():
         with tempfile.TemporaryDirectory() as tmp:
-            path = build_tiny_model(Path(tmp), arch, seed=5, **{**SHAPE, **overrides})
-            reference = transformers.AutoModelForCausalLM.from_pretrained(
-                path, dtype=dtype, attn_implementation="eager").to(device).eval()
+            config: dict[str, Any] = {**SHAPE, **overrides}
+            path = build_tiny_model(Path(tmp), arch, seed=5, **config)
+            reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                                          attn_implementation="eager")
+            reference = reference.to(device).eval()  # type: ignore[arg-type]
             engine = Engine(str(path), name, dtype=args.dtype, device=str(device), gpu_memory_fraction=0.2)
             engine.warmup(1024, 512, 8)
             start = time.perf_counter()
@@ -87,8 +92,9 @@ def main() -> None:
             for prompt, got in zip(prompts, ours, strict=True):
                 expected, gaps = _reference(reference, prompt, device)
                 agree = next((i for i, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b), NEW_TOKENS)
+                gap = None if agree == NEW_TOKENS else round(gaps[agree], 4)
                 rows.append({"prompt_tokens": len(prompt), "agreeing_prefix": agree,
-                             "reference_top2_gap_at_divergence": None if agree == NEW_TOKENS else round(gaps[agree], 4)})
+                             "reference_top2_gap_at_divergence": gap})
             report["families"][name] = {"prompts": rows, "engine_seconds": round(elapsed, 3)}
             engine.kv_cache = None
             del engine, reference

@@ -53,8 +53,8 @@ def main() -> None:
         x = torch.randn(tokens * TOP_K, HIDDEN, device=device, dtype=dtype)[order]
         touched = int((counts > 0).sum())
         weight_bytes = touched * gate_up[0].numel() * gate_up.element_size()
-        grouped = _timed(lambda: moe.grouped_linear(x, gate_up, offsets), device, args.repeats)
-        looped = _timed(lambda: moe._per_expert_linear(x, gate_up, offsets), device, args.repeats)
+        grouped = _timed(lambda x=x, o=offsets: moe.grouped_linear(x, gate_up, o), device, args.repeats)
+        looped = _timed(lambda x=x, o=offsets: moe._per_expert_linear(x, gate_up, o), device, args.repeats)
         results.append({
             "tokens": tokens, "experts_touched": touched,
             "grouped_ms": round(grouped * 1e3, 4), "per_expert_ms": round(looped * 1e3, 4),

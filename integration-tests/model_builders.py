@@ -8,11 +8,13 @@ input to both sides, not part of the reference.
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from tokenizers import processors
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -95,16 +97,56 @@ def _config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int):
     if arch == "qwen2":
         return Qwen2Config(**common, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                            use_sliding_window=False)
+    if arch in _FAMILY_CONFIGS:
+        config_class, extra = _FAMILY_CONFIGS[arch]
+        return getattr(transformers, config_class)(**{**common, **extra})
     raise ValueError(f"unknown architecture {arch}")
 
 
-def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 0.0) -> Path:
+# The families served end to end with their own chat templates: config class and what their tiny
+# shape needs (16-wide heads where the family's default is wider, a few small experts).
+_FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8}),
+    "gemma3_text": ("Gemma3TextConfig", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                         "layer_types": ["sliding_attention", "full_attention"]}),
+    "phi3": ("Phi3Config", {}),
+    "granite": ("GraniteConfig", {"embedding_multiplier": 2.0, "attention_multiplier": 0.2,
+                                  "residual_multiplier": 0.5, "logits_scaling": 2.0}),
+}
+FAMILY_ARCHS = tuple(_FAMILY_CONFIGS)
+
+# Each family's own chat template, from the repository's chat-template corpus (testdata/).
+CHAT_TEMPLATES_DIR = Path(__file__).resolve().parent.parent / "testdata" / "chat-templates"
+FAMILY_TEMPLATES = {
+    "qwen3": "qwen3.json",
+    "qwen3_moe": "qwen3.json",
+    "mixtral": "mixtral-8x7b-instruct-v0.1-original.json",
+    "gemma2": "gemma-it.json",
+    "gemma3_text": "gemma-3-it.json",
+    "phi3": "phi-4.json",
+    "granite": "granite-3.2-instruct.json",
+}
+
+
+def family_chat_template(arch: str) -> str:
+    return json.loads((CHAT_TEMPLATES_DIR / FAMILY_TEMPLATES[arch]).read_text())["chat_template"]
+
+
+def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 0.0,
+                    chat_template: str | None = None) -> Path:
     """Writes a tiny random `arch` model plus tokenizer to `out_dir` and returns it.
 
     `eos_boost` scales the EOS row of the LM head so that greedy decoding sometimes ends with
-    EOS within a few tokens (random models otherwise almost never produce it).
+    EOS within a few tokens (random models otherwise almost never produce it). `chat_template`
+    replaces the tokenizer's ChatML one (a family's own, `family_chat_template`).
     """
     tokenizer = build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     vocab_size = len(tokenizer)
     eos_id = _token_id(tokenizer, EOS)
     config = _config(

@@ -51,11 +51,11 @@ class Attention(nn.Module):
                  else {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width})
         self.qkv_proj = Linear(cfg.hidden_size, parts, bias=cfg.qkv_bias, ops=ops)
         self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, ops=ops)
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
         if cfg.qk_norm:
             self.q_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = make_norm(cfg.norm, cfg.head_dim, cfg.rms_norm_eps, ops)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(
         self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -203,7 +203,9 @@ class DecoderForCausalLM(nn.Module):
         if batch.is_prefill and batch.logits_indices.shape[0] == 0:
             for index in range(last):
                 x = layers[index](x, ropes, batch, kv_cache.k[index], kv_cache.v[index])
-            layers[last].store_kv(x, ropes, batch, kv_cache.k[last], kv_cache.v[last])
+            final = layers[last]
+            assert isinstance(final, DecoderLayer)
+            final.store_kv(x, ropes, batch, kv_cache.k[last], kv_cache.v[last])
             return x.new_empty(0, cfg.vocab_size)
         for index, layer in enumerate(layers):
             # Past the last layer's attention only the rows whose logits are wanted matter:
@@ -289,11 +291,10 @@ def _linear_loaders(module_name: str, linear: Linear) -> dict[str, Loader]:
     """A fused Linear's parts load under their checkpoint names, siblings of the Linear."""
     parent = module_name.rpartition(".")[0]
     kinds = ("weight", "bias") if linear.bias is not None else ("weight",)
-    return {
-        f"{parent}.{part}.{kind}": (lambda tensor, part=part, kind=kind: linear.load_part(part, kind, tensor))
-        for part in linear.parts
-        for kind in kinds
-    }
+    def loader(part: str, kind: str) -> Loader:
+        return lambda tensor: linear.load_part(part, kind, tensor)
+
+    return {f"{parent}.{part}.{kind}": loader(part, kind) for part in linear.parts for kind in kinds}
 
 
 def _copy_into(name: str, param: torch.Tensor) -> Loader:
