@@ -177,3 +177,31 @@ def test_rope_frequencies_match_transformers_for_both_config_layouts(rope_config
 def test_unsupported_rope_type_is_named() -> None:
     with pytest.raises(ValueError, match="mrope"):
         RopeConfig.from_hf({"rope_scaling": {"rope_type": "mrope", "factor": 4.0}})
+
+
+@torch.inference_mode()
+def test_prefill_after_a_cached_prefix_matches_transformers_with_its_cache(
+    case: tuple[Path, transformers.PreTrainedModel],
+) -> None:
+    """A prompt prefilled in two passes (the second over a prefix already in the paged cache, as
+    prefix caching and chunked prefill run it) gives the logits transformers gives the same
+    second chunk over its own KV cache of the first. (With LongRoPE the two differ from one
+    full pass by design, in both.)"""
+    path, reference = case
+    model = load_model(path, load_config(path), torch.float32, DEVICE)
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
+    prompt = _prompts(seed=3)[2]  # 33 tokens
+    first = 20  # the split falls inside a block
+    blocks = spec.blocks_for_tokens(len(prompt))
+    kv_cache = PagedKVCache(spec, blocks + 2, DEVICE)
+    table = _scattered_block_tables(1, blocks, seed=4) + 2
+    model(torch.tensor(prompt[:first], device=DEVICE), build_prefill([first], table, BLOCK_SIZE, DEVICE), kv_cache)
+    rest = len(prompt) - first
+    batch = build_prefill([rest], table, BLOCK_SIZE, DEVICE, context_lens=[first])
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(rest, device=DEVICE))
+    ours = model(torch.tensor(prompt[first:], device=DEVICE), batch, kv_cache).cpu()
+
+    past = reference(torch.tensor([prompt[:first]]), use_cache=True).past_key_values
+    expected = reference(torch.tensor([prompt[first:]]), past_key_values=past, use_cache=True).logits[0]
+    torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0)
