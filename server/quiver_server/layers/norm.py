@@ -31,12 +31,8 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: KernelOps) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim))
-        self.eps = eps
-        self.ops = ops
+class GemmaRMSNorm(RMSNorm):
+    """The same parameters as `RMSNorm`; only the scale differs."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 + self.weight.float()
