@@ -122,17 +122,17 @@ def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 def inverse_frequencies(rope: RopeConfig, head_dim: int, long: bool = False) -> torch.Tensor:
     """float32 [rotary_dim // 2] inverse frequencies for `rope` (`long`: LongRoPE's long set)."""
     dim = rope.rotary_dim(head_dim)
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     if rope.rope_type == "longrope":
         factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
-        return 1.0 / (factors * rope.theta**exponents)
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+        return 1.0 / (factors * pos_freqs)
+    inv_freq = 1.0 / pos_freqs
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_smoothing(inv_freq, rope)
     if rope.rope_type == "yarn":
-        return _yarn_blend(rope, dim)
+        return _yarn_blend(rope, dim, pos_freqs)
     return inv_freq
 
 
@@ -150,7 +150,7 @@ def _llama3_smoothing(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_blend(rope: RopeConfig, dim: int) -> torch.Tensor:
+def _yarn_blend(rope: RopeConfig, dim: int, pos_freqs: torch.Tensor) -> torch.Tensor:
     # YaRN: dimensions that turn many times over the original context keep their frequency
     # (extrapolate), slow ones are interpolated by `factor`, with a linear ramp in between.
     def correction_dim(rotations: float) -> float:
@@ -165,7 +165,6 @@ def _yarn_blend(rope: RopeConfig, dim: int) -> torch.Tensor:
         high += 0.001  # a zero-width ramp would divide by zero
     ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
     extrapolation_weight = 1 - ramp
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
     extrapolated, interpolated = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
     return interpolated * (1 - extrapolation_weight) + extrapolated * extrapolation_weight
 
@@ -176,7 +175,6 @@ class RotaryEmbedding:
 
     def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
         self.rope = rope
-        self.rotary_dim = rope.rotary_dim(head_dim)
         self.scale = rope.cos_sin_scale()
         self.inv_freq = inverse_frequencies(rope, head_dim).to(device)
         self.long_inv_freq = (

@@ -6,7 +6,7 @@ each field is one piece the layers switch on, with the default the Llama family 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from quiver_server.layers.activation import activation_name
 from quiver_server.layers.rotary import RopeConfig
@@ -90,6 +90,25 @@ def common_fields(config: dict[str, Any]) -> dict[str, Any]:
         "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
         "activation": activation_name(config.get("hidden_act") or config.get("hidden_activation")),
     }
+
+
+class Biases(TypedDict):
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+
+def projection_biases(config: dict[str, Any]) -> Biases:
+    """The bias fields from `attention_bias` (q, k, v and o) and `mlp_bias`, as Llama-style
+    configs write them (both absent: no biases)."""
+    attention = bool(config.get("attention_bias", False))
+    return Biases(qkv_bias=attention, o_bias=attention, mlp_bias=bool(config.get("mlp_bias", False)))
+
+
+def uniform_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """One `sliding_window` (or none) for every layer (Mistral, Phi-3, Mixtral)."""
+    window = config.get("sliding_window")
+    return (None if window is None else int(window),) * num_layers
 
 
 def layer_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from quiver_server.layers.activation import activation_name
 from quiver_server.layers.rotary import RopeConfig
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields, layer_windows
+from quiver_server.models.decoder_config import DecoderConfig, common_fields, layer_windows, projection_biases
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import SEPARATE
 
@@ -56,11 +56,9 @@ class GemmaForCausalLM(DecoderForCausalLM):
         fields = common_fields(config)
         num_layers, hidden = fields["num_layers"], fields["hidden_size"]
         layer_types = _layer_types(config, num_layers)
-        bias = bool(config.get("attention_bias", False))
         cfg = replace(
             DecoderConfig(**fields),
-            qkv_bias=bias,
-            o_bias=bias,
+            **projection_biases(config),
             norm="gemma",
             sandwich_norms=True,
             activation=activation_name(config.get("hidden_activation") or config.get("hidden_act"),

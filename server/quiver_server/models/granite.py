@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields
+from quiver_server.models.decoder_config import DecoderConfig, common_fields, projection_biases
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import SEPARATE
 
@@ -21,12 +21,9 @@ class GraniteForCausalLM(DecoderForCausalLM):
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
         fields = common_fields(config)
-        bias = bool(config.get("attention_bias", False))
         return replace(
             DecoderConfig(**fields),
-            qkv_bias=bias,
-            o_bias=bias,
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            **projection_biases(config),
             embed_scale=float(config.get("embedding_multiplier", 1.0)),
             attention_scale=float(config.get("attention_multiplier", fields["head_dim"] ** -0.5)),
             residual_multiplier=float(config.get("residual_multiplier", 1.0)),

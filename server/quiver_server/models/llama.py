@@ -11,7 +11,13 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields, layer_windows
+from quiver_server.models.decoder_config import (
+    DecoderConfig,
+    common_fields,
+    layer_windows,
+    projection_biases,
+    uniform_windows,
+)
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import SEPARATE
 
@@ -43,13 +49,12 @@ class LlamaForCausalLM(DecoderForCausalLM):
             raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported (the Llama family uses silu)")
         cfg = DecoderConfig(**fields)
         num_layers = cfg.num_layers
-        bias = bool(config.get("attention_bias", False))
-        cfg = replace(cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+        cfg = replace(cfg, **projection_biases(config))
         if model_type == "qwen2":
             # Qwen2 always has q/k/v biases and never an o_proj bias.
             cfg = replace(cfg, qkv_bias=True, o_bias=False, sliding_windows=qwen_windows(config, num_layers))
         elif model_type == "qwen3":
             cfg = replace(cfg, qk_norm=True, sliding_windows=qwen_windows(config, num_layers))
-        elif model_type == "mistral" and config.get("sliding_window") is not None:
-            cfg = replace(cfg, sliding_windows=(int(config["sliding_window"]),) * num_layers)
+        elif model_type == "mistral":
+            cfg = replace(cfg, sliding_windows=uniform_windows(config, num_layers))
         return cfg

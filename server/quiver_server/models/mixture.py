@@ -8,7 +8,13 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, MoeConfig, common_fields
+from quiver_server.models.decoder_config import (
+    DecoderConfig,
+    MoeConfig,
+    common_fields,
+    projection_biases,
+    uniform_windows,
+)
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import ATTENTION_ONLY
 from quiver_server.models.llama import qwen_windows
@@ -26,7 +32,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
         fields = common_fields(config)
-        window = config.get("sliding_window")
         moe = MoeConfig(
             num_experts=int(config["num_local_experts"]),
             top_k=int(config["num_experts_per_tok"]),
@@ -36,7 +41,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
         )
         return replace(
             DecoderConfig(**fields),
-            sliding_windows=(None if window is None else int(window),) * fields["num_layers"],
+            sliding_windows=uniform_windows(config, fields["num_layers"]),
             moe=moe,
             moe_layers=(True,) * fields["num_layers"],
         )
@@ -64,11 +69,9 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             normalize_top_k=bool(config.get("norm_topk_prob", False)),
             weights_in_float32=False,
         )
-        bias = bool(config.get("attention_bias", False))
         return replace(
             DecoderConfig(**fields),
-            qkv_bias=bias,
-            o_bias=bias,
+            **projection_biases(config),
             qk_norm=True,
             sliding_windows=qwen_windows(config, num_layers),
             moe=moe,
