@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from quiver_server.models import moe
+from quiver_server.layers import grouped_linear
 
 EXPERTS, TOP_K, HIDDEN, WIDTH = 128, 8, 2048, 768
 
@@ -53,8 +53,8 @@ def main() -> None:
         x = torch.randn(tokens * TOP_K, HIDDEN, device=device, dtype=dtype)[order]
         touched = int((counts > 0).sum())
         weight_bytes = touched * gate_up[0].numel() * gate_up.element_size()
-        grouped = _timed(lambda x=x, o=offsets: moe.grouped_linear(x, gate_up, o), device, args.repeats)
-        looped = _timed(lambda x=x, o=offsets: moe._per_expert_linear(x, gate_up, o), device, args.repeats)
+        grouped = _timed(lambda x=x, o=offsets: grouped_linear.grouped_linear(x, gate_up, o), device, args.repeats)
+        looped = _timed(lambda x=x, o=offsets: grouped_linear.per_expert_linear(x, gate_up, o), device, args.repeats)
         results.append({
             "tokens": tokens, "experts_touched": touched,
             "grouped_ms": round(grouped * 1e3, 4), "per_expert_ms": round(looped * 1e3, 4),
@@ -62,7 +62,8 @@ def main() -> None:
             "grouped_weight_gb_per_s": round(weight_bytes / grouped / 1e9, 1),
         })
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(json.dumps({"device": name, "dtype": args.dtype, "grouped_kernel": moe._has_grouped_mm(device, dtype),
+    grouped_kernel = grouped_linear.has_grouped_mm(device, dtype)
+    print(json.dumps({"device": name, "dtype": args.dtype, "grouped_kernel": grouped_kernel,
                       "shape": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "width": WIDTH},
                       "gate_up_projection": results}, indent=1))
 

@@ -1,7 +1,9 @@
-"""LoRA on every served family against peft: for each family, two peft-written adapters (one on
+"""LoRA on every served family against peft: for each family, peft-written adapters (one on
 every module the family serves LoRA on, including Phi-3's fused qkv_proj and gate_up_proj as
-PEFT targets them; one on attention only) and the base model in one mixed batch give the
-logits peft gives each sequence alone, in prefill and in decode over the paged cache."""
+PEFT targets them and a sparse model's router and experts as PEFT's "all-linear" targets them,
+per-module ranks included; one on attention only; for sparse models one on every expert as
+transformers 4 named them) and the base model in one mixed batch give the logits peft gives
+each sequence alone, in prefill and in decode over the paged cache."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from device import TEST_DEVICE
-from tiny_adapters import build_adapter, peft_reference
+from tiny_adapters import build_adapter, build_legacy_expert_adapter, peft_reference
 from tiny_models import build_tiny_model
 
 from quiver_server.engine import Engine
@@ -50,18 +52,26 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     base = build_tiny_model(root / "base", arch, seed=4, **overrides)
     targets = list(family_for(load_config(base)).layout.lora_targets)
     attention = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj")]
+    sparse = "experts.gate_proj" in targets
+    # PEFT's all-linear on a sparse model: attention modules, and target_parameters on the
+    # router and the fused experts, gate|up at twice the rank (rank_pattern, alpha_pattern).
+    every = "all-linear" if sparse else targets
     adapters = {
-        "every-target": build_adapter(base, root / "every", seed=21, r=8, lora_alpha=16, target_modules=targets),
+        "every-target": build_adapter(base, root / "every", seed=21, r=4, lora_alpha=16, target_modules=every),
         "attention": build_adapter(base, root / "attention", seed=22, r=4, lora_alpha=8, target_modules=attention,
                                    use_rslora=True),
     }
+    expected_targets = {"every-target": targets, "attention": attention}
+    if sparse:
+        adapters["experts"] = build_legacy_expert_adapter(base, root / "experts", seed=23, r=6, lora_alpha=12)
+        expected_targets["experts"] = [t for t in targets if t.startswith("experts.")]
     # A small share of a GPU: each family's engine sizes its KV cache from what is free.
     engine = Engine(str(base), "tiny", dtype="float32", device=str(TEST_DEVICE), cpu_kv_cache_gib=0.01,
                     gpu_memory_fraction=0.2)
     engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=MAX_RANK)
     for slot, (name, path) in enumerate(adapters.items()):
         info = engine.load_adapter(name, "local", str(path))
-        assert set(info.target_modules) == set(targets if name == "every-target" else attention)
+        assert set(info.target_modules) == set(expected_targets[name])
         engine.activate_adapter(name, slot)
     references = {name: peft_reference(base, path) for name, path in adapters.items()}
     references[None] = peft_reference(base, None)
@@ -76,6 +86,8 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 def test_mixed_adapters_and_base_equal_peft(family: Family) -> None:
     engine = family.engine
     kinds: list[str | None] = [None, "every-target", "attention", "every-target"]
+    if "experts" in family.references:
+        kinds.append("experts")
     rng = random.Random(9)
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 30))] for _ in kinds]
     slots = [-1 if k is None else engine.lora.slots.slot_of(k) for k in kinds]  # type: ignore[union-attr]
@@ -94,7 +106,7 @@ def test_mixed_adapters_and_base_equal_peft(family: Family) -> None:
         torch.testing.assert_close(ours, expected, atol=ATOL, rtol=0, msg=lambda m, k=kind: f"{k}: {m}")
     # The adapters matter: each moves the logits well away from the base model's.
     base = family.references[None](torch.tensor([prompts[1]])).logits[0]
-    for kind in ("every-target", "attention"):
+    for kind in (k for k in family.references if k is not None):
         adapted = family.references[kind](torch.tensor([prompts[1]])).logits[0]
         assert float((adapted - base).abs().max()) > 0.05, kind
 

@@ -3,6 +3,8 @@ against transformers' Qwen3-MoE and Mixtral blocks on the same weights, on the t
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import transformers
@@ -10,7 +12,8 @@ from device import TEST_DEVICE
 
 from quiver_server.kernels.ops import select_ops
 from quiver_server.models.mixture import MixtralForCausalLM, Qwen3MoeForCausalLM
-from quiver_server.models.moe import SparseMoe, grouped_linear
+from quiver_server.layers.grouped_linear import grouped_linear
+from quiver_server.models.moe import SparseMoe
 
 DTYPES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
@@ -51,10 +54,10 @@ def test_sparse_moe_block_equals_transformers(arch: str) -> None:
     cfg = family.config_from_hf(hf_config.to_dict())
     ours = SparseMoe(cfg, select_ops(TEST_DEVICE)).to(TEST_DEVICE)
     ours.gate.weight.data.copy_(block.gate.weight)
-    ours.gate_up.data.copy_(block.experts.gate_up_proj)
-    ours.down.data.copy_(block.experts.down_proj)
+    ours.gate_up.weight.data.copy_(block.experts.gate_up_proj)
+    ours.down.weight.data.copy_(block.experts.down_proj)
     x = torch.randn(1, 200, 64, generator=generator)
     expected = block(x)
     expected = expected[0] if isinstance(expected, tuple) else expected
-    got = ours(x[0].to(TEST_DEVICE), None).cpu()  # type: ignore[arg-type]
+    got = ours(x[0].to(TEST_DEVICE), SimpleNamespace(lora=None)).cpu()  # type: ignore[arg-type]
     torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=0)

@@ -11,11 +11,13 @@ scaling, a missed module or a swapped slot then changes greedy tokens, not just 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import peft
+import safetensors.torch
 import torch
 import transformers
 
@@ -50,6 +52,42 @@ def build_adapter(
                 param.copy_(param + 0.1 * torch.randn(param.shape, generator=generator))
     adapter_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(adapter_dir, safe_serialization=safe_serialization)
+    return adapter_dir
+
+
+# transformers 4's per-expert Linear names, as adapters trained then name them: family ->
+# (the sparse MLP module, gate, up, down).
+LEGACY_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def build_legacy_expert_adapter(base_dir: Path, adapter_dir: Path, seed: int, r: int, lora_alpha: float,
+                                scale: float = 0.3) -> Path:
+    """A random adapter on every expert of a sparse model as PEFT wrote them on transformers 4,
+    one Linear per expert (layers.L.block_sparse_moe.experts.E.w1). Written by hand: current
+    transformers has no per-expert Linears to wrap; current peft still reads such adapters,
+    converting them to its fused-expert form, so it stays the reference that runs them."""
+    config = json.loads((base_dir / "config.json").read_text())
+    parent, *names = LEGACY_EXPERT_NAMES[config["model_type"]]
+    hidden = config["hidden_size"]
+    width = config.get("moe_intermediate_size") or config["intermediate_size"]
+    experts = config.get("num_local_experts") or config["num_experts"]
+    shapes = dict(zip(names, [(hidden, width), (hidden, width), (width, hidden)], strict=True))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for expert in range(experts):
+            for name, (inputs, outputs) in shapes.items():
+                key = f"base_model.model.model.layers.{layer}.{parent}.experts.{expert}.{name}"
+                tensors[f"{key}.lora_A.weight"] = torch.randn(r, inputs, generator=generator) / inputs ** 0.5
+                tensors[f"{key}.lora_B.weight"] = scale * torch.randn(outputs, r, generator=generator) / r ** 0.5
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    safetensors.torch.save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
+    lora_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": r, "lora_alpha": lora_alpha,
+                   "target_modules": names, "base_model_name_or_path": str(base_dir)}
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(lora_config))
     return adapter_dir
 
 

@@ -2,16 +2,19 @@
 
 PEFT saves `adapter_model.safetensors` (older adapters: `adapter_model.bin`) with keys like
 `base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight` (A: [r, in], B: [out, r]);
-some older ones keep the adapter name (`lora_A.default.weight`). Any other tensor (DoRA
-magnitudes, embedding LoRA, biases, trained module copies) is something we would not apply,
-so it is an error rather than ignored.
+some older ones keep the adapter name (`lora_A.default.weight`); `peft_keys` maps them (and a
+sparse MLP's expert keys) to our projections. Any other tensor (DoRA magnitudes, embedding
+LoRA, biases, trained module copies) is something we would not apply, so it is an error rather
+than ignored.
+
+A module whose scaling differs from the adapter's (`rank_pattern`, `alpha_pattern`) has the
+ratio folded into its B here, so the slots keep one scaling per adapter.
 """
 
 from __future__ import annotations
 
 import io
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from safetensors.torch import load as safetensors_load
 from quiver_server.adapters.confined import read_confined
 
 from quiver_server.adapters.peft_config import LoraConfig, read_lora_config, resolve_targets
+from quiver_server.adapters.peft_keys import lora_weights
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.adapters.validation import check_adapter
 from quiver_server.batch_types import AdapterInfo
@@ -30,9 +34,7 @@ log = logging.getLogger(__name__)
 SAFETENSORS_FILE = "adapter_model.safetensors"
 BIN_FILE = "adapter_model.bin"
 
-_LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[^.]+)?\.weight$")
-
-# (layer, projection) -> (A [r, in], B [out, r])
+# (layer, projection) -> (A [r, in], B [out, r]), or per expert (A [E, r, in], B [E, out, r])
 LoraPairs = dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -42,7 +44,7 @@ class LoadedAdapter:
 
     adapter_id: str
     path: str
-    rank: int
+    rank: int  # the largest of its projections' ranks
     scaling: float
     weights: LoraPairs = field(repr=False)  # in the base's projection order (see load_adapter_dir)
 
@@ -86,35 +88,6 @@ def read_tensors(adapter_dir: Path, root: Path | None = None) -> tuple[str, dict
     raise ValueError(f"the adapter directory has neither {SAFETENSORS_FILE} nor {BIN_FILE}")
 
 
-def lora_pairs(file_name: str, tensors: dict[str, torch.Tensor], spec: BaseModelSpec) -> LoraPairs:
-    """Groups PEFT's tensors by (layer, projection); refuses tensors we would not apply."""
-    modules = spec.module_paths()
-    halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        match = _LORA_KEY.match(key)
-        if match is None:
-            raise ValueError(
-                f"{file_name} holds {key!r}, which is not a LoRA A/B weight of a linear projection "
-                "(DoRA, embedding LoRA, biases and modules_to_save are not supported)"
-            )
-        module = match["module"]
-        # Adapters trained on the bare backbone (no causal-LM head) lack the leading "model.".
-        where = modules.get(module) or modules.get(f"model.{module}")
-        if where is None:
-            raise ValueError(
-                f"{file_name} has LoRA weights for {module}, which is not a LoRA-capable module of this "
-                f"{spec.model_type} model ({' '.join(spec.projections)} in layers 0..{spec.num_layers - 1})"
-            )
-        halves.setdefault(where, {})[match["half"]] = tensor
-    pairs: LoraPairs = {}
-    for (layer, name), found in sorted(halves.items()):
-        if set(found) != {"A", "B"}:
-            missing = "lora_B" if "A" in found else "lora_A"
-            raise ValueError(f"{file_name} has no {missing} for {spec.module_path(layer, name)}")
-        pairs[(layer, name)] = (found["A"], found["B"])
-    return pairs
-
-
 def load_adapter_dir(
     adapter_id: str,
     adapter_dir: Path,
@@ -132,8 +105,8 @@ def load_adapter_dir(
     config: LoraConfig = read_lora_config(adapter_dir, root)
     targets = resolve_targets(config, spec)
     file_name, tensors = read_tensors(adapter_dir, root)
-    pairs = lora_pairs(file_name, tensors, spec)
-    check_adapter(config, targets, pairs, spec, max_rank, file_name)
+    found = lora_weights(file_name, tensors, spec, config)
+    check_adapter(config, targets, found, spec, max_rank, file_name)
 
     def host_copy(tensor: torch.Tensor) -> torch.Tensor:
         converted = tensor.to(dtype).contiguous()
@@ -142,14 +115,16 @@ def load_adapter_dir(
 
     # Ordered by projection as the base lists them, so `target_modules` reads in that order.
     order = {name: index for index, name in enumerate(spec.projections)}
-    weights = {
-        (layer, name): (host_copy(a), host_copy(b))
-        for (layer, name), (a, b) in sorted(pairs.items(), key=lambda item: (order[item[0][1]], item[0][0]))
-    }
+    weights = {}
+    for (layer, name), weight in sorted(found.items(), key=lambda item: (order[item[0][1]], item[0][0])):
+        b = weight.b
+        if weight.scaling != config.scaling:
+            b = b.float() * (weight.scaling / config.scaling)
+        weights[(layer, name)] = (host_copy(weight.a), host_copy(b))
     return LoadedAdapter(
         adapter_id=adapter_id,
         path=str(adapter_dir),
-        rank=config.rank,
+        rank=max(weight.rank for weight in found.values()),
         scaling=config.scaling,
         weights=weights,
     )

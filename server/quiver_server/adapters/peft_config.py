@@ -10,6 +10,10 @@ Target matching replicates PEFT's `check_target_module_exists`: a string is a re
 match a whole module path; a list entry matches a path equal to it or ending in "." + entry;
 `layers_to_transform` (list targets only, as in PEFT) keeps the given layer indices;
 `exclude_modules` removes matches; "all-linear" means every linear layer but the output head.
+`target_parameters` entries match parameter paths (model.layers.0.mlp.experts.gate_up_proj) the
+way PEFT's `_inject_parameters` does: equal, or ending in "." + entry. `rank_pattern` and
+`alpha_pattern` give matching modules (or parameters) their own rank and alpha, PEFT's
+`get_pattern_key` deciding which key applies.
 """
 
 from __future__ import annotations
@@ -40,9 +44,6 @@ UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "bias": (lambda v: v not in (None, "none"), 'bias="{value}" is not supported (only "none")'),
     "lora_bias": (_set, "lora_bias (a bias on lora_B) is not supported"),
     "fan_in_fan_out": (_set, "fan_in_fan_out (Conv1D-style weights) is not supported"),
-    "rank_pattern": (_set, "per-module ranks (rank_pattern {value}) are not supported"),
-    "alpha_pattern": (_set, "per-module alphas (alpha_pattern {value}) are not supported"),
-    "target_parameters": (_set, "target_parameters ({value}) is not supported"),
     "trainable_token_indices": (_set, "trainable_token_indices (embedding rows) is not supported"),
     "layer_replication": (_set, "layer_replication is not supported"),
     "alora_invocation_tokens": (_set, "activated LoRA (alora_invocation_tokens) is not supported"),
@@ -60,16 +61,53 @@ class LoraConfig:
     rank: int
     alpha: float
     use_rslora: bool
-    target_modules: str | tuple[str, ...]  # a regex, or names / path suffixes
+    target_modules: str | tuple[str, ...]  # a regex, or names / path suffixes; () with target_parameters only
     layers_to_transform: tuple[int, ...] | None
     layers_pattern: tuple[str, ...] | None
     exclude_modules: str | tuple[str, ...] | None
     base_model_name_or_path: str | None
+    target_parameters: tuple[str, ...] = ()  # parameter paths or their suffixes (MoE experts, routers)
+    rank_pattern: tuple[tuple[str, int], ...] = ()  # (regex, r) in the file's order
+    alpha_pattern: tuple[tuple[str, float], ...] = ()
 
     @property
     def scaling(self) -> float:
         """PEFT's scaling: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        return self._scaling(self.rank, self.alpha)
+
+    def _scaling(self, rank: int, alpha: float) -> float:
+        return alpha / (math.sqrt(rank) if self.use_rslora else rank)
+
+    def rank_for(self, key: str) -> int:
+        """The rank PEFT gives module (or parameter) path `key`."""
+        return _pattern_value(self.rank_pattern, key, self.rank)
+
+    def scaling_for(self, key: str) -> float:
+        """The scaling PEFT gives module (or parameter) path `key`."""
+        return self._scaling(self.rank_for(key), _pattern_value(self.alpha_pattern, key, self.alpha))
+
+    @property
+    def max_rank(self) -> int:
+        return max([self.rank, *(rank for _, rank in self.rank_pattern)])
+
+
+def _pattern_value(patterns: tuple[tuple[str, Any], ...], key: str, default: Any) -> Any:
+    """PEFT's `get_pattern_key`: the first pattern p with `(.*\\.)?(p)$` matching the key."""
+    for pattern, value in patterns:
+        if re.match(rf"(.*\.)?({pattern})$", key):
+            return value
+    return default
+
+
+def _pattern(raw: Any, key: str, kind: type) -> tuple[tuple[str, Any], ...]:
+    if raw in (None, {}):
+        return ()
+    numbers = (int,) if kind is int else (int, float)
+    if not isinstance(raw, dict) or not all(
+        isinstance(k, str) and isinstance(v, numbers) and not isinstance(v, bool) and v > 0 for k, v in raw.items()
+    ):
+        raise ValueError(f"{CONFIG_FILE}: {key} must map module patterns to positive numbers, got {raw!r}")
+    return tuple((k, kind(v)) for k, v in raw.items())
 
 
 def _names(value: Any, key: str) -> str | tuple[str, ...] | None:
@@ -97,8 +135,11 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
     alpha = raw.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
-    targets = _names(raw.get("target_modules"), "target_modules")
-    if not targets:
+    targets = _names(raw.get("target_modules"), "target_modules") or ()
+    parameters = _names(raw.get("target_parameters"), "target_parameters") or ()
+    if isinstance(parameters, str):
+        parameters = (parameters,)
+    if not targets and not parameters:
         raise ValueError(f"{CONFIG_FILE}: target_modules is empty")
     layers = raw.get("layers_to_transform")
     if isinstance(layers, int) and not isinstance(layers, bool):
@@ -115,6 +156,9 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
         layers_pattern=(pattern,) if isinstance(pattern, str) else pattern,
         exclude_modules=_names(raw.get("exclude_modules"), "exclude_modules"),
         base_model_name_or_path=raw.get("base_model_name_or_path") or None,
+        target_parameters=parameters,
+        rank_pattern=_pattern(raw.get("rank_pattern"), "rank_pattern", int),
+        alpha_pattern=_pattern(raw.get("alpha_pattern"), "alpha_pattern", float),
     )
 
 
@@ -176,6 +220,17 @@ def _targets(config: LoraConfig, key: str, entry: str | None) -> bool:
 def resolve_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, str]]:
     """(layer, projection) pairs the adapter applies to in our model. A target that names a
     module we cannot serve LoRA on, or no module of this model at all, is a ValueError."""
+    targets = _module_targets(config, spec) if config.target_modules else set()
+    targets |= parameter_targets(config, spec)
+    if not targets:
+        raise ValueError(
+            f"target_modules {_show(config.target_modules)} match none of this {spec.model_type} "
+            f"model's LoRA-capable modules ({' '.join(spec.projections)})"
+        )
+    return targets
+
+
+def _module_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, str]]:
     servable = spec.module_paths()
     if isinstance(config.target_modules, str) and config.target_modules.lower() == ALL_LINEAR:
         return {where for key, where in servable.items() if not _excluded(config, key)}
@@ -199,13 +254,29 @@ def resolve_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, s
                 f"model's LoRA-capable modules ({' '.join(spec.projections)} in layers "
                 f"0..{spec.num_layers - 1})"
             )
-    targets = {where for key, where in servable.items() if _targets(config, key, None)}
-    if not targets:
-        raise ValueError(
-            f"target_modules {_show(config.target_modules)} match none of this {spec.model_type} "
-            f"model's LoRA-capable modules ({' '.join(spec.projections)})"
-        )
-    return targets
+    return {where for key, where in servable.items() if _targets(config, key, None)}
+
+
+def targeted_parameters(config: LoraConfig, spec: BaseModelSpec) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """The parameter paths `target_parameters` names (PEFT: equal, or ending in "." + entry) ->
+    (layer, the projections each holds); an entry naming none of them is a ValueError."""
+    if not config.target_parameters:
+        return {}
+    paths = spec.parameter_paths()
+    matched = {}
+    for entry in config.target_parameters:
+        found = {path: where for path, where in paths.items() if path == entry or path.endswith(f".{entry}")}
+        if not found:
+            raise ValueError(
+                f"target_parameters {entry!r} matches none of this {spec.model_type} model's parameters that take "
+                "LoRA (each projection's weight; a sparse MLP's experts.gate_up_proj and experts.down_proj)"
+            )
+        matched.update(found)
+    return matched
+
+
+def parameter_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, str]]:
+    return {(layer, name) for layer, names in targeted_parameters(config, spec).values() for name in names}
 
 
 def _show(targets: str | tuple[str, ...]) -> str:

@@ -1,12 +1,14 @@
 """Device tier: a fixed table of adapter slots, preallocated at warmup.
 
 For every layer and LoRA-capable projection there is one stacked pair of buffers,
-A [slots, max_rank, in] and B [slots, out, max_rank] (laid out for the LoRA backend by
-`KernelOps.lora_b_buffer`) in the serving dtype, plus one scaling
-vector [slots] float32 shared by all projections. Slot s of every buffer belongs to one adapter:
-its rank-r weights fill rows/columns [:r], the rest stays zero (zero rank components add exact
-zeros), and the projections it does not target stay zero for that slot. The buffers are attached
-to the model's `Linear` layers once, so the forward pass reads them without any lookup.
+A [slots * E, max_rank, in] and B [slots * E, out, max_rank] (laid out for the LoRA backend by
+`KernelOps.lora_b_buffer`) in the serving dtype, E being 1 but for a sparse MLP's expert
+projections (one A/B pair per expert: row slot * E + expert), plus one scaling vector per E,
+[slots * E] float32, shared by all projections with that E. Slot s of every buffer belongs to
+one adapter: its rank-r weights fill rows/columns [:r], the rest stays zero (zero rank
+components add exact zeros), and the projections it does not target stay zero for that slot.
+The buffers are attached to the model's layers once, so the forward pass reads them without any
+lookup.
 
 Activating copies an adapter's host weights into its slot. The router does that between steps
 for a slot no running request uses, so the copy never races a forward pass reading the slot.
@@ -22,7 +24,7 @@ import torch
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.layers.linear import LoraPart
+from quiver_server.layers.lora import LoraPart
 from quiver_server.models.family import ModelFamily
 
 
@@ -42,40 +44,49 @@ class AdapterSlots:
         self.num_slots = num_slots
         self.max_rank = max_rank
         device = ops.device
-        self.scaling = torch.zeros(num_slots, dtype=torch.float32, device=device)
+        # One scaling vector per rows-per-slot count E: [slots * E], each adapter's value E times.
+        self._scalings = {
+            experts: torch.zeros(num_slots * experts, dtype=torch.float32, device=device)
+            for experts in {1, *(p.experts for p in spec.projections.values())}
+        }
+        self.scaling = self._scalings[1]
         self.parts: dict[tuple[int, str], LoraPart] = {}
-        for layer in range(spec.num_layers):
-            for name, projection in spec.projections.items():
-                linear = spec.layout.linear(model, layer, name)
-                start, end = linear.part_columns[name]
-                part = LoraPart(
-                    columns=slice(start, end),
-                    lora_a=torch.zeros(num_slots, max_rank, projection.in_features, dtype=dtype, device=device),
-                    lora_b=ops.lora_b_buffer(num_slots, projection.out_features, max_rank, dtype),
-                    scaling=self.scaling,
-                    ranks=torch.zeros(num_slots, dtype=torch.int32, device=device),
-                )
-                self.parts[(layer, name)] = part
+        for layer, name in sorted(spec.present):
+            projection = spec.projections[name]
+            linear = spec.layout.linear(model, layer, name)
+            assert linear is not None
+            start, end = linear.part_columns[name]
+            rows = num_slots * projection.experts
+            self.parts[(layer, name)] = LoraPart(
+                columns=slice(start, end),
+                lora_a=torch.zeros(rows, max_rank, projection.in_features, dtype=dtype, device=device),
+                lora_b=ops.lora_b_buffer(rows, projection.out_features, max_rank, dtype),
+                scaling=self._scalings[projection.experts],
+                ranks=torch.zeros(rows, dtype=torch.int32, device=device),
+                experts=projection.experts,
+            )
         self._attach(model, spec)
         self._adapters: list[str | None] = [None] * num_slots  # adapter id held by each slot
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots
 
     def _attach(self, model: ModelFamily, spec: BaseModelSpec) -> None:
-        for layer in range(spec.num_layers):
-            for name in spec.projections:
-                linear = spec.layout.linear(model, layer, name)  # fused parts: the same Linear again
-                linear.lora_parts = [self.parts[(layer, part)] for part in linear.parts]
+        for layer, name in spec.present:
+            linear = spec.layout.linear(model, layer, name)  # fused parts: the same layer again
+            assert linear is not None
+            linear.lora_parts = [self.parts[(layer, part)] for part in linear.parts]
 
     @staticmethod
     def detach(model: ModelFamily, spec: BaseModelSpec) -> None:
         """Removes any slot buffers from the model (adapters disabled)."""
-        for layer in range(spec.num_layers):
-            for name in spec.projections:
-                spec.layout.linear(model, layer, name).lora_parts = []
+        for layer, name in spec.present:
+            linear = spec.layout.linear(model, layer, name)
+            assert linear is not None
+            linear.lora_parts = []
 
     @property
     def nbytes(self) -> int:
-        return sum(p.lora_a.nbytes + p.lora_b.nbytes for p in self.parts.values()) + self.scaling.nbytes
+        buffers = sum(p.lora_a.nbytes + p.lora_b.nbytes for p in self.parts.values())
+        return buffers + sum(scaling.nbytes for scaling in self._scalings.values())
 
     def adapter_in(self, slot: int) -> str | None:
         return self._adapters[slot]
@@ -92,18 +103,20 @@ class AdapterSlots:
         self.check_slot(slot)
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
-        rank = adapter.rank
         # Zero what the previous occupant wrote that this adapter does not overwrite.
         for where in self._targets[slot] - adapter.weights.keys():
             self._zero(self.parts[where], slot)
         for where, (a, b) in adapter.weights.items():
             part = self.parts[where]
-            part.lora_a[slot, :rank].copy_(a, non_blocking=True)
-            part.lora_a[slot, rank:].zero_()
-            part.lora_b[slot, :, :rank].copy_(b, non_blocking=True)
-            part.lora_b[slot, :, rank:].zero_()
-            part.ranks[slot] = rank
-        self.scaling[slot] = adapter.scaling
+            lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
+            rank = a.shape[-2]
+            lora_a[:, :rank].copy_(a.view(-1, rank, a.shape[-1]), non_blocking=True)
+            lora_a[:, rank:].zero_()
+            lora_b[:, :, :rank].copy_(b.view(-1, b.shape[-2], rank), non_blocking=True)
+            lora_b[:, :, rank:].zero_()
+            ranks.fill_(rank)
+        for experts, scaling in self._scalings.items():
+            scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
         previous = self._adapters[slot]
         self._adapters[slot] = adapter.adapter_id
         self._targets[slot] = frozenset(adapter.weights)
@@ -115,7 +128,8 @@ class AdapterSlots:
         self.check_slot(slot)
         for where in self._targets[slot]:
             self._zero(self.parts[where], slot)
-        self.scaling[slot] = 0.0
+        for experts, scaling in self._scalings.items():
+            scaling.unflatten(0, (-1, experts))[slot] = 0.0
         previous = self._adapters[slot]
         self._adapters[slot] = None
         self._targets[slot] = frozenset()
@@ -124,9 +138,8 @@ class AdapterSlots:
 
     @staticmethod
     def _zero(part: LoraPart, slot: int) -> None:
-        part.ranks[slot] = 0
-        part.lora_a[slot].zero_()
-        part.lora_b[slot].zero_()
+        for buffer in part.of_slot(slot):
+            buffer.zero_()
 
     @contextmanager
     def every_part_in_use(self) -> Iterator[None]:

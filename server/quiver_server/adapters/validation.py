@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from quiver_server.adapters.peft_config import LoraConfig
+from quiver_server.adapters.peft_keys import LoraWeights
 from quiver_server.adapters.spec import SHAPE_KEYS, BaseModelSpec
 
 MAX_LISTED = 4  # problems spelled out in one message; the rest are counted
@@ -48,19 +47,18 @@ def _base_problems(config: LoraConfig, spec: BaseModelSpec) -> list[str]:
     ]
 
 
-def _shape_problems(
-    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]], rank: int, spec: BaseModelSpec
-) -> list[str]:
+def _shape_problems(weights: LoraWeights, spec: BaseModelSpec) -> list[str]:
     problems: list[str] = []
     reported: set[tuple[str, str]] = set()  # one line per projection and half, not per layer
-    for (layer, name), (a, b) in pairs.items():
+    for (_, name), weight in weights.items():
         projection = spec.projections[name]
-        path = spec.module_path(layer, name)
+        path, rank = weight.path, weight.rank
+        experts = (projection.experts,) if projection.experts > 1 else ()
         expected = {
-            "lora_A": ((rank, projection.in_features), f"{name} takes {projection.in_features} inputs"),
-            "lora_B": ((projection.out_features, rank), f"{name} has {projection.out_features} outputs"),
+            "lora_A": ((*experts, rank, projection.in_features), f"{name} takes {projection.in_features} inputs"),
+            "lora_B": ((*experts, projection.out_features, rank), f"{name} has {projection.out_features} outputs"),
         }
-        for half, tensor in (("lora_A", a), ("lora_B", b)):
+        for half, tensor in (("lora_A", weight.a), ("lora_B", weight.b)):
             shape, why = expected[half]
             if (name, half) in reported:
                 continue
@@ -80,26 +78,27 @@ def _shape_problems(
 def check_adapter(
     config: LoraConfig,
     targets: set[tuple[int, str]],
-    pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]],
+    weights: LoraWeights,
     spec: BaseModelSpec,
     max_rank: int,
     file_name: str,
 ) -> None:
     """Raises one ValueError listing every way the adapter does not fit the base."""
     problems = _base_problems(config, spec)
-    if config.rank > max_rank:
-        problems.append(f"rank r={config.rank} exceeds the largest rank a slot holds (max_lora_rank={max_rank})")
-    missing = sorted(targets - pairs.keys())
+    rank = max([0, *(weight.rank for weight in weights.values())])
+    if rank > max_rank:
+        problems.append(f"rank r={rank} exceeds the largest rank a slot holds (max_lora_rank={max_rank})")
+    missing = sorted(targets - weights.keys())
     if missing:
         names = ", ".join(spec.module_path(*where) for where in missing[:MAX_LISTED])
         more = f" and {len(missing) - MAX_LISTED} more" if len(missing) > MAX_LISTED else ""
         problems.append(f"{file_name} has no LoRA weights for targeted modules {names}{more}")
-    extra = sorted(pairs.keys() - targets)
+    extra = sorted(weights.keys() - targets)
     if extra:
         names = ", ".join(spec.module_path(*where) for where in extra[:MAX_LISTED])
         more = f" and {len(extra) - MAX_LISTED} more" if len(extra) > MAX_LISTED else ""
         problems.append(f"{file_name} has LoRA weights for {names}{more}, which target_modules does not name")
-    problems += _shape_problems(pairs, config.rank, spec)
+    problems += _shape_problems(weights, spec)
     if problems:
         shown = problems[:MAX_LISTED]
         if len(problems) > MAX_LISTED:

@@ -39,6 +39,23 @@ class LoraBatchMeta:
         return int(self.seg_slots.shape[0])
 
     @staticmethod
+    def for_rows(row_slots: torch.Tensor, max_rank: int) -> LoraBatchMeta:
+        """Metadata for rows that each name their own buffer row (int32 [N], -1 = none), built
+        on the device without a host sync: every row is its own segment, as in decode, so each
+        backend runs its per-row kernel (BGMV). Sparse MLPs use it for their (token, expert)
+        rows, whose buffer row is slot * experts + expert."""
+        rows = row_slots.shape[0]
+        return LoraBatchMeta(
+            token_slots=row_slots,
+            seg_indptr=torch.arange(rows + 1, dtype=torch.int32, device=row_slots.device),
+            seg_slots=row_slots,
+            max_rank=max_rank,
+            is_decode=True,
+            has_lora=rows > 0,
+            max_seg_len=1,
+        )
+
+    @staticmethod
     def build(
         slots_per_request: list[int], tokens_per_request: list[int], max_rank: int, device
     ) -> LoraBatchMeta:

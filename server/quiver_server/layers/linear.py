@@ -5,10 +5,10 @@ each part's name and output width, so weights load per part and per-part adapter
 added to the matching output columns.
 
 Multi-LoRA: when adapter slots are allocated, each part gets the stacked slot buffers of its
-projection (`LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward` adds every
-token's adapter delta into that part's columns with batched kernel calls (on CPU, one call for
-all parts of a decode step). Steps
-without adapter requests carry no LoRA metadata and pay nothing.
+projection (`layers.lora.LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward`
+adds every token's adapter delta into that part's columns with batched kernel calls (on CPU, one
+call for all parts of a decode step). Steps without adapter requests carry no LoRA metadata and
+pay nothing.
 
 The shard's `KernelOps` decides the rest once at load: which LoRA backend the delta runs on,
 and whether `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
@@ -17,34 +17,19 @@ prepacked one (float32 on CPU, `kernels.cpu_gemm`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import LoraProjection, cpu_gemm
+from quiver_server.kernels import cpu_gemm
 from quiver_server.kernels.ops import KernelOps
+from quiver_server.layers.lora import LoraPart, LoraTarget, part_columns
+
+__all__ = ["Linear", "LoraPart"]
 
 
-@dataclass
-class LoraPart:
-    """One projection's adapter slots: lora_a [S, R, in], lora_b [S, out, R] in the serving
-    dtype, scaling [S] float32 (shared by every projection), and the output columns it adds to.
-    `ranks` [S] int32 is each slot's own rank in this projection (0: the slot's adapter does not
-    target it); the rows past it are zero, and the CPU kernel does not read them.
-    `in_use` is False while no slot holds weights for this projection, so the kernel is skipped."""
-
-    columns: slice
-    lora_a: torch.Tensor
-    lora_b: torch.Tensor
-    scaling: torch.Tensor
-    ranks: torch.Tensor
-    in_use: bool = False
-
-
-class Linear(nn.Module):
+class Linear(nn.Module, LoraTarget):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, ops: KernelOps) -> None:
         """parts: checkpoint projection name -> output width, in output-column order."""
         super().__init__()
@@ -54,16 +39,8 @@ class Linear(nn.Module):
         self.out_features = sum(parts.values())
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
-        offsets: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, width in self.parts.items():
-            offsets[name] = (start, start + width)
-            start += width
-        self.part_columns = offsets
-        self.lora_parts: list[LoraPart] = []  # set by AdapterSlots; empty = adapters disabled
-        # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
-        self._lora: LoraProjection | None = None
-        self._lora_key: tuple[object, tuple[bool, ...]] | None = None
+        self.part_columns = part_columns(self.parts)
+        self._init_lora()
         self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -72,13 +49,7 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
-            # AdapterSlots assigns a new list when it attaches buffers; `in_use` flips on activation.
-            key = (self.lora_parts, tuple(p.in_use for p in self.lora_parts))
-            if self._lora_key is None or key[0] is not self._lora_key[0] or key[1] != self._lora_key[1]:
-                parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
-                self._lora, self._lora_key = (LoraProjection(parts) if parts else None), key
-            if self._lora is not None:
-                self._lora.add(y, x, batch.lora, backend=self.ops.lora_backend)
+            self.add_lora(y, x, batch.lora, self.ops.lora_backend)
         return y
 
     def pack_weight(self) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
+from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
 
 
@@ -28,6 +29,47 @@ class FusedProjection:
     parts: tuple[str, ...]  # checkpoint (and PEFT) names: ("q_proj", "k_proj", "v_proj")
 
 
+# A sparse MLP's LoRA targets: its router, and its experts' projections, each stacked over the
+# experts (models/moe.py). Their names as adapters know them vary with the transformers release
+# the adapter was trained on; `ExpertNaming` maps them.
+ROUTER = "gate"
+EXPERT_GATE, EXPERT_UP, EXPERT_DOWN = "experts.gate_proj", "experts.up_proj", "experts.down_proj"
+
+
+@dataclass(frozen=True)
+class ExpertNaming:
+    """How PEFT names a sparse MLP's LoRA targets. transformers 5 stores the experts as fused 3-D
+    parameters (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj) that PEFT targets
+    with `target_parameters`; transformers 4 had one Linear per expert (mlp.experts.3.gate_proj;
+    Mixtral: block_sparse_moe.experts.3.w1) that `target_modules` named."""
+
+    parent: str = "mlp"  # the module in a decoder layer holding `gate` and `experts`
+    legacy_parent: str = "mlp"  # its transformers 4 name
+    # transformers 4's per-expert Linear names -> our targets
+    legacy_parts: tuple[tuple[str, str], ...] = (
+        ("gate_proj", EXPERT_GATE), ("up_proj", EXPERT_UP), ("down_proj", EXPERT_DOWN),
+    )
+    # transformers 5's fused expert parameters -> our targets, in their column order
+    parameters: tuple[tuple[str, tuple[str, ...]], ...] = (
+        ("gate_up_proj", (EXPERT_GATE, EXPERT_UP)), ("down_proj", (EXPERT_DOWN,)),
+    )
+
+    def expert_modules(self, layer_path: str, num_experts: int) -> dict[str, tuple[str, int]]:
+        """transformers 4 per-expert module paths of one layer -> (target, expert)."""
+        return {
+            f"{layer_path}.{self.legacy_parent}.experts.{expert}.{module}": (target, expert)
+            for expert in range(num_experts)
+            for module, target in self.legacy_parts
+        }
+
+    def router_modules(self, layer_path: str) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(f"{layer_path}.{parent}.gate" for parent in (self.parent, self.legacy_parent)))
+
+    def expert_parameters(self, layer_path: str) -> dict[str, tuple[str, ...]]:
+        """transformers 5 fused parameter paths of one layer -> the targets each covers."""
+        return {f"{layer_path}.{self.parent}.experts.{name}": targets for name, targets in self.parameters}
+
+
 @dataclass(frozen=True)
 class ProjectionLayout:
     """Where a family's projections sit, as checkpoints and PEFT name them (model.layers.3.
@@ -37,6 +79,7 @@ class ProjectionLayout:
     fused: tuple[FusedProjection, ...]
     lora_targets: tuple[str, ...]  # projections LoRA may target, in the order responses list them
     non_lora_modules: tuple[str, ...]  # module paths PEFT may target that get no LoRA here
+    experts: ExpertNaming | None = None  # sparse MLPs: how adapters name their router and experts
     _by_part: dict[str, FusedProjection] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -46,22 +89,20 @@ class ProjectionLayout:
             raise ValueError(f"LoRA targets {unknown} are not projections of this layout")
         object.__setattr__(self, "_by_part", by_part)
 
-    @property
-    def fused_into(self) -> dict[str, str]:
-        """Checkpoint projection name -> the fused Linear (a sibling module) that holds it."""
-        return {part: fused.linear for part, fused in self._by_part.items()}
-
     def module_path(self, layer: int, name: str) -> str:
         """transformers' module path of projection `name` in layer `layer`, as PEFT keys name it."""
         return f"{self.layers}.{layer}.{self._by_part[name].parent}.{name}"
 
-    def linear(self, model: ModelFamily, layer: int, name: str) -> Linear:
-        """The (possibly fused) Linear of `model` that computes projection `name` in layer
-        `layer`; its `part_columns[name]` are that projection's output columns."""
+    def linear(self, model: ModelFamily, layer: int, name: str) -> Linear | GroupedLinear | None:
+        """The (possibly fused) layer of `model` that computes projection `name` in layer
+        `layer` (None where that layer has none: the dense layers of a sparse model); its
+        `part_columns[name]` are that projection's output columns."""
         fused = self._by_part[name]
-        module = model.get_submodule(f"{self.layers}.{layer}.{fused.parent}.{fused.linear}")
-        assert isinstance(module, Linear)
-        return module
+        try:
+            module = model.get_submodule(f"{self.layers}.{layer}.{fused.parent}.{fused.linear}")
+        except AttributeError:
+            return None
+        return module if isinstance(module, (Linear, GroupedLinear)) else None
 
 
 class ModelShape(Protocol):

@@ -3,7 +3,15 @@ which fused `Linear` of `models/decoder.py` computes each."""
 
 from __future__ import annotations
 
-from quiver_server.models.family import FusedProjection, ProjectionLayout
+from quiver_server.models.family import (
+    EXPERT_DOWN,
+    EXPERT_GATE,
+    EXPERT_UP,
+    ROUTER,
+    ExpertNaming,
+    FusedProjection,
+    ProjectionLayout,
+)
 
 # PEFT could also target the embeddings and the output head, which we do not serve LoRA on.
 NON_LORA_MODULES = ("model.embed_tokens", "lm_head")
@@ -34,13 +42,23 @@ FUSED = ProjectionLayout(
     non_lora_modules=NON_LORA_MODULES,
 )
 
-# Sparse-MLP models: LoRA on attention; the experts and router are not LoRA targets yet.
-ATTENTION_ONLY = ProjectionLayout(
-    layers="model.layers",
-    fused=(
-        FusedProjection("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
-        FusedProjection("self_attn", "o_proj", ("o_proj",)),
-    ),
-    lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
-    non_lora_modules=(*NON_LORA_MODULES, "mlp.experts", "mlp.gate"),
+_ATTENTION = (
+    FusedProjection("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
+    FusedProjection("self_attn", "o_proj", ("o_proj",)),
 )
+
+
+def sparse(experts: ExpertNaming) -> ProjectionLayout:
+    """Sparse-MLP models (models/moe.py): LoRA on attention, the router and every expert."""
+    return ProjectionLayout(
+        layers="model.layers",
+        fused=(
+            *_ATTENTION,
+            FusedProjection("mlp", "gate", (ROUTER,)),
+            FusedProjection("mlp", "gate_up", (EXPERT_GATE, EXPERT_UP)),
+            FusedProjection("mlp", "down", (EXPERT_DOWN,)),
+        ),
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", ROUTER, EXPERT_GATE, EXPERT_UP, EXPERT_DOWN),
+        non_lora_modules=NON_LORA_MODULES,
+        experts=experts,
+    )

@@ -1,5 +1,5 @@
 """The sparse-MLP families on the shared decoder: Mixtral and Qwen3-MoE (`models/moe.py` has the
-experts). LoRA serves on their attention projections; the experts are not LoRA targets yet."""
+experts). LoRA serves on their attention projections, their routers and every expert."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from quiver_server.models.decoder_config import (
     projection_biases,
     uniform_windows,
 )
-from quiver_server.models.family import ProjectionLayout
-from quiver_server.models.layouts import ATTENTION_ONLY
+from quiver_server.models.family import EXPERT_DOWN, EXPERT_GATE, EXPERT_UP, ExpertNaming, ProjectionLayout
+from quiver_server.models.layouts import sparse
 from quiver_server.models.llama import qwen_windows
 
 MODEL_TYPES = ("mixtral", "qwen3_moe")
@@ -24,10 +24,14 @@ MODEL_TYPES = ("mixtral", "qwen3_moe")
 # Mixtral checkpoints: block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}
+# Adapters trained on transformers 4 name the experts' Linears the checkpoint's way.
+_MIXTRAL_EXPERTS = ExpertNaming(
+    legacy_parent="block_sparse_moe", legacy_parts=(("w1", EXPERT_GATE), ("w3", EXPERT_UP), ("w2", EXPERT_DOWN)),
+)
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
-    layout: ClassVar[ProjectionLayout] = ATTENTION_ONLY
+    layout: ClassVar[ProjectionLayout] = sparse(_MIXTRAL_EXPERTS)
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -53,7 +57,7 @@ class MixtralForCausalLM(DecoderForCausalLM):
 
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
-    layout: ClassVar[ProjectionLayout] = ATTENTION_ONLY
+    layout: ClassVar[ProjectionLayout] = sparse(ExpertNaming())
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:

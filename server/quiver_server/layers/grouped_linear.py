@@ -1,0 +1,90 @@
+"""Stacked per-expert projections of a sparse MLP, run as one grouped matmul.
+
+`GroupedLinear` holds weight [E, out, in] (a fused one may stack several checkpoint parts side by
+side in its output columns, gate|up) and takes rows of x already sorted by expert, group g being
+rows offsets[g-1]:offsets[g]. Adapter deltas are added per row like `Linear`'s (`LoraTarget`),
+each row reading the buffer row of its (slot, expert) pair from the metadata the caller built.
+
+The matmul is torch's grouped_mm (public from 2.10, private before) where it runs for the device
+and dtype, else one matmul per expert; which one is probed once per (device type, dtype).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.ops import KernelOps
+from quiver_server.layers.lora import LoraTarget, part_columns
+
+
+class GroupedLinear(nn.Module, LoraTarget):
+    def __init__(self, num_experts: int, in_features: int, parts: dict[str, int], ops: KernelOps) -> None:
+        """parts: LoRA target name of each part -> its output width, in output-column order."""
+        super().__init__()
+        self.ops = ops
+        self.num_experts = num_experts
+        self.in_features = in_features
+        self.parts = dict(parts)
+        self.out_features = sum(parts.values())
+        self.part_columns = part_columns(self.parts)
+        self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, in_features))
+        self._init_lora()
+
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, lora: LoraBatchMeta | None) -> torch.Tensor:
+        """x [N, in] sorted by expert, offsets int32 [E] (each group's end row), lora: the rows'
+        buffer rows (`LoraBatchMeta.for_rows`) or None -> [N, out]."""
+        y = grouped_linear(x, self.weight, offsets)
+        if lora is not None:
+            self.add_lora(y, x, lora, self.ops.lora_backend)
+        return y
+
+
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+_grouped_works: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by group; group g (rows offsets[g-1]:offsets[g]) times weight[g]^T
+    ([E, out, in]). One grouped kernel where torch has one for this device and dtype, else one
+    matmul per expert."""
+    if has_grouped_mm(x.device, x.dtype):
+        assert _GROUPED_MM is not None
+        return _GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
+    return per_expert_linear(x, weight, offsets)
+
+
+def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.type, dtype)
+    if key not in _grouped_works:
+        _grouped_works[key] = _probe_grouped_mm(device, dtype)
+    return _grouped_works[key]
+
+
+def _probe_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the grouped kernel runs here and agrees with per-expert matmuls (two groups,
+    one of them empty, on shapes that meet the CUDA kernel's alignment)."""
+    if _GROUPED_MM is None:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 32, generator=generator).to(device, dtype)
+    weight = torch.randn(3, 16, 32, generator=generator).to(device, dtype)
+    offsets = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+    try:
+        grouped = _GROUPED_MM(x, weight.transpose(1, 2), offs=offsets)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    looped = per_expert_linear(x, weight, offsets)
+    return bool(torch.allclose(grouped.float(), looped.float(), atol=0.1, rtol=0.05))
+
+
+def per_expert_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], weight.shape[1])
+    bounds = [0, *offsets.tolist()]
+    for expert in range(weight.shape[0]):
+        start, end = bounds[expert], bounds[expert + 1]
+        if end > start:
+            out[start:end] = F.linear(x[start:end], weight[expert])
+    return out
