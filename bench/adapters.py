@@ -3,9 +3,11 @@
     ids = ensure_adapters(model_dir, root, count=32, dtype="float32")  # ["a00-r8", "a01-r16", ...]
 
 Ranks alternate 8 and 16 (even index rank 8, odd rank 16), every adapter targets all seven
-projections (q, k, v, o, gate, up, down) with lora_alpha = r. PEFT initialises lora_B to zero —
-an untrained adapter that changes nothing and whose work a server could skip — so both A and B
-are drawn at random here.
+projections (q, k, v, o, gate, up, down) with lora_alpha = r, unless the caller names other
+`target_modules` (peft's own spelling: a list, or "all-linear", which on a sparse model also
+wraps the router and the fused experts through `target_parameters`). PEFT initialises lora_B
+to zero — an untrained adapter that changes nothing and whose work a server could skip — so
+both A and B are drawn at random here.
 
 The PeftModel is built over a base model on the meta device: PEFT needs only the module tree
 to name and shape the LoRA weights, so a 7B shape costs no memory and no time to build. The
@@ -40,21 +42,21 @@ def ids(count: int) -> list[str]:
     return [adapter_id(i) for i in range(count)]
 
 
-def _lora_config(rank: int, model_dir: Path):
+def _lora_config(rank: int, model_dir: Path, target_modules: list[str] | str):
     import peft
 
     return peft.LoraConfig(task_type="CAUSAL_LM", r=rank, lora_alpha=rank, lora_dropout=0.0,
-                           target_modules=TARGET_MODULES, base_model_name_or_path=str(model_dir))
+                           target_modules=target_modules, base_model_name_or_path=str(model_dir))
 
 
-def _meta_peft_model(model_dir: Path, rank: int, dtype: torch.dtype):
+def _meta_peft_model(model_dir: Path, rank: int, dtype: torch.dtype, target_modules: list[str] | str):
     import peft
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
         base = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return peft.get_peft_model(base, _lora_config(rank, model_dir))
+    return peft.get_peft_model(base, _lora_config(rank, model_dir, target_modules))
 
 
 def _randomise(model, generator: torch.Generator, dtype: torch.dtype) -> None:
@@ -74,10 +76,10 @@ def _randomise(model, generator: torch.Generator, dtype: torch.dtype) -> None:
                 linear.weight = torch.nn.Parameter(weight.to(dtype), requires_grad=False)
 
 
-def _marker(model_dir: Path, dtype: str, seed: int) -> dict:
+def _marker(model_dir: Path, dtype: str, seed: int, target_modules: list[str] | str) -> dict:
     config = json.loads((model_dir / "config.json").read_text())
     return {"model": str(model_dir), "model_config": config, "ranks": list(RANKS),
-            "target_modules": TARGET_MODULES, "scale": SCALE, "dtype": dtype, "seed": seed}
+            "target_modules": target_modules, "scale": SCALE, "dtype": dtype, "seed": seed}
 
 
 def _written(marker_path: Path, marker: dict) -> int:
@@ -89,12 +91,13 @@ def _written(marker_path: Path, marker: dict) -> int:
     return count if written == marker else 0
 
 
-def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: int = 0) -> list[str]:
+def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: int = 0,
+                    target_modules: list[str] | str = TARGET_MODULES) -> list[str]:
     """Writes `count` adapters for the model in `model_dir` under `root` (once) and returns their
     ids, in order: request i of a scenario with n adapters goes to ids[i % n]."""
     model_dir = model_dir.resolve()
     marker_path = root / "bench-adapters.json"
-    marker = _marker(model_dir, dtype, seed)
+    marker = _marker(model_dir, dtype, seed, target_modules)
     names = ids(count)
     # A root written for more adapters serves fewer: adapter i is the same whatever the count.
     if _written(marker_path, marker) >= count and all((root / n / "adapter_config.json").exists() for n in names):
@@ -105,7 +108,7 @@ def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: i
     torch_dtype = getattr(torch, dtype)
     generator = torch.Generator().manual_seed(seed)
     root.mkdir(parents=True, exist_ok=True)
-    models = {rank: _meta_peft_model(model_dir, rank, torch_dtype) for rank in RANKS}
+    models = {rank: _meta_peft_model(model_dir, rank, torch_dtype, target_modules) for rank in RANKS}
     for index, name in enumerate(names):
         model = models[rank_of(index)]
         _randomise(model, generator, torch_dtype)
@@ -114,12 +117,22 @@ def ensure_adapters(model_dir: Path, root: Path, count: int, dtype: str, seed: i
     return names
 
 
-def server_flags(root: Path | None, max_active: int) -> list[str]:
+def server_flags(root: Path | None, max_active: int, max_rank: int = max(RANKS)) -> list[str]:
     """quiver's flags to serve the adapters of `root` as local adapters (none without a root)."""
     if root is None:
         return []
     return ["--adapter-source", "local", "--adapter-root", str(root),
-            "--max-active-adapters", str(max_active), "--max-lora-rank", str(max(RANKS))]
+            "--max-active-adapters", str(max_active), "--max-lora-rank", str(max_rank)]
+
+
+def largest_rank(root: Path, names: list[str]) -> int:
+    """The largest rank of any module of these adapters: peft's `rank_pattern` can exceed `r`
+    (on fused MoE experts "all-linear" gives gate_up_proj 2r, r for each of its halves)."""
+    ranks = []
+    for name in names:
+        config = json.loads((root / name / "adapter_config.json").read_text())
+        ranks += [config["r"], *(config.get("rank_pattern") or {}).values()]
+    return max(ranks)
 
 
 def check_loaded(model, adapter_name: str) -> None:

@@ -4,6 +4,7 @@ Shapes are picked per device: a ~58M-parameter Llama on CPU (what a laptop or CI
 Llama-2-7B's shape in bfloat16 on CUDA. The tokenizer is a word-level vocabulary of the model's
 full size ("w3" … "w31999"): every id the random model can emit decodes to whole text, so each
 generated token becomes its own streamed chunk and inter-token latency is measured per token.
+`write_model` writes any transformers config so, with the same tokenizer (family_shapes.py).
 """
 
 from __future__ import annotations
@@ -58,11 +59,7 @@ def _write_tokenizer(out: Path, vocab_size: int) -> None:
 
 def ensure_model(shape: Shape, root: Path, device: str) -> Path:
     """Writes the model once under `root/<shape name>` and returns its directory."""
-    out = root / shape.name
-    marker = out / "bench-shape.json"
-    if marker.exists() and json.loads(marker.read_text()) == asdict(shape):
-        return out
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         hidden_size=shape.hidden_size,
@@ -78,19 +75,30 @@ def ensure_model(shape: Shape, root: Path, device: str) -> Path:
         tie_word_embeddings=False,
         dtype=shape.dtype,
     )
-    dtype = getattr(torch, shape.dtype)
+    return write_model(config, shape.dtype, root / shape.name, device, asdict(shape))
+
+
+def write_model(config, dtype: str, out: Path, device: str, recipe: dict) -> Path:
+    """Random weights of any transformers `config` with the bench tokenizer, written into `out`
+    with `save_pretrained` unless `out` already holds this `recipe` (a JSON-able description of
+    the shape: a changed shape rewrites the model)."""
+    marker = out / "bench-shape.json"
+    if marker.exists() and json.loads(marker.read_text()) == recipe:
+        return out
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
     torch.manual_seed(0)
     # Initialise where it is fast: 7B parameters take minutes to draw on a CPU.
     init_device = "cuda" if device == "cuda" else "cpu"
     with torch.device(init_device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    _write_tokenizer(out, shape.vocab_size)
+    _write_tokenizer(out, config.vocab_size)
     del model
     release_device_memory()
-    marker.write_text(json.dumps(asdict(shape)))
+    marker.write_text(json.dumps(recipe))
     return out
 
 

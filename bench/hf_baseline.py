@@ -49,6 +49,16 @@ def measure(model, device: str, prompts: list[list[int]], batch_size: int, max_n
     }
 
 
+@torch.no_grad()
+def greedy(model, device: str, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """One request alone, greedy, exactly `max_new_tokens` new ids (as quiver's ignore_eos)."""
+    input_ids = torch.tensor([prompt], device=device)
+    out = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                         max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=model.generation_config.pad_token_id)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
 def best_of(runs: list[dict]) -> dict:
     """Runs of `measure` (one repeat each, e.g. alternated with quiver's) combined as `measure`
     combines its own repeats: the fastest, with every wall time listed."""

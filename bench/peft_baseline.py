@@ -18,8 +18,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 import adapters
 import bench_model
 import hf_baseline
@@ -41,17 +39,11 @@ class PeftServer:
         self.model.eval()
         for name in adapter_ids:
             adapters.check_loaded(self.model, name)
-        self.pad_token_id = base.generation_config.pad_token_id
 
-    @torch.no_grad()
     def generate(self, adapter_id: str, prompt: list[int], max_new_tokens: int) -> list[int]:
         """One request: switch to its adapter, generate; returns the new token ids."""
         self.model.set_adapter(adapter_id)
-        input_ids = torch.tensor([prompt], device=self.device)
-        out = self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
-                                  max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                  do_sample=False, pad_token_id=self.pad_token_id)
-        return out[0, input_ids.shape[1]:].tolist()
+        return hf_baseline.greedy(self.model, self.device, prompt, max_new_tokens)
 
     def measure(self, requests: list[tuple[str, list[int]]], max_new_tokens: int, repeats: int,
                 total_requests: int) -> tuple[dict, list[list[int]]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
-import statistics
 import sys
 import time
 import urllib.request
@@ -26,6 +25,7 @@ import torch
 import load
 import real_prompts
 from stack import REPO_ROOT, Stack, StackConfig
+from stats import with_median
 
 from quiver_server.demo.writer import DEMO_MODEL_VERSION, VERSION_FILE, write_demo_model
 
@@ -168,9 +168,9 @@ def run(model_root: Path, device: str, repeats: int, max_tokens: int, requests_p
                                       f"{AGREEMENT_MAX_TOKENS} tokens, stopping at EOS",
     }
     for dtype in DTYPES:
-        scenarios = {name: _with_median(load.best_of(runs)[0]) for name, runs in quiver_runs[dtype].items()}
-        generate = _with_median({**min(generate_runs[dtype], key=lambda r: r["wall_s"]),
-                                 "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in generate_runs[dtype]]})
+        scenarios = {name: with_median(load.best_of(runs)[0]) for name, runs in quiver_runs[dtype].items()}
+        generate = with_median({**min(generate_runs[dtype], key=lambda r: r["wall_s"]),
+                                "throughput_tok_s_all_runs": [r["throughput_tok_s"] for r in generate_runs[dtype]]})
         median = {name: row["throughput_tok_s_median"] for name, row in scenarios.items()}
         block[dtype] = {
             "scenarios": scenarios,
@@ -186,9 +186,3 @@ def run(model_root: Path, device: str, repeats: int, max_tokens: int, requests_p
         block["bfloat16"]["scenarios"]["base-c32"]["throughput_tok_s_median"]
         / block["float32"]["scenarios"]["base-c32"]["throughput_tok_s_median"], 2)
     return block
-
-
-
-def _with_median(row: dict) -> dict:
-    """A best-of row with the median of all its runs (what the docs quote)."""
-    return {**row, "throughput_tok_s_median": round(statistics.median(row["throughput_tok_s_all_runs"]), 2)}

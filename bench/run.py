@@ -30,6 +30,13 @@ The real-model block (real_model.py) runs the demo model, SmolLM2-135M-Instruct 
 adapter, in float32 and bfloat16 on chat prompts of realistic lengths, against transformers'
 generate in the same dtype, with greedy agreement against transformers in float32
 (`--real-model-repeats 0` leaves it out).
+
+The model-family block (families_bench.py, issue 25) runs a Qwen3-MoE-shaped and a Gemma-3-shaped
+random model (family_shapes.py), each on a stack of its own: 8 streams on the base against
+transformers' batched generate (repeats alternating), the same 8 streams over 8 LoRA adapters
+(router and experts included on the MoE) against transformers+peft one request at a time, and
+greedy agreement with both; it makes the report's `model_families` block (`--families-repeats 0`
+leaves it out).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ import adapters  # noqa: E402
 import bench_model  # noqa: E402
 import cache_bench  # noqa: E402
 import cache_scenarios  # noqa: E402
+import families_bench  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import json_model  # noqa: E402
@@ -132,6 +140,9 @@ def parse_args() -> argparse.Namespace:
                    help="alternating repeats of the real-model block (the demo model in float32 and "
                         "bfloat16, real_model.py); 0: no such block")
     p.add_argument("--real-model-max-tokens", type=int, default=64, help="tokens per request of that block")
+    p.add_argument("--families-repeats", type=int, default=3,
+                   help="alternating repeats of the model-family block (Qwen3-MoE- and Gemma-3-shaped random "
+                        "models, base and 8 adapters, families_bench.py); 0: no such block")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -152,6 +163,7 @@ def parse_args() -> argparse.Namespace:
         args.long_running_tokens = min(args.long_running_tokens, 64)
         args.real_model_repeats = min(args.real_model_repeats, 1)
         args.real_model_max_tokens = min(args.real_model_max_tokens, 16)
+        args.families_repeats = min(args.families_repeats, 1)
     return args
 
 
@@ -369,6 +381,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="quiver-bench-real-") as tmp:
             report["real_model"] = real_model.run(args.model_root, args.device, args.real_model_repeats,
                                                   args.real_model_max_tokens, args.requests_per_client, Path(tmp))
+    if args.families_repeats:
+        log(f"model families: Qwen3-MoE and Gemma 3 shapes, base and {families_bench.ADAPTERS} adapters "
+            f"({args.families_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-families-") as tmp:
+            report["model_families"] = families_bench.run(
+                args.model_root, args.device, "tiny" if args.quick else args.device, args.families_repeats,
+                args.prompt_tokens, args.max_tokens, args.requests_per_client, args.naive_requests, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)
