@@ -224,13 +224,14 @@ class Engine:
         start = time.perf_counter_ns()
         # Chunks of unfinished prompts only write their K/V: no state, no sample, no batch.
         finals = [r for r in requests if r.is_final]
-        batch = CachedBatch([self._new_state(r) for r in finals])
+        # Each request's adapter slot, looked up once: its state keeps it for the request's life.
+        slots = {r.id: self.lora.slot_for(r.id, r.adapter_id) for r in requests}
+        batch = CachedBatch([self._new_state(r, slots[r.id]) for r in finals])
         input_ids = torch.tensor(
             [t for r in requests for t in r.input_ids[r.cached_tokens : r.until]], dtype=torch.long
         ).to(self.device)
         # LoRA applies to the tokens computed now, so its metadata counts the new tokens only.
-        lora_slots = [self.lora.slot_for(r.id, r.adapter_id) for r in requests] if any(
-            r.adapter_id for r in requests) else None
+        lora_slots = [slots[r.id] for r in requests] if any(r.adapter_id for r in requests) else None
         new_lens = [r.until - r.cached_tokens for r in requests]
         sampled = [r.is_final for r in requests]
         # Requests with prompt logprobs get the logits of every prompt token, the others the last
@@ -424,7 +425,7 @@ class Engine:
                 "(no cached_tokens, no prefill_until)"
             )
 
-    def _new_state(self, request: RequestSpec) -> RequestState:
+    def _new_state(self, request: RequestSpec, lora_slot: int) -> RequestState:
         seen = None
         if request.sampling.repetition_penalty != 1.0:
             seen = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
@@ -445,7 +446,7 @@ class Engine:
             seen=seen,
             counts=counts,
             adapter_id=request.adapter_id,
-            lora_slot=self.lora.slot_for(request.id, request.adapter_id),
+            lora_slot=lora_slot,
             matcher=self._new_matcher(request),
         )
 

@@ -117,8 +117,7 @@ class AdapterSlots:
             ranks.fill_(rank)
         for experts, scaling in self._scalings.items():
             scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
-        previous = self._adapters[slot]
-        self._adapters[slot] = adapter.adapter_id
+        previous = self._set_adapter(slot, adapter.adapter_id)
         self._targets[slot] = frozenset(adapter.weights)
         self._update_in_use()
         return previous
@@ -130,10 +129,14 @@ class AdapterSlots:
             self._zero(self.parts[where], slot)
         for experts, scaling in self._scalings.items():
             scaling.unflatten(0, (-1, experts))[slot] = 0.0
-        previous = self._adapters[slot]
-        self._adapters[slot] = None
+        previous = self._set_adapter(slot, None)
         self._targets[slot] = frozenset()
         self._update_in_use()
+        return previous
+
+    def _set_adapter(self, slot: int, adapter_id: str | None) -> str | None:
+        previous = self._adapters[slot]
+        self._adapters[slot] = adapter_id
         return previous
 
     @staticmethod

@@ -11,13 +11,14 @@ fused projection, which share x), over interchangeable backends.
 
 A shard chooses its backend once at load (`ops.select_ops`: QUIVER_LORA_BACKEND,
 auto|triton|cpu|torch|reference, else the device's default; e.g. to debug a suspected kernel bug
-in a running server with the reference) and `Linear` passes it as `backend=`. A call without one
-resolves it the same way (`ops.lora_backend`), for tests and benchmarks.
+in a running server with the reference); each layer's `LoraProjection` binds its kernel to it
+when built, so a step dispatches on nothing. A call without one resolves it the same way
+(`ops.lora_backend`), for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -90,28 +91,36 @@ def add_lora(
     if not meta.has_lora or x.shape[0] == 0:
         return
     _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
-    chosen = _resolve(backend, x.device)
-    if chosen == "triton":
+    _per_part(_resolve(backend, x.device))(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
+
+
+PerPart = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoraBatchMeta, slice,
+                    torch.Tensor | None], None]
+
+
+def _per_part(backend: str) -> PerPart:
+    """The function that adds one part's deltas on a resolved backend."""
+    if backend == "triton":
         from quiver_server.kernels.lora_triton import add_lora_triton  # imports triton lazily
 
-        add_lora_triton(y, x, lora_a, lora_b, scaling, meta, out_slice)
-    elif chosen == "cpu":
-        add_lora_cpu(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
-    elif chosen == "torch":
-        add_lora_torch(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
-    else:
-        add_lora_reference(y, x, lora_a, lora_b, scaling, meta, out_slice)
+        return lambda y, x, a, b, scaling, meta, out, ranks: add_lora_triton(y, x, a, b, scaling, meta, out)
+    if backend == "cpu":
+        return add_lora_cpu
+    if backend == "torch":
+        return add_lora_torch
+    return lambda y, x, a, b, scaling, meta, out, ranks: add_lora_reference(y, x, a, b, scaling, meta, out)
 
 
 class LoraProjection:
     """The LoRA slots of one fused projection's parts (q|k|v, gate|up, or a single part), each
     (lora_a, lora_b, scaling, out_slice, slot_ranks), checked once here so that a decode step's
     call (`add`) checks only what changes per step. slot_ranks (int32 [S] or None) is each slot's
-    own rank in that part, the rows past it being zero (see `adapters.slots`). `Linear` keeps one
-    per projection while the set of parts in use stays the same."""
+    own rank in that part, the rows past it being zero (see `adapters.slots`). The backend is
+    resolved here too, once (None or "auto": the device's default), and with it the kernel each
+    call runs. A layer keeps one per projection while the set of parts in use stays the same."""
 
     def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice,
-                                             torch.Tensor | None]]) -> None:
+                                             torch.Tensor | None]], backend: str | None = None) -> None:
         if not parts:
             raise ValueError("LoraProjection needs at least one part")
         self.parts = list(parts)
@@ -135,16 +144,18 @@ class LoraProjection:
         part_ranks = [part[4] for part in self.parts]
         self.ranks = [r for r in part_ranks if r is not None] if all(r is not None for r in part_ranks) else []
         self.rank_major = all(cpu_ops.rank_major(b) for b in self.lora_b)
+        self.backend = _resolve(backend, first_a.device)
+        self._per_part = _per_part(self.backend)
+        self._cpu_one_call = self.backend == "cpu" and self.one_call
 
-    def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, *, backend: str | None = None) -> None:
+    def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
         """In place, for every part: `add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice)`.
         On the CPU backend a batch runs every part in one kernel call (x read once, one parallel
         region, a slot's padded ranks and untargeted parts not read): BGMV for decode rows, SGMV
         for prefill segments."""
         if not meta.has_lora or x.shape[0] == 0:
             return
-        chosen = _resolve(backend, x.device)
-        if chosen == "cpu" and self.one_call and (meta.is_decode or self.rank_major):
+        if self._cpu_one_call and (meta.is_decode or self.rank_major):
             if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
                     and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
                 raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
@@ -158,7 +169,8 @@ class LoraProjection:
                                         meta.seg_indptr, meta.seg_slots)
             return
         for lora_a, lora_b, scaling, out_slice, ranks in self.parts:
-            add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice, backend=chosen, slot_ranks=ranks)
+            _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
+            self._per_part(y, x, lora_a, lora_b, scaling, meta, out_slice, ranks)
 
 
 class _NoTokens:
@@ -179,4 +191,4 @@ def add_lora_parts(
     """`add_lora` for each (lora_a, lora_b, scaling, out_slice, slot_ranks) of one fused
     projection, which all read the same x (`LoraProjection`, built for this one call)."""
     if parts:
-        LoraProjection(parts).add(y, x, meta, backend=backend)
+        LoraProjection(parts, backend).add(y, x, meta)

@@ -31,14 +31,14 @@ class GroupedLinear(nn.Module, LoraTarget):
         self.out_features = sum(parts.values())
         self.part_columns = part_columns(self.parts)
         self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, in_features))
-        self._init_lora()
+        self._init_lora(ops.lora_backend)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, lora: LoraBatchMeta | None) -> torch.Tensor:
         """x [N, in] sorted by expert, offsets int32 [E] (each group's end row), lora: the rows'
         buffer rows (`LoraBatchMeta.for_rows`) or None -> [N, out]."""
         y = grouped_linear(x, self.weight, offsets)
         if lora is not None:
-            self.add_lora(y, x, lora, self.ops.lora_backend)
+            self.add_lora(y, x, lora)
         return y
 
 

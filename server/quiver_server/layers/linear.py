@@ -40,7 +40,7 @@ class Linear(nn.Module, LoraTarget):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.part_columns = part_columns(self.parts)
-        self._init_lora()
+        self._init_lora(ops.lora_backend)
         self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -49,7 +49,7 @@ class Linear(nn.Module, LoraTarget):
         else:
             y = F.linear(x, self.weight, self.bias)
         if batch.lora is not None:
-            self.add_lora(y, x, batch.lora, self.ops.lora_backend)
+            self.add_lora(y, x, batch.lora)
         return y
 
     def pack_weight(self) -> bool:

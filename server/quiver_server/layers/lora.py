@@ -45,23 +45,28 @@ class LoraTarget:
     `lora_parts` (one per checkpoint part, in column order); `add_lora` adds the parts in use."""
 
     lora_parts: list[LoraPart]
+    _lora_backend: str
     _lora: LoraProjection | None
     _lora_key: tuple[object, tuple[bool, ...]] | None
 
-    def _init_lora(self) -> None:
+    def _init_lora(self, backend: str) -> None:
+        """backend: the shard's LoRA backend (`KernelOps.lora_backend`), bound into each
+        `LoraProjection` built here."""
+        self._lora_backend = backend
         self.lora_parts = []  # empty: adapters disabled
         # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
         self._lora = None
         self._lora_key = None
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, backend: str) -> None:
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
         # AdapterSlots assigns a new list when it attaches buffers; `in_use` flips on activation.
         key = (self.lora_parts, tuple(p.in_use for p in self.lora_parts))
         if self._lora_key is None or key[0] is not self._lora_key[0] or key[1] != self._lora_key[1]:
             parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
-            self._lora, self._lora_key = (LoraProjection(parts) if parts else None), key
+            self._lora = LoraProjection(parts, self._lora_backend) if parts else None
+            self._lora_key = key
         if self._lora is not None:
-            self._lora.add(y, x, meta, backend=backend)
+            self._lora.add(y, x, meta)
 
 
 def part_columns(parts: dict[str, int]) -> dict[str, tuple[int, int]]:
