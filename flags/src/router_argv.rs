@@ -2,7 +2,7 @@
 
 use std::ffi::OsString;
 
-use crate::{ServingFlags, ToolCallParser};
+use crate::{ReasoningParserFlag, ServingFlags, ToolCallParser};
 
 impl ServingFlags {
     /// Arguments that make `quiver-router` parse these same flags: each flag that has a value,
@@ -41,6 +41,7 @@ impl ServingFlags {
             max_connections,
             max_request_body_bytes,
             tool_call_parser,
+            reasoning_parser,
             metrics_max_adapter_labels,
             otlp_endpoint,
             otel_service_name,
@@ -112,6 +113,10 @@ impl ServingFlags {
             .flag_if_set(
                 "--tool-call-parser",
                 tool_call_parser.map(ToolCallParser::name),
+            )
+            .flag_if_set(
+                "--reasoning-parser",
+                reasoning_parser.map(ReasoningParserFlag::name),
             )
             .flag(
                 "--metrics-max-adapter-labels",
@@ -197,6 +202,7 @@ mod tests {
             max_connections: 11,
             max_request_body_bytes: 12345,
             tool_call_parser: Some(ToolCallParser::Mistral),
+            reasoning_parser: Some(ReasoningParserFlag::None),
             metrics_max_adapter_labels: 5,
             otlp_endpoint: Some("http://127.0.0.1:4317".into()),
             otel_service_name: "llm-serving".into(),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::{AdapterSource, ToolCallParser};
+use crate::{AdapterSource, ReasoningParserFlag, ToolCallParser};
 
 /// The variable the API key is read from. The launcher hands the key to the router through it,
 /// never on the command line, where `ps` shows it to every user.
@@ -161,6 +161,12 @@ pub struct ServingFlags {
     /// own template gets its own detection), else hermes.
     #[arg(long, env = "QUIVER_TOOL_CALL_PARSER", value_enum)]
     pub tool_call_parser: Option<ToolCallParser>,
+
+    /// How chat replies of a thinking model are split into `reasoning_content` and `content`
+    /// (vLLM's parser names; `none`: no split for any model). Default: detected from the chat
+    /// template (an adapter's own template gets its own detection), else no split.
+    #[arg(long, env = "QUIVER_REASONING_PARSER", value_enum)]
+    pub reasoning_parser: Option<ReasoningParserFlag>,
 
     /// Adapters that get their own `adapter` label in /metrics (the first ones requested);
     /// later ones share the label `other`, so series stay bounded however many adapters come

@@ -12,6 +12,7 @@ pub mod files;
 pub mod http;
 pub mod metrics;
 pub mod openai;
+pub mod reasoning;
 pub mod scheduler;
 pub mod server;
 pub mod shard;

@@ -15,6 +15,7 @@ use crate::metrics::labels::AdapterLabels;
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
 use crate::pb;
+use crate::reasoning::{reasoning_parser_for, ReasoningParser, ReasoningParserFlag};
 use crate::scheduler::{Scheduler, SchedulerConfig};
 use crate::shard::{ShardBackend, ShardError};
 use crate::template::ChatTemplate;
@@ -38,6 +39,8 @@ pub struct Settings {
     pub admission: AdmissionSettings,
     /// `--tool-call-parser`.
     pub tool_call_parser: Option<ToolCallParser>,
+    /// `--reasoning-parser`.
+    pub reasoning_parser: Option<ReasoningParserFlag>,
     /// `--metrics-max-adapter-labels`.
     pub metrics_max_adapter_labels: usize,
     /// `--prefix-caching`, `--chunked-prefill`, `--prefill-pace`.
@@ -106,6 +109,7 @@ impl Settings {
                 max_lora_rank: args.serving.max_lora_rank,
             },
             tool_call_parser: args.serving.tool_call_parser,
+            reasoning_parser: args.serving.reasoning_parser,
             metrics_max_adapter_labels: args.serving.metrics_max_adapter_labels as usize,
             prefix_caching: args.serving.prefix_caching,
             chunked_prefill: args.serving.chunked_prefill,
@@ -247,6 +251,11 @@ pub async fn start(
             base.template.as_ref().map(ChatTemplate::source),
         )
         .name(),
+        reasoning_parser: reasoning_parser_for(
+            settings.reasoning_parser,
+            base.template.as_ref().map(ChatTemplate::source),
+        )
+        .map(ReasoningParser::name),
         version: env!("CARGO_PKG_VERSION"),
     };
     let base = Arc::new(base);
@@ -276,6 +285,7 @@ pub async fn start(
                 usable_blocks,
             ),
             tool_call_parser: settings.tool_call_parser,
+            reasoning_parser: settings.reasoning_parser,
         }),
         base,
         models: Arc::new(ServedModels {

@@ -231,6 +231,18 @@ impl TextTokenizer {
         self.inner.tokenizer.get_vocab_size(true)
     }
 
+    /// The id of `text` when it is an added token of the tokenizer, and whether it is special.
+    /// A family's markers (`<tool_call>`, `</think>`) are added tokens in most tokenizers: the
+    /// grammar writes them by id, and a special one must be kept by the detokenizer.
+    pub fn added_token(&self, text: &str) -> Option<(u32, bool)> {
+        self.inner
+            .tokenizer
+            .get_added_tokens_decoder()
+            .into_iter()
+            .find(|(_, token)| token.content == text)
+            .map(|(id, token)| (id, token.special))
+    }
+
     /// The underlying `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner.tokenizer

@@ -1,9 +1,12 @@
 //! `POST /v1/chat/completions`: text in `message` / `delta.content`, the role announced on
-//! each choice's opening chunk; with `tools`, calls in `message.tool_calls` / `delta.tool_calls`
-//! (legacy `functions`: `function_call`). The request path is `endpoint::generate`.
+//! each choice's opening chunk; a thinking model's reasoning in `message.reasoning_content` /
+//! `delta.reasoning_content`; with `tools`, calls in `message.tool_calls` / `delta.tool_calls`
+//! (legacy `functions`: `function_call`), read from the content alone. The request path is
+//! `endpoint::generate`.
 
 use std::collections::HashMap;
 
+use super::chat_reader::{ChoiceReader, ReplyDelta};
 use super::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
 use super::generation::GeneratedToken;
 use super::logprobs::chat_logprobs;
@@ -15,19 +18,14 @@ use crate::openai::chat::{
 };
 use crate::openai::common::{FinishReason, ObjectHeader, Usage};
 use crate::openai::logprobs::ChatLogprobs;
-use crate::tool_calls::{call_id, ParsedOutput, ToolCallStream, ToolDelta, ToolPlan};
+use crate::tool_calls::{call_id, ParsedOutput, ToolDelta, ToolPlan};
 
 /// One chat request's chunks and response.
 pub struct Chat {
     header: ObjectHeader,
     setup: ResponseSetup,
-    /// With tools, per streamed choice: its call reader and the tokens of text held back.
+    /// With tools or a reasoning split, per streamed choice: its reader.
     readers: HashMap<u32, ChoiceReader>,
-}
-
-struct ChoiceReader {
-    calls: ToolCallStream,
-    held: Vec<GeneratedToken>,
 }
 
 impl Chat {
@@ -71,10 +69,9 @@ impl Chat {
         }
     }
 
-    /// A finished reply's message, read for calls.
+    /// A finished reply's message, its content read for calls.
     fn tool_message(&self, parsed: ParsedOutput) -> AssistantMessage {
-        let mut message = AssistantMessage::new(String::new());
-        message.content = parsed.content;
+        let mut message = AssistantMessage::new(parsed.content);
         if parsed.tool_calls.is_empty() {
             return message;
         }
@@ -98,16 +95,29 @@ impl Chat {
         message
     }
 
+    /// A finished reply's message: its reasoning split off first (a thinking model), then the
+    /// content read for calls (with tools).
     fn message(&self, text: String, reason: FinishReason) -> (AssistantMessage, FinishReason) {
-        let Some(plan) = self.tools() else {
-            return (AssistantMessage::new(text), reason);
+        let (reasoning, content) = match &self.setup.reasoning {
+            Some(plan) => {
+                let split = plan.split(&text);
+                (Some(split.reasoning), split.content)
+            }
+            None => (None, Some(text)),
         };
-        let parsed = plan.parse(&text);
-        let reason = match parsed.tool_calls.is_empty() {
-            true => reason,
-            false => self.calls_finish(reason),
+        let (mut message, reason) = match self.tools() {
+            None => (AssistantMessage::new(content), reason),
+            Some(plan) => {
+                let parsed = plan.parse(content.as_deref().unwrap_or_default());
+                let reason = match parsed.tool_calls.is_empty() {
+                    true => reason,
+                    false => self.calls_finish(reason),
+                };
+                (self.tool_message(parsed), reason)
+            }
         };
-        (self.tool_message(parsed), reason)
+        message.reasoning_content = reasoning;
+        (message, reason)
     }
 }
 
@@ -166,78 +176,48 @@ impl Chat {
         self.chunk(vec![choice], None, None)
     }
 
-    /// The reader of choice `index` (with tools), made on its first text.
-    fn reader(&mut self, index: u32) -> Option<&mut ChoiceReader> {
-        let plan = self.setup.tools.as_ref()?;
-        Some(self.readers.entry(index).or_insert_with(|| ChoiceReader {
-            calls: plan.stream(),
-            held: Vec::new(),
-        }))
+    /// Whether streamed text goes through a reader (tools read for calls, a reasoning split).
+    fn reads_text(&self) -> bool {
+        self.tools().is_some() || self.setup.reasoning.is_some()
     }
 
-    /// The delta of one tool-call reader delta.
-    fn tool_delta(&self, delta: ToolDelta) -> Option<ChatDelta> {
-        let legacy = self.legacy();
-        let (index, id, name, arguments) = match delta {
-            ToolDelta::Content(text) => {
-                return Some(ChatDelta {
-                    content: Some(text),
-                    ..ChatDelta::default()
-                })
-            }
-            ToolDelta::CallStart { index, id, name } => {
-                (index, Some(id), Some(name), String::new())
-            }
-            ToolDelta::Arguments { index, text } => (index, None, None, text),
-        };
-        let function = FunctionCallDelta { name, arguments };
-        if legacy {
-            // The legacy shape has one call.
-            return (index == 0).then(|| ChatDelta {
-                function_call: Some(function),
-                ..ChatDelta::default()
-            });
-        }
-        Some(ChatDelta {
-            tool_calls: Some(vec![ToolCallDelta {
-                index: index as u32,
-                kind: id.as_ref().map(|_| "function"),
-                id,
-                function,
-            }]),
-            ..ChatDelta::default()
+    /// The reader of choice `index`, made on its first text.
+    fn reader(&mut self, index: u32) -> &mut ChoiceReader {
+        let setup = &self.setup;
+        self.readers.entry(index).or_insert_with(|| {
+            let calls = setup.tools.as_ref().filter(|plan| plan.reads_calls());
+            ChoiceReader::new(
+                setup.reasoning.as_ref().map(|plan| plan.splitter()),
+                calls.map(ToolPlan::stream),
+            )
         })
     }
 
-    /// A text step of a choice read for calls: one chunk per delta; tokens whose text is held
+    /// A text step of a choice with a reader: one chunk per delta; tokens whose text is held
     /// back are reported with the next chunk that goes out.
-    fn tool_text(
+    fn reader_text(
         &mut self,
         index: u32,
         text: &str,
         tokens: Vec<GeneratedToken>,
     ) -> Vec<ChatCompletionChunk> {
-        let Some(reader) = self.reader(index) else {
-            return Vec::new();
-        };
+        let reader = self.reader(index);
         reader.held.extend(tokens);
-        let deltas = reader.calls.push(text);
+        let deltas = reader.push(text);
         self.delta_chunks(index, deltas)
     }
 
     /// Chunks of `deltas`; the held tokens go with the first.
-    fn delta_chunks(&mut self, index: u32, deltas: Vec<ToolDelta>) -> Vec<ChatCompletionChunk> {
-        let mut held = Vec::new();
+    fn delta_chunks(&mut self, index: u32, deltas: Vec<ReplyDelta>) -> Vec<ChatCompletionChunk> {
+        let legacy = self.legacy();
         let mut chunks = Vec::new();
         for delta in deltas {
-            let Some(delta) = self.tool_delta(delta) else {
+            let Some(delta) = chat_delta(delta, legacy) else {
                 continue;
             };
             let mut choice = empty_choice(index);
             if chunks.is_empty() {
-                if let Some(reader) = self.readers.get_mut(&index) {
-                    held = std::mem::take(&mut reader.held);
-                }
+                let held = std::mem::take(&mut self.reader(index).held);
                 choice.logprobs = self.logprobs(&held);
                 choice.token_ids = self.ids(&held);
             }
@@ -247,18 +227,15 @@ impl Chat {
         chunks
     }
 
-    /// The last chunks of a choice read for calls: what the finished reply adds, then the
-    /// finish chunk with the tokens still held.
-    fn tool_finish(
+    /// The last chunks of a choice with a reader: what the finished reply adds, then the finish
+    /// chunk with the tokens still held.
+    fn reader_finish(
         &mut self,
         index: u32,
         reason: FinishReason,
         tokens: Vec<GeneratedToken>,
     ) -> Vec<ChatCompletionChunk> {
-        let (deltas, has_calls) = match self.reader(index) {
-            Some(reader) => reader.calls.finish(),
-            None => (Vec::new(), false),
-        };
+        let (deltas, has_calls) = self.reader(index).finish();
         let mut chunks = self.delta_chunks(index, deltas);
         let mut held = self
             .readers
@@ -280,6 +257,45 @@ impl Chat {
     }
 }
 
+/// The delta of one reader delta; `None` for a call the legacy shape has no room for.
+fn chat_delta(delta: ReplyDelta, legacy: bool) -> Option<ChatDelta> {
+    let (index, id, name, arguments) = match delta {
+        ReplyDelta::Reasoning(text) => {
+            return Some(ChatDelta {
+                reasoning_content: Some(text),
+                ..ChatDelta::default()
+            })
+        }
+        ReplyDelta::Content(ToolDelta::Content(text)) => {
+            return Some(ChatDelta {
+                content: Some(text),
+                ..ChatDelta::default()
+            })
+        }
+        ReplyDelta::Content(ToolDelta::CallStart { index, id, name }) => {
+            (index, Some(id), Some(name), String::new())
+        }
+        ReplyDelta::Content(ToolDelta::Arguments { index, text }) => (index, None, None, text),
+    };
+    let function = FunctionCallDelta { name, arguments };
+    if legacy {
+        // The legacy shape has one call.
+        return (index == 0).then(|| ChatDelta {
+            function_call: Some(function),
+            ..ChatDelta::default()
+        });
+    }
+    Some(ChatDelta {
+        tool_calls: Some(vec![ToolCallDelta {
+            index: index as u32,
+            kind: id.as_ref().map(|_| "function"),
+            id,
+            function,
+        }]),
+        ..ChatDelta::default()
+    })
+}
+
 fn empty_choice(index: u32) -> ChatChunkChoice {
     ChatChunkChoice {
         index,
@@ -297,7 +313,7 @@ impl ChunkFormat for Chat {
     fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<ChatCompletionChunk> {
         let mut prompt_token_ids = None;
         let mut choice = empty_choice(index);
-        let reads_calls = self.tools().is_some();
+        let reads_text = self.reads_text();
         match step {
             ChoiceStep::Opening => {
                 if index == 0 {
@@ -317,8 +333,8 @@ impl ChunkFormat for Chat {
                 choice.delta.content = Some(String::new());
             }
             ChoiceStep::Text { text, tokens } => {
-                if reads_calls {
-                    return self.tool_text(index, &text, tokens);
+                if reads_text {
+                    return self.reader_text(index, &text, tokens);
                 }
                 choice.delta.content = Some(text);
                 choice.logprobs = self.logprobs(&tokens);
@@ -326,8 +342,8 @@ impl ChunkFormat for Chat {
             }
             // The finish chunk's delta is `{}`; it reports the tokens that made no text.
             ChoiceStep::Finish { reason, tokens } => {
-                if reads_calls {
-                    return self.tool_finish(index, reason, tokens);
+                if reads_text {
+                    return self.reader_finish(index, reason, tokens);
                 }
                 choice.finish_reason = Some(reason);
                 if !tokens.is_empty() {
@@ -347,3 +363,7 @@ impl ChunkFormat for Chat {
 #[cfg(test)]
 #[path = "chat_tool_tests.rs"]
 mod tool_tests;
+
+#[cfg(test)]
+#[path = "chat_reasoning_tests.rs"]
+mod reasoning_tests;

@@ -8,6 +8,7 @@ use crate::http::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
 use crate::http::generation::{ChoiceOutput, GeneratedToken};
 use crate::http::sse::{ChoiceStep, ChunkFormat};
 use crate::openai::common::{FinishReason, Usage};
+use crate::reasoning::ReasoningPlan;
 use crate::tokenizer::test_support::byte_level_bpe;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::{check_tool_request, ToolCallParser, ToolFields, ToolPlan};
@@ -17,16 +18,28 @@ const CALL: &str =
     "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\":\"Paris\"}}\n</tool_call>";
 
 fn setup(body: Value, logprobs: bool) -> ResponseSetup {
-    let request = check_tool_request(ToolFields {
-        tools: body.get("tools"),
-        tool_choice: body.get("tool_choice"),
-        functions: body.get("functions"),
-        function_call: body.get("function_call"),
-        parallel_tool_calls: None,
-    })
-    .unwrap()
-    .unwrap();
+    setup_with(Some(body), None, logprobs)
+}
+
+/// The answer's setup for a request with the tools of `body` (if any), split by `reasoning`.
+pub(super) fn setup_with(
+    body: Option<Value>,
+    reasoning: Option<ReasoningPlan>,
+    logprobs: bool,
+) -> ResponseSetup {
     let tokenizer = TextTokenizer::from_tokenizer(byte_level_bpe());
+    let tools = body.map(|body| {
+        let request = check_tool_request(ToolFields {
+            tools: body.get("tools"),
+            tool_choice: body.get("tool_choice"),
+            functions: body.get("functions"),
+            function_call: body.get("function_call"),
+            parallel_tool_calls: None,
+        })
+        .unwrap()
+        .unwrap();
+        ToolPlan::new(request, ToolCallParser::Hermes, &tokenizer)
+    });
     ResponseSetup {
         model: "m".into(),
         options: ResponseOptions {
@@ -37,13 +50,14 @@ fn setup(body: Value, logprobs: bool) -> ResponseSetup {
             },
             ..ResponseOptions::default()
         },
-        tools: Some(ToolPlan::new(request, ToolCallParser::Hermes, &tokenizer)),
+        tools,
+        reasoning,
         tokenizer,
         prompts: Vec::new(),
     }
 }
 
-fn tools_body() -> Value {
+pub(super) fn tools_body() -> Value {
     json!({"tools": [{"type": "function", "function": {"name": "get_weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]})
 }
@@ -59,7 +73,7 @@ fn tokens(count: usize) -> Vec<GeneratedToken> {
 }
 
 /// The non-streamed message and finish reason of `text`.
-fn answer(setup: ResponseSetup, text: &str) -> Value {
+pub(super) fn answer(setup: ResponseSetup, text: &str) -> Value {
     let chat = Chat::new(setup);
     let output = ChoiceOutput {
         text: text.to_owned(),
@@ -74,7 +88,7 @@ fn answer(setup: ResponseSetup, text: &str) -> Value {
 }
 
 /// The streamed chunks' choice objects of `text`, one character (one token) per step.
-fn stream(setup: ResponseSetup, text: &str) -> Vec<Value> {
+pub(super) fn stream(setup: ResponseSetup, text: &str) -> Vec<Value> {
     let mut chat = Chat::new(setup);
     let mut chunks = chat.choice(0, ChoiceStep::Opening);
     for (i, c) in text.chars().enumerate() {
@@ -100,14 +114,19 @@ fn stream(setup: ResponseSetup, text: &str) -> Vec<Value> {
 }
 
 /// The message the deltas add up to, ids taken out, and the finish reason.
-fn reassemble(choices: &[Value]) -> (Value, Value) {
+pub(super) fn reassemble(choices: &[Value]) -> (Value, Value) {
     let mut content: Option<String> = None;
+    let mut reasoning: Option<String> = None;
     let mut calls: Vec<Value> = Vec::new();
     let mut finish = Value::Null;
     for choice in choices {
         let delta = &choice["delta"];
         if let Some(text) = delta["content"].as_str().filter(|text| !text.is_empty()) {
             content.get_or_insert_with(String::new).push_str(text);
+        }
+        if let Some(text) = delta["reasoning_content"].as_str() {
+            assert!(!text.is_empty(), "an empty reasoning delta: {choice}");
+            reasoning.get_or_insert_with(String::new).push_str(text);
         }
         for call in delta["tool_calls"].as_array().into_iter().flatten() {
             let index = call["index"].as_u64().unwrap() as usize;
@@ -132,17 +151,19 @@ fn reassemble(choices: &[Value]) -> (Value, Value) {
         }
     }
     let calls = (!calls.is_empty()).then_some(Value::Array(calls));
-    (json!({"content": content, "tool_calls": calls}), finish)
+    let message = json!({"content": content, "reasoning_content": reasoning, "tool_calls": calls});
+    (message, finish)
 }
 
-/// The message without its call ids.
-fn without_ids(message: &Value) -> Value {
+/// The message without its call ids (`reasoning_content` null when absent).
+pub(super) fn without_ids(message: &Value) -> Value {
     let mut calls = message["tool_calls"].clone();
     for call in calls.as_array_mut().into_iter().flatten() {
         let id = call.as_object_mut().unwrap().remove("id").unwrap();
         assert!(id.as_str().unwrap().starts_with("call_"));
     }
-    json!({"content": message["content"], "tool_calls": calls})
+    json!({"content": message["content"], "reasoning_content": message["reasoning_content"],
+           "tool_calls": calls})
 }
 
 #[test]
@@ -153,7 +174,7 @@ fn a_call_is_answered_as_tool_calls() {
     assert_eq!(message["content"], Value::Null);
     assert_eq!(
         without_ids(message),
-        json!({"content": null, "tool_calls": [{"type": "function", "function": {
+        json!({"content": null, "reasoning_content": null, "tool_calls": [{"type": "function", "function": {
             "name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]})
     );
 }

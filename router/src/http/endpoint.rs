@@ -26,6 +26,7 @@ use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER};
 use crate::openai::logprobs::PromptLogprobs;
+use crate::reasoning::ReasoningPlan;
 use crate::scheduler::PromptPosition;
 use crate::telemetry;
 use crate::tenants::Caller;
@@ -56,6 +57,8 @@ pub struct ResponseSetup {
     pub prompts: Vec<ValidPrompt>,
     /// Chat with `tools`: how replies are read for calls.
     pub tools: Option<ToolPlan>,
+    /// Chat with a thinking model: how replies are split into reasoning and content.
+    pub reasoning: Option<ReasoningPlan>,
 }
 
 impl ResponseSetup {
@@ -180,7 +183,11 @@ async fn answer<E: Endpoint>(
         keep_special_tokens: valid
             .tools
             .as_ref()
-            .is_some_and(ToolPlan::keeps_special_tokens),
+            .is_some_and(ToolPlan::keeps_special_tokens)
+            || valid
+                .reasoning
+                .as_ref()
+                .is_some_and(ReasoningPlan::keeps_special_tokens),
     };
     let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
     let choices = start_choices(
@@ -198,6 +205,7 @@ async fn answer<E: Endpoint>(
         tokenizer: assets.tokenizer.clone(),
         prompts: valid.prompts,
         tools: valid.tools,
+        reasoning: valid.reasoning,
     });
     if options.stream {
         let plan = StreamPlan {

@@ -14,6 +14,7 @@ mod adapters;
 mod auth;
 mod body_guard;
 mod chat;
+mod chat_reader;
 mod completions;
 mod cutoff;
 mod endpoint;

@@ -79,6 +79,11 @@ pub struct ServerInfo {
     /// from its chat template, else hermes); an adapter with its own template may differ.
     #[schema(value_type = String)]
     pub tool_call_parser: &'static str,
+    /// How the base model's chat replies are split into `reasoning_content` and `content`
+    /// (`--reasoning-parser`, else detected from its chat template); null: no split. An adapter
+    /// with its own template may differ.
+    #[schema(value_type = Option<String>)]
+    pub reasoning_parser: Option<&'static str>,
     #[schema(value_type = String)]
     pub version: &'static str,
 }

@@ -40,6 +40,10 @@ pub struct ChatFields {
     pub logprobs: Option<bool>,
     /// With `logprobs`: this many alternatives per token, 0..=20.
     pub top_logprobs: Option<i64>,
+    /// Extra variables for the chat template (vLLM's extension), e.g. `{"enable_thinking":
+    /// false}`; names the request sets itself (`messages`, `tools`, ...) are refused.
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<Value>,
 }
 
 /// Roles OpenAI's schema defines for request messages.
@@ -84,6 +88,11 @@ pub struct AssistantMessage {
     pub content: Option<String>,
     #[schema(required = true)]
     pub refusal: Option<String>,
+    /// A thinking model's reasoning (its text between `<think>` and `</think>`), null when the
+    /// reply has none; absent for models without a reasoning parser (docs/reasoning.md).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>, nullable = true)]
+    pub reasoning_content: Option<Option<String>>,
     /// The calls of a reply to a request with `tools`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCall>>,
@@ -93,11 +102,12 @@ pub struct AssistantMessage {
 }
 
 impl AssistantMessage {
-    pub fn new(content: String) -> Self {
+    pub fn new(content: Option<String>) -> Self {
         Self {
             role: "assistant",
-            content: Some(content),
+            content,
             refusal: None,
+            reasoning_content: None,
             tool_calls: None,
             function_call: None,
         }
@@ -181,6 +191,9 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// A piece of a thinking model's reasoning.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub tool_calls: Option<Vec<ToolCallDelta>>,
     /// The legacy `functions` form of a streamed call.

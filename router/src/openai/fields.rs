@@ -139,6 +139,8 @@ pub const CHAT: &[Field] = &[
     ),
     implemented("functions"),
     implemented("function_call"),
+    // vLLM's extension: variables for the chat template (docs/reasoning.md).
+    implemented("chat_template_kwargs"),
     refused(
         "audio",
         "quiver serves text models: there is no audio output",

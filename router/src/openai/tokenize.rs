@@ -19,6 +19,9 @@ pub struct TokenizeRequest {
     pub tools: Option<Value>,
     /// Chat only; default true.
     pub add_generation_prompt: Option<bool>,
+    /// Chat only: extra variables for the chat template, as on `/v1/chat/completions`.
+    #[schema(value_type = Option<Object>)]
+    pub chat_template_kwargs: Option<Value>,
     /// Default true with `prompt` (BOS and the like), false with `messages` (the template
     /// already wrote them).
     pub add_special_tokens: Option<bool>,

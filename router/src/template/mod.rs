@@ -120,10 +120,33 @@ impl ChatTemplate {
         tools: Option<&Json>,
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with(messages, tools, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with extra template variables (`chat_template_kwargs`, as
+    /// transformers' `apply_chat_template(**kwargs)`): they may replace `bos_token` and
+    /// `eos_token`, not the conversation's own variables (the caller refuses those names).
+    pub fn render_with(
+        &self,
+        messages: &Json,
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+        kwargs: Option<&serde_json::Map<String, Json>>,
+    ) -> Result<String, TemplateError> {
         let messages = alias_reasoning_fields(messages);
+        let mut context = Vec::new();
+        if let Some(bos) = &self.bos_token {
+            context.push(("bos_token", Value::from(bos.as_str())));
+        }
+        if let Some(eos) = &self.eos_token {
+            context.push(("eos_token", Value::from(eos.as_str())));
+        }
+        for (name, value) in kwargs.into_iter().flatten() {
+            context.push((name.as_str(), Value::from(Serde(value))));
+        }
         // `tools` and `documents` are always defined (none when absent) so that templates
         // testing `tools is not none` behave as under transformers.
-        let mut context = vec![
+        context.extend([
             ("messages", Value::from(Serde(&messages))),
             (
                 "tools",
@@ -131,13 +154,7 @@ impl ChatTemplate {
             ),
             ("documents", Value::from(())),
             ("add_generation_prompt", Value::from(add_generation_prompt)),
-        ];
-        if let Some(bos) = &self.bos_token {
-            context.push(("bos_token", Value::from(bos.as_str())));
-        }
-        if let Some(eos) = &self.eos_token {
-            context.push(("eos_token", Value::from(eos.as_str())));
-        }
+        ]);
         let context = Value::from_pairs(context);
         let template = self
             .env

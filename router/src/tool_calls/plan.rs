@@ -22,11 +22,11 @@ pub struct ToolPlan {
 
 impl ToolPlan {
     pub fn new(request: ToolRequest, parser: ToolCallParser, tokenizer: &TextTokenizer) -> Self {
-        let token_id = |text: &str| added_token(tokenizer, text).map(|(id, _)| id);
+        let token_id = |text: &str| tokenizer.added_token(text).map(|(id, _)| id);
         let grammar = tool_grammar(parser, &request, &token_id);
         let special_markers = markers(parser)
             .iter()
-            .any(|m| added_token(tokenizer, m).is_some_and(|(_, special)| special));
+            .any(|m| tokenizer.added_token(m).is_some_and(|(_, special)| special));
         Self {
             request,
             parser,
@@ -86,14 +86,4 @@ fn markers(parser: ToolCallParser) -> &'static [&'static str] {
         ToolCallParser::Llama3Json => &[llama3_json::PYTHON_TAG],
         ToolCallParser::Mistral => &[mistral::MARKER],
     }
-}
-
-/// The id of `text` when it is an added token of the tokenizer, and whether it is special.
-fn added_token(tokenizer: &TextTokenizer, text: &str) -> Option<(u32, bool)> {
-    tokenizer
-        .inner()
-        .get_added_tokens_decoder()
-        .into_iter()
-        .find(|(_, token)| token.content == text)
-        .map(|(id, token)| (id, token.special))
 }

@@ -3,25 +3,29 @@
 
 use serde_json::Value;
 
+use super::template_kwargs::template_kwargs;
 use super::tool_turns::check_tool_fields;
 use super::{ModelAssets, ValidationError};
 use crate::openai::chat::ROLES;
 
-/// `messages` checked and rendered with the model's chat template: the prompt text of
-/// `/v1/chat/completions` and of `/tokenize` with `messages`.
+/// `messages` checked and rendered with the model's chat template (and the request's
+/// `chat_template_kwargs`): the prompt text of `/v1/chat/completions` and of `/tokenize` with
+/// `messages`.
 pub(crate) fn render_chat(
     assets: &ModelAssets,
     messages: Option<Vec<Value>>,
     tools: Option<&Value>,
     add_generation_prompt: bool,
+    kwargs: Option<&Value>,
 ) -> Result<String, ValidationError> {
     let messages =
         normalize_messages(messages.ok_or_else(|| ValidationError::missing("messages"))?)?;
+    let kwargs = template_kwargs(kwargs)?;
     let template = assets
         .template
         .as_ref()
         .ok_or(ValidationError::NoChatTemplate)?;
-    Ok(template.render(&messages, tools, add_generation_prompt)?)
+    Ok(template.render_with(&messages, tools, add_generation_prompt, kwargs)?)
 }
 
 /// Checks each message's role and content and flattens a list of text parts into one string,

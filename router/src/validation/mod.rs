@@ -14,6 +14,7 @@ mod params;
 mod prompt;
 mod sources;
 mod structured;
+mod template_kwargs;
 mod tokens;
 mod tool_turns;
 
@@ -33,6 +34,7 @@ use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
 use crate::pb;
+use crate::reasoning::{reasoning_parser_for, ReasoningParserFlag, ReasoningPlan};
 use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
@@ -79,6 +81,8 @@ pub struct ValidRequest {
     pub grammar: Option<OutputGrammar>,
     /// Chat with `tools`: how replies are constrained and read for calls.
     pub tools: Option<ToolPlan>,
+    /// Chat with a thinking model: how replies are split into reasoning and content.
+    pub reasoning: Option<ReasoningPlan>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -101,6 +105,8 @@ pub struct Validator {
     pub bounds: RequestBounds,
     /// `--tool-call-parser`; unset, each model's (or adapter's) chat template decides.
     pub tool_call_parser: Option<ToolCallParser>,
+    /// `--reasoning-parser`; unset, each model's (or adapter's) chat template decides.
+    pub reasoning_parser: Option<ReasoningParserFlag>,
 }
 
 impl Validator {
@@ -114,9 +120,13 @@ impl Validator {
         params: &GenerationParams,
     ) -> Result<ValidRequest, ValidationError> {
         let logprob_fields = fields.logprob_fields();
+        let template = assets.template.as_ref().map(ChatTemplate::source);
+        let reasoning_parser = match F::SPLITS_REASONING {
+            true => reasoning_parser_for(self.reasoning_parser, template),
+            false => None,
+        };
         let tools = match fields.tool_request()? {
             Some(request) => {
-                let template = assets.template.as_ref().map(ChatTemplate::source);
                 let parser = parser_for(self.tool_call_parser, template);
                 if let Some(text) = tool_system_prompt(parser, &request, template) {
                     fields.add_tool_prompt(text);
@@ -138,6 +148,10 @@ impl Validator {
             max_input_tokens: self.limits.max_input_tokens,
         };
         let sourced = fields.prompt_ids(assets, &limits).await?;
+        let reasoning = reasoning_parser.map(|parser| {
+            let prompt = sourced.first().and_then(|(_, text)| text.as_deref());
+            ReasoningPlan::new(parser, prompt.unwrap_or_default(), &assets.tokenizer)
+        });
         let echo = checked.options.logprobs.echo;
         let mut prompts = Vec::with_capacity(sourced.len());
         for (ids, text) in sourced {
@@ -167,8 +181,15 @@ impl Validator {
             }
             checked.grammar = Some(OutputGrammar::tool_calls(text.to_owned()));
         }
+        if let Some(plan) = &reasoning {
+            checked.grammar = checked
+                .grammar
+                .take()
+                .map(|grammar| plan.constrain_after_thinking(grammar));
+        }
         let mut valid = self.build(prompts, F::PARAM, checked, adapter_id, assets)?;
         valid.tools = tools;
+        valid.reasoning = reasoning;
         Ok(valid)
     }
 
@@ -244,6 +265,7 @@ impl Validator {
             prompts,
             grammar: checked.grammar,
             tools: None,
+            reasoning: None,
         })
     }
 

@@ -19,6 +19,9 @@ pub trait PromptSource: Send {
     /// The request field the prompts come from, named in errors about them.
     const PARAM: &'static str;
 
+    /// Whether replies of a thinking model are split into reasoning and content (chat).
+    const SPLITS_REASONING: bool = false;
+
     /// The logprob fields this endpoint reads (read before `prompt_ids` consumes the fields).
     fn logprob_fields(&self) -> LogprobFields;
 
@@ -47,6 +50,7 @@ pub type SourcedPrompt = (Vec<u32>, Option<String>);
 
 impl PromptSource for ChatFields {
     const PARAM: &'static str = "messages";
+    const SPLITS_REASONING: bool = true;
 
     fn logprob_fields(&self) -> LogprobFields {
         LogprobFields::Chat {
@@ -99,15 +103,23 @@ impl PromptSource for ChatFields {
         limits: &PromptLimits,
     ) -> Result<Vec<SourcedPrompt>, ValidationError> {
         limits.request.check_choices(1, limits.n, Self::PARAM)?;
-        let prompt = render_chat(assets, self.messages, self.tools.as_ref(), true)?;
+        let prompt = render_chat(
+            assets,
+            self.messages,
+            self.tools.as_ref(),
+            true,
+            self.chat_template_kwargs.as_ref(),
+        )?;
         check_text_length(
             &assets.tokenizer,
             &prompt,
             limits.max_input_tokens,
             Self::PARAM,
         )?;
-        // A chat prompt is never echoed: no text kept.
-        Ok(vec![(assets.tokenizer.encode(prompt, false).await?, None)])
+        // The text goes along for the reasoning split (where the prompt leaves the reply); a
+        // chat prompt is never echoed.
+        let ids = assets.tokenizer.encode(prompt.clone(), false).await?;
+        Ok(vec![(ids, Some(prompt))])
     }
 }
 

@@ -37,6 +37,7 @@ pub async fn tokenize_ids(
                 messages,
                 request.tools.as_ref(),
                 add_generation_prompt,
+                request.chat_template_kwargs.as_ref(),
             )?;
             (text, request.add_special_tokens.unwrap_or(false))
         }

@@ -167,6 +167,10 @@ pub struct Options {
     pub seeded_sampling: bool,
     /// `--tool-call-parser`.
     pub tool_call_parser: Option<quiver_router::tool_calls::ToolCallParser>,
+    /// `--reasoning-parser`.
+    pub reasoning_parser: Option<quiver_router::reasoning::ReasoningParserFlag>,
+    /// The chat template; `TEMPLATE` by default.
+    pub template: &'static str,
 }
 
 impl Default for Options {
@@ -188,6 +192,8 @@ impl Default for Options {
             adapter_paths: Vec::new(),
             seeded_sampling: false,
             tool_call_parser: None,
+            reasoning_parser: None,
+            template: TEMPLATE,
         }
     }
 }
@@ -227,7 +233,7 @@ impl TestApp {
         let info = backend.info().await.expect("fake Info");
         let template = options.with_template.then(|| {
             ChatTemplate::new(
-                TEMPLATE.to_owned(),
+                options.template.to_owned(),
                 Some("<|bos|>".into()),
                 Some("<|eos|>".into()),
             )
@@ -259,6 +265,7 @@ impl TestApp {
             },
             admission: AdmissionSettings::default(),
             tool_call_parser: options.tool_call_parser,
+            reasoning_parser: options.reasoning_parser,
             metrics_max_adapter_labels: 32,
             prefix_caching: true,
             chunked_prefill: true,
