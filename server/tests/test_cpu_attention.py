@@ -2,7 +2,7 @@
 (`attention_torch.decode_attention`: gather the blocks, SDPA with a mask) against float64 attention
 within a stated rounding bound; the torch path is also held to transformers by the model parity
 tests. Fragmented block tables, lengths on and off block
-boundaries, grouped-query heads, sliding windows and 16-bit caches."""
+boundaries, grouped-query heads, sliding windows, soft-capped scores and 16-bit caches."""
 
 from __future__ import annotations
 
@@ -35,14 +35,17 @@ def _case(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: t
     return q, k, v, batch
 
 
-def _exact_and_bound(q, k, v, batch, lengths: list[int], scale: float, window: int | None):
+def _exact_and_bound(q, k, v, batch, lengths: list[int], scale: float, window: int | None,
+                     softcap: float | None = None):
     """float64 attention of each sequence's keys, and per output element a bound on the error of
     a float32 computation of it in any summation order (then stored in q's dtype d):
     - a score s_j = scale q.k_j is off by at most eps_s = gamma(d + 1) * scale * |q|.|k_j|;
     - exp(s_j - max) then by a relative eps_s + u |s_j - max| + 4u (exp within 2 ulp; a common
       error in the max cancels in the normalisation), at most eps over the keys;
     - the normaliser and the weighted sum of L values add gamma(L) each, the division u,
-      so |error| <= (2 gamma(L) + 2 eps + u) * sum_j p_j |v_j|, plus 2 u_d |o| for the store."""
+      so |error| <= (2 gamma(L) + 2 eps + u) * sum_j p_j |v_j|, plus 2 u_d |o| for the store.
+    With a soft cap c, s -> c tanh(s / c) has slope at most 1, so it does not grow eps_s, and
+    adds its own rounding: within 4u c (the division, tanh within 2 ulp, the product)."""
     u = FLOAT32_UNIT_ROUNDOFF
     num_seqs, heads, head_dim = q.shape
     group = heads // k.shape[2]
@@ -57,9 +60,12 @@ def _exact_and_bound(q, k, v, batch, lengths: list[int], scale: float, window: i
         for head in range(heads):
             qh, kh, vh = q[s, head].double(), keys[:, head // group], values[:, head // group]
             scores = scale * (kh @ qh)
+            eps_scores = gamma(head_dim + 1) * scale * (kh.abs() @ qh.abs())
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+                eps_scores = eps_scores + 4 * u * softcap
             weights = torch.softmax(scores, dim=0)
             exact[s, head] = weights @ vh
-            eps_scores = gamma(head_dim + 1) * scale * (kh.abs() @ qh.abs())
             eps = (eps_scores + u * (scores.max() - scores) + 4 * u).max()
             spread = weights @ vh.abs()
             bound[s, head] = (2 * gamma(len(positions)) + 2 * eps + u) * spread
@@ -86,6 +92,25 @@ def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> Non
     torch_path = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window)
     got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, window)
     assert got.dtype == dtype and got.shape == q.shape
+    for result in (got, torch_path):
+        error = (result.double() - exact).abs()
+        assert (error <= bound).all(), f"max error over bound {(error / bound).max():.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,softcap", [(None, 2.0), (20, 0.5), (None, 50.0)])
+def test_soft_capped_scores_match_the_torch_path(dtype, window, softcap) -> None:
+    """Gemma 2's attention logit soft-capping: scores capped before the softmax, on both paths."""
+    lengths = [1, 17, 33, 100, 257]
+    q, k, v, batch = _case(lengths, 8, 2, 64, dtype, seed=int(softcap * 10))
+    q = q * 4  # scores well past the small caps, so capping changes the weights
+    scale = 64**-0.5
+    exact, bound = _exact_and_bound(q, k, v, batch, lengths, scale, window, softcap)
+    uncapped, _ = _exact_and_bound(q, k, v, batch, lengths, scale, window)
+    assert ((uncapped - exact).abs() > 10 * bound).any()  # the cap matters in these cases
+    torch_path = decode_attention_torch(q.float(), k.float(), v.float(), batch, scale, window, softcap)
+    got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, window, softcap)
+    assert torch.equal(select_ops(CPU).decode_attention(q, k, v, batch, scale, window, softcap), got)
     for result in (got, torch_path):
         error = (result.double() - exact).abs()
         assert (error <= bound).all(), f"max error over bound {(error / bound).max():.3g}"

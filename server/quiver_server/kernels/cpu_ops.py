@@ -168,12 +168,13 @@ def vector_width() -> int:
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float, sliding_window: int | None,
+    seq_lens: torch.Tensor, scale: float, sliding_window: int | None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, heads, d] over caches [blocks, block_size, kv_heads, d] -> [B, heads, d]; keys
-    0 .. seq_lens[s] - 1 of block_tables[s] (the last `sliding_window` of them, if given)."""
+    0 .. seq_lens[s] - 1 of block_tables[s] (the last `sliding_window` of them, if given),
+    scores capped to softcap * tanh(score / softcap) when `softcap` is given."""
     return torch.ops.quiver_cpu.paged_decode_attention(
-        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0
+        q.contiguous(), k_cache, v_cache, block_tables, seq_lens, scale, sliding_window or 0, softcap or 0.0
     )
 
 

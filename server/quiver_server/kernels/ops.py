@@ -64,6 +64,12 @@ class KernelOps:
         """x [T, heads, D] rotated by cos, sin [T, 1, D]. May work in place: use the result."""
         return torch_ops.rotary(x, cos, sin)
 
+    def partial_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] with its leading d columns rotated by cos, sin [T, 1, d] and the rest
+        passed through (Phi-4-mini's partial rotary). May work in place: use the result."""
+        dim = cos.shape[-1]
+        return torch.cat((torch_ops.rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch_ops.silu_and_mul(gate_up)
 
@@ -112,6 +118,11 @@ class CpuKernelOps(KernelOps):
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return cpu_ops.rotary_(x, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
 
+    def partial_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The kernel takes any row and head strides: it turns the leading columns in place.
+        self.rotary(x[..., : cos.shape[-1]], cos, sin)
+        return x
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_and_mul(gate_up)
 
@@ -119,12 +130,10 @@ class CpuKernelOps(KernelOps):
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
         scale: float, sliding_window: int | None, softcap: float | None = None,
     ) -> torch.Tensor:
-        if softcap is not None:  # the C++ kernel has no soft-capping (Gemma 2): the torch path
-            return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap)
         # Reads the cache in place, where the torch path gathers every sequence's blocks first.
         assert batch.block_tables is not None and batch.seq_lens is not None
         return cpu_ops.paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens,
-                                              scale, sliding_window)
+                                              scale, sliding_window, softcap)
 
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cpu_ops.greedy_logprob(logits)  # one fused pass per row

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import cpu_gemm, torch_ops
+from quiver_server.kernels import cpu_gemm
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.activation import gated_activation
@@ -94,8 +94,7 @@ class Attention(nn.Module):
         if self.rotary_dim == self.head_dim:
             return self.ops.rotary(qk, cos, sin)
         # Partial rotary (Phi-4-mini): the leading rotary_dim of each head turn, the rest pass.
-        rotated = torch_ops.rotary(qk[..., : self.rotary_dim], cos, sin)
-        return torch.cat((rotated, qk[..., self.rotary_dim :]), dim=-1)
+        return self.ops.partial_rotary(qk, cos, sin)
 
 
 class MLP(nn.Module):

@@ -4,9 +4,10 @@
 // three passes over the keys (read, write, read) and a dozen small ops per layer. Here each
 // sequence reads its keys and values once, in place, inside one parallel region.
 // Semantics are those of `layers/attention.decode_attention` (its torch code is the reference):
-//   out[s, j] = softmax_{i in window}(q[s, j] . k[i, j / g] * scale) @ v[i, j / g]
+//   out[s, j] = softmax_{i in window}(cap(q[s, j] . k[i, j / g] * scale)) @ v[i, j / g]
 // over the keys 0 .. seq_lens[s] - 1 (the newest one included), restricted to the last `window`
-// keys when window > 0. Arithmetic is float32 whatever the cache dtype.
+// keys when window > 0; cap(x) = softcap * tanh(x / softcap) when softcap > 0 (Gemma 2's
+// attention logit soft-capping), else x. Arithmetic is float32 whatever the cache dtype.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -34,7 +35,7 @@ namespace {
 template <typename scalar_t, int kHeadDim>
 void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-            int64_t window, at::Tensor& out) {
+            int64_t window, double softcap, at::Tensor& out) {
   const int64_t num_seqs = q.size(0), heads = q.size(1);
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
   const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
@@ -48,6 +49,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t token_stride = kv_heads * head_dim;  // between offsets of one block
   const int64_t block_stride = block_size * token_stride;
   const float scale_f = static_cast<float>(scale);
+  const bool capped = softcap > 0;
+  const float cap = static_cast<float>(softcap), inverse_cap = capped ? 1.f / cap : 0.f;
   // KV heads per item: all of them, unless that leaves fewer than 4 items per thread.
   const int64_t wanted_items = 4 * at::get_num_threads();
   const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted_items + num_seqs - 1) / num_seqs));
@@ -88,6 +91,7 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * static_cast<float>(k_row[d]);
+          if (capped) dot = cap * std::tanh(dot * inverse_cap);
           scores[r * count + index] = dot;
           maxima[r] = std::max(maxima[r], dot);
         }
@@ -124,7 +128,8 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                   const at::Tensor& v_cache, const at::Tensor& block_tables,
-                                  const at::Tensor& seq_lens, double scale, int64_t window) {
+                                  const at::Tensor& seq_lens, double scale, int64_t window,
+                                  double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -133,6 +138,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q and the caches must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
               "q and the caches must share a dtype");
+  TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim differs, or heads is not a multiple of kv_heads");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
@@ -157,9 +163,9 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
     switch (q.size(2)) {
-      case 64: attend<scalar_t, 64>(q, k_cache, v_cache, tables, lens, scale, window, out); break;
-      case 128: attend<scalar_t, 128>(q, k_cache, v_cache, tables, lens, scale, window, out); break;
-      default: attend<scalar_t, 0>(q, k_cache, v_cache, tables, lens, scale, window, out);
+      case 64: attend<scalar_t, 64>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out); break;
+      case 128: attend<scalar_t, 128>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out); break;
+      default: attend<scalar_t, 0>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
     }
   });
   return out;
@@ -169,6 +175,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 
 TORCH_LIBRARY_FRAGMENT(quiver_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window) -> Tensor");
+        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, &paged_decode_attention);
 }
