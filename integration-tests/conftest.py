@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stack import STARTED, Stack, StackConfig  # noqa: E402
 from model_builders import build_model_dir, build_parrot_model  # noqa: E402
 from demo_stack import Demo, start_demo  # noqa: E402
+from thinking_models import ThinkingStack, start_qwen3_parrot, start_r1_parrot  # noqa: E402
 
 ARCHS = ["llama", "mistral", "qwen2"]
 # Distinct weights per architecture (llama and mistral share a layout).
@@ -120,6 +121,23 @@ def demo(tmp_path_factory) -> Iterator[Demo]:
     """The real demo (SmolLM2-135M-Instruct and its pirate adapter), written and served by the
     launcher as `make serve` does it, once per session."""
     served = start_demo(tmp_path_factory.mktemp("demo"))
+    yield served
+    served.stack.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen3_parrot(tmp_path_factory) -> Iterator[ThinkingStack]:
+    """A thinking parrot with Qwen3's template, and an adapter without a thinking template
+    (thinking_models), served once per session."""
+    served = start_qwen3_parrot(tmp_path_factory.mktemp("qwen3-parrot"))
+    yield served
+    served.stack.stop()
+
+
+@pytest.fixture(scope="session")
+def r1_parrot(tmp_path_factory) -> Iterator[ThinkingStack]:
+    """A thinking parrot with DeepSeek-R1's template (thinking_models), served once per session."""
+    served = start_r1_parrot(tmp_path_factory.mktemp("r1-parrot"))
     yield served
     served.stack.stop()
 

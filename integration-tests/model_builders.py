@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import processors
+from tokenizers import AddedToken, processors
 import transformers
 from transformers import (
     AutoModelForCausalLM,
@@ -182,7 +183,8 @@ def build_model_dir(arch: str, out_dir: Path, seed: int = 0, eos_boost: float = 
 PARROT_TEXT = "東京🙂Köln✨"
 
 
-def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT) -> Path:
+def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT, added_tokens: Sequence[str] = (),
+                       chat_template: str | None = None) -> Path:
     """A Llama whose greedy continuation of a prompt ending in a newline is exactly `text`, then
     EOS, whatever came before: attention and MLP outputs are zeroed, so the residual stream is
     the current token's embedding, and the LM head maps each token of the chain to the next.
@@ -190,8 +192,15 @@ def build_parrot_model(out_dir: Path, text: str = PARROT_TEXT) -> Path:
     Its output is known in advance, so tests can check what a stream must contain character by
     character (no half UTF-8 character, no part of a stop string) without relying on random
     weights happening to produce such text.
+
+    `added_tokens` become added (non-special) tokens of the tokenizer, as Qwen3's `<think>` and
+    `</think>` are; `chat_template` replaces the ChatML one.
     """
     tokenizer = build_tokenizer()
+    if added_tokens:
+        tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     start = _token_id(tokenizer, "Ċ")  # "\n": the end of the chat generation prompt
     chain = [start, *tokenizer(text, add_special_tokens=False)["input_ids"], _token_id(tokenizer, EOS)]
     if len(set(chain[:-1])) != len(chain) - 1:
