@@ -11,7 +11,8 @@ from quiver_server.forward_batch import build_prefill
 from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.ops import CpuKernelOps, KernelOps, select_ops
-from quiver_server.layers.linear import Linear, LoraPart
+from quiver_server.layers.linear import Linear
+from quiver_server.layers.lora import LoraPart, LoraWrapper, with_lora
 
 CPU = torch.device("cpu")
 
@@ -39,7 +40,7 @@ def test_the_switches_choose_the_torch_paths(monkeypatch: pytest.MonkeyPatch) ->
         select_ops(CPU)
 
 
-def _linear_with_an_adapter(ops: KernelOps) -> tuple[Linear, LoraPart]:
+def _linear_with_an_adapter(ops: KernelOps) -> tuple[LoraWrapper, LoraPart]:
     gen = torch.Generator().manual_seed(0)
     linear = Linear(16, {"q_proj": 8, "k_proj": 4}, bias=False, ops=ops)
     linear.weight.data = torch.randn(12, 16, generator=gen)
@@ -53,8 +54,7 @@ def _linear_with_an_adapter(ops: KernelOps) -> tuple[Linear, LoraPart]:
     )
     unused = LoraPart(slice(0, 8), torch.zeros(2, 4, 16), torch.zeros(2, 8, 4), part.scaling,
                       torch.zeros(2, dtype=torch.int32))
-    linear.lora_parts = [unused, part]
-    return linear, part
+    return with_lora(linear, [unused, part]), part
 
 
 def test_a_layer_keeps_the_lora_backend_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -63,7 +63,7 @@ def test_a_layer_keeps_the_lora_backend_chosen_at_load(monkeypatch: pytest.Monke
     batch = build_prefill([3, 2], torch.arange(2)[:, None], 16, CPU, lora_slots=[1, -1], max_lora_rank=4)
     assert batch.lora is not None
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
-    expected = torch.nn.functional.linear(x, linear.weight)
+    expected = torch.nn.functional.linear(x, linear.base.weight)
     add_lora_reference(expected, x, part.lora_a, part.lora_b, part.scaling, batch.lora, part.columns)
     with torch.inference_mode():
         first = linear(x, batch)

@@ -7,8 +7,9 @@ projections (one A/B pair per expert: row slot * E + expert), plus one scaling v
 [slots * E] float32, shared by all projections with that E. Slot s of every buffer belongs to
 one adapter: its rank-r weights fill rows/columns [:r], the rest stays zero (zero rank
 components add exact zeros), and the projections it does not target stay zero for that slot.
-The buffers are attached to the model's layers once, so the forward pass reads them without any
-lookup.
+Each layer computing a projection is wrapped once in a LoRA wrapper holding its parts' buffers
+(`layers.lora`), so the forward pass reads them without any lookup; with adapters disabled the
+plain layers are put back.
 
 Activating copies an adapter's host weights into its slot. The router does that between steps
 for a slot no running request uses, so the copy never races a forward pass reading the slot.
@@ -20,11 +21,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch import nn
 
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.layers.lora import LoraPart
+from quiver_server.layers.lora import LoraPart, LoraWrapper, with_lora
 from quiver_server.models.family import ModelFamily
 
 
@@ -70,18 +72,23 @@ class AdapterSlots:
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots
 
     def _attach(self, model: ModelFamily, spec: BaseModelSpec) -> None:
-        for layer, name in spec.present:
-            linear = spec.layout.linear(model, layer, name)  # fused parts: the same layer again
-            assert linear is not None
-            linear.lora_parts = [self.parts[(layer, part)] for part in linear.parts]
+        """Wraps every layer that computes a projection in a LoRA wrapper reading its parts' slots."""
+        wrapped = set()
+        for layer, name in sorted(spec.present):
+            path = spec.layout.layer_path(layer, name)
+            base = spec.layout.linear(model, layer, name)
+            if path in wrapped or base is None:
+                continue  # fused parts: the same layer again
+            _replace(model, path, with_lora(base, [self.parts[(layer, part)] for part in base.parts]))
+            wrapped.add(path)
 
     @staticmethod
     def detach(model: ModelFamily, spec: BaseModelSpec) -> None:
-        """Removes any slot buffers from the model (adapters disabled)."""
-        for layer, name in spec.present:
-            linear = spec.layout.linear(model, layer, name)
-            assert linear is not None
-            linear.lora_parts = []
+        """Puts the plain layers back in place of any LoRA wrappers (adapters disabled)."""
+        del spec  # every wrapper goes, whichever projections it served
+        wrappers = [(path, module) for path, module in model.named_modules() if isinstance(module, LoraWrapper)]
+        for path, wrapper in wrappers:
+            _replace(model, path, wrapper.base)
 
     @property
     def nbytes(self) -> int:
@@ -160,3 +167,8 @@ class AdapterSlots:
         for where, part in self.parts.items():
             part.in_use = where in targeted
 
+
+
+def _replace(model: ModelFamily, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)

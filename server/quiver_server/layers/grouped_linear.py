@@ -2,8 +2,9 @@
 
 `GroupedLinear` holds weight [E, out, in] (a fused one may stack several checkpoint parts side by
 side in its output columns, gate|up) and takes rows of x already sorted by expert, group g being
-rows offsets[g-1]:offsets[g]. Adapter deltas are added per row like `Linear`'s (`LoraTarget`),
-each row reading the buffer row of its (slot, expert) pair from the metadata the caller built.
+rows offsets[g-1]:offsets[g]. Like `Linear` it knows nothing of adapters: a
+`layers.lora.LoraGroupedLinear` wraps it when adapter slots are allocated, each row then reading
+the buffer row of its (slot, expert) pair from the metadata the caller built.
 
 The matmul is torch's grouped_mm (public from 2.10, private before) where it runs for the device
 and dtype, else one matmul per expert; which one is probed once per (device type, dtype).
@@ -17,10 +18,10 @@ from torch import nn
 
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.layers.lora import LoraTarget, part_columns
+from quiver_server.layers.linear import part_columns
 
 
-class GroupedLinear(nn.Module, LoraTarget):
+class GroupedLinear(nn.Module):
     def __init__(self, num_experts: int, in_features: int, parts: dict[str, int], ops: KernelOps) -> None:
         """parts: LoRA target name of each part -> its output width, in output-column order."""
         super().__init__()
@@ -31,15 +32,12 @@ class GroupedLinear(nn.Module, LoraTarget):
         self.out_features = sum(parts.values())
         self.part_columns = part_columns(self.parts)
         self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, in_features))
-        self._init_lora(ops.lora_backend)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, lora: LoraBatchMeta | None) -> torch.Tensor:
-        """x [N, in] sorted by expert, offsets int32 [E] (each group's end row), lora: the rows'
-        buffer rows (`LoraBatchMeta.for_rows`) or None -> [N, out]."""
-        y = grouped_linear(x, self.weight, offsets)
-        if lora is not None:
-            self.add_lora(y, x, lora)
-        return y
+        """x [N, in] sorted by expert, offsets int32 [E] (each group's end row) -> [N, out].
+        `lora` (the rows' adapter buffer rows) is for a LoRA wrapper's sake; the matmul ignores it."""
+        del lora
+        return grouped_linear(x, self.weight, offsets)
 
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)

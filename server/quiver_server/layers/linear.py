@@ -2,17 +2,11 @@
 
 A `Linear` may fuse several checkpoint projections into one matmul (q|k|v, gate|up): it keeps
 each part's name and output width, so weights load per part and per-part adapter deltas can be
-added to the matching output columns.
+added to the matching output columns. It knows nothing of adapters: with adapter slots
+allocated, a `layers.lora.LoraLinear` wraps it and adds them.
 
-Multi-LoRA: when adapter slots are allocated, each part gets the stacked slot buffers of its
-projection (`layers.lora.LoraPart`, attached by `adapters.slots.AdapterSlots`), and `forward`
-adds every token's adapter delta into that part's columns with batched kernel calls (on CPU, one
-call for all parts of a decode step). Steps without adapter requests carry no LoRA metadata and
-pay nothing.
-
-The shard's `KernelOps` decides the rest once at load: which LoRA backend the delta runs on,
-and whether `pack_weight` (called once the checkpoint is loaded) swaps the plain weight for a
-prepacked one (float32 on CPU, `kernels.cpu_gemm`).
+The shard's `KernelOps` decides once at load whether `pack_weight` (called once the checkpoint
+is loaded) swaps the plain weight for a prepacked one (float32 on CPU, `kernels.cpu_gemm`).
 """
 
 from __future__ import annotations
@@ -24,12 +18,9 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels import cpu_gemm
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.layers.lora import LoraPart, LoraTarget, part_columns
-
-__all__ = ["Linear", "LoraPart"]
 
 
-class Linear(nn.Module, LoraTarget):
+class Linear(nn.Module):
     def __init__(self, in_features: int, parts: dict[str, int], bias: bool, ops: KernelOps) -> None:
         """parts: checkpoint projection name -> output width, in output-column order."""
         super().__init__()
@@ -40,17 +31,14 @@ class Linear(nn.Module, LoraTarget):
         self.weight = nn.Parameter(torch.empty(self.out_features, in_features))
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.part_columns = part_columns(self.parts)
-        self._init_lora(ops.lora_backend)
         self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, in] -> [T, out]. `batch` is for a LoRA wrapper's sake; the matmul ignores it."""
+        del batch
         if self.packed_weight is not None:
-            y = cpu_gemm.linear(x, self.packed_weight, self.bias)
-        else:
-            y = F.linear(x, self.weight, self.bias)
-        if batch.lora is not None:
-            self.add_lora(y, x, batch.lora)
-        return y
+            return cpu_gemm.linear(x, self.packed_weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
     def pack_weight(self) -> bool:
         """Replaces the plain weight by a prepacked one where the ops pack weights; True if it
@@ -78,3 +66,13 @@ class Linear(nn.Module, LoraTarget):
                 f"{part}.{kind} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
             )
         destination.copy_(tensor)
+
+
+def part_columns(parts: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Each part's [start, end) output columns, the parts side by side in their order."""
+    columns: dict[str, tuple[int, int]] = {}
+    start = 0
+    for name, width in parts.items():
+        columns[name] = (start, start + width)
+        start += width
+    return columns

@@ -1,6 +1,10 @@
-"""Adapter slots as the projection layers see them: `LoraPart` (one projection's stacked slot
-buffers) and `LoraTarget`, the mixin through which `Linear` and `GroupedLinear` add every row's
-adapter delta into their output. The layers' own matmuls know nothing of adapters.
+"""LoRA wrapper layers over the LoRA-free projection layers (`Linear`, `GroupedLinear`).
+
+`adapters.slots.AdapterSlots` puts a wrapper in place of every projection it allocates adapter
+slots for, and takes it away again when adapters are disabled: a model served without adapters
+runs its plain layers. A wrapper calls its base layer, then adds every row's adapter delta into
+the output columns of each of the base's parts (`LoraPart`: that part's stacked slot buffers),
+with the shard's LoRA backend bound once into the kernel call (`kernels.LoraProjection`).
 
 A part's buffers hold `experts` rows per slot: one for a plain projection, one per expert for a
 sparse MLP's stacked expert projections (row slot * experts + expert). Rows of x name the buffer
@@ -12,8 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
+from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels import LoraBatchMeta, LoraProjection
+from quiver_server.layers.grouped_linear import GroupedLinear
+from quiver_server.layers.linear import Linear
 
 
 @dataclass
@@ -40,40 +48,47 @@ class LoraPart:
                 self.ranks.unflatten(0, shape)[slot])
 
 
-class LoraTarget:
-    """Mixin of a layer whose output columns take adapter deltas: `AdapterSlots` sets
-    `lora_parts` (one per checkpoint part, in column order); `add_lora` adds the parts in use."""
+class LoraWrapper(nn.Module):
+    """The adapter half of a wrapped layer: `lora_parts` (one per part of the base, in column
+    order, set by `AdapterSlots`) and the kernel call for those in use."""
 
-    lora_parts: list[LoraPart]
-    _lora_backend: str
-    _lora: LoraProjection | None
-    _lora_key: tuple[object, tuple[bool, ...]] | None
-
-    def _init_lora(self, backend: str) -> None:
-        """backend: the shard's LoRA backend (`KernelOps.lora_backend`), bound into each
-        `LoraProjection` built here."""
-        self._lora_backend = backend
-        self.lora_parts = []  # empty: adapters disabled
+    def __init__(self, base: Linear | GroupedLinear, parts: list[LoraPart]) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_parts = parts
+        self._backend = base.ops.lora_backend
         # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
-        self._lora = None
-        self._lora_key = None
+        self._lora: LoraProjection | None = None
+        self._in_use: tuple[bool, ...] | None = None
 
-    def add_lora(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
-        # AdapterSlots assigns a new list when it attaches buffers; `in_use` flips on activation.
-        key = (self.lora_parts, tuple(p.in_use for p in self.lora_parts))
-        if self._lora_key is None or key[0] is not self._lora_key[0] or key[1] != self._lora_key[1]:
+    def _add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
+        in_use = tuple(part.in_use for part in self.lora_parts)
+        if in_use != self._in_use:
             parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
-            self._lora = LoraProjection(parts, self._lora_backend) if parts else None
-            self._lora_key = key
+            self._lora = LoraProjection(parts, self._backend) if parts else None
+            self._in_use = in_use
         if self._lora is not None:
             self._lora.add(y, x, meta)
 
 
-def part_columns(parts: dict[str, int]) -> dict[str, tuple[int, int]]:
-    """Each part's [start, end) output columns, the parts side by side in their order."""
-    columns: dict[str, tuple[int, int]] = {}
-    start = 0
-    for name, width in parts.items():
-        columns[name] = (start, start + width)
-        start += width
-    return columns
+class LoraLinear(LoraWrapper):
+    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        y = self.base(x, batch)
+        if batch.lora is not None:
+            self._add(y, x, batch.lora)
+        return y
+
+
+class LoraGroupedLinear(LoraWrapper):
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, lora: LoraBatchMeta | None) -> torch.Tensor:
+        y = self.base(x, offsets, lora)
+        if lora is not None:
+            self._add(y, x, lora)
+        return y
+
+
+def with_lora(base: Linear | GroupedLinear, parts: list[LoraPart]) -> LoraWrapper:
+    """`base` wrapped so that it adds the deltas of `parts` (one per part of base, in order)."""
+    if isinstance(base, GroupedLinear):
+        return LoraGroupedLinear(base, parts)
+    return LoraLinear(base, parts)

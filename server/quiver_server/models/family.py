@@ -5,6 +5,7 @@ its own model file and adds a registry entry (`models/__init__.py`); nothing els
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -17,6 +18,7 @@ from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
+from quiver_server.layers.lora import LoraWrapper
 
 
 @dataclass(frozen=True)
@@ -93,15 +95,21 @@ class ProjectionLayout:
         """transformers' module path of projection `name` in layer `layer`, as PEFT keys name it."""
         return f"{self.layers}.{layer}.{self._by_part[name].parent}.{name}"
 
+    def layer_path(self, layer: int, name: str) -> str:
+        """Module path of the (possibly fused) layer that computes projection `name` in `layer`."""
+        fused = self._by_part[name]
+        return f"{self.layers}.{layer}.{fused.parent}.{fused.linear}"
+
     def linear(self, model: ModelFamily, layer: int, name: str) -> Linear | GroupedLinear | None:
         """The (possibly fused) layer of `model` that computes projection `name` in layer
-        `layer` (None where that layer has none: the dense layers of a sparse model); its
-        `part_columns[name]` are that projection's output columns."""
-        fused = self._by_part[name]
+        `layer`, under any LoRA wrapper (None where that layer has none: the dense layers of a
+        sparse model); its `part_columns[name]` are that projection's output columns."""
         try:
-            module = model.get_submodule(f"{self.layers}.{layer}.{fused.parent}.{fused.linear}")
+            module = model.get_submodule(self.layer_path(layer, name))
         except AttributeError:
             return None
+        if isinstance(module, LoraWrapper):
+            module = module.base
         return module if isinstance(module, (Linear, GroupedLinear)) else None
 
 
@@ -133,6 +141,8 @@ class ModelFamily(Protocol):
         ...
 
     def get_submodule(self, target: str) -> nn.Module: ...
+
+    def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
 
     @classmethod
     def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps) -> ModelFamily:
