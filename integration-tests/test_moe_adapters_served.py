@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -22,7 +23,7 @@ from stack import Stack, StackConfig
 
 MAX_TOKENS = 12
 ADAPTER = "experts/all-linear"
-CHATS = [[{"role": "user", "content": "Hello!"}], [{"role": "user", "content": "Name a city, 東京?"}]]
+CHATS: list[list[Any]] = [[{"role": "user", "content": "Hello!"}], [{"role": "user", "content": "Name a city, 東京?"}]]
 
 
 class MoeStack:
@@ -46,7 +47,7 @@ def moe(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
 
 def test_router_and_expert_lora_mixed_with_the_base_equals_peft(moe: MoeStack) -> None:
-    served = moe.stack.config.served_model_name
+    served = str(moe.stack.config.served_model_name)
     requests = [(model, chat) for chat in CHATS for model in (served, ADAPTER)] * 2
 
     async def send_all() -> list:
@@ -58,7 +59,7 @@ def test_router_and_expert_lora_mixed_with_the_base_equals_peft(moe: MoeStack) -
                 for model, chat in requests))
 
     responses = asyncio.run(send_all())
-    outputs = {}
+    outputs: dict[str, list[list[int]]] = {}
     for (model, chat), response in zip(requests, responses, strict=True):
         prompt_ids = reference.chat_prompt_ids(str(moe.base_dir), chat)
         assert prompt_token_ids(response) == prompt_ids
