@@ -38,7 +38,7 @@ pub struct LauncherArgs {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub num_shard: u32,
 
-    /// Weight and activation dtype; auto = the model's torch_dtype on CUDA, float32 on CPU.
+    /// Weight and activation dtype; auto = 16-bit on CUDA (a half checkpoint's own, else bfloat16), float32 on CPU.
     #[arg(long, env = "QUIVER_DTYPE", value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
 

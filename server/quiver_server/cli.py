@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uds-path", required=True, help="unix socket to listen on")
     serve.add_argument("--revision", help="hub revision (branch, tag or commit)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                       help="auto: the config's torch_dtype on CUDA, float32 on CPU")
+                       help="auto: 16-bit on CUDA (a half checkpoint's own, else bfloat16), float32 on CPU")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="auto: cuda if available")
     serve.add_argument("--rank", type=int, default=0, help="this shard's rank among --world-size shards")
