@@ -213,10 +213,11 @@ class Engine:
         forward_peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        # Decode gathers one layer's K and V for the whole batch (padded to the longest request),
-        # and attention may copy them once more.
+        # The torch decode path gathers one layer's K and V for the whole batch (padded to the
+        # longest request), and attention may copy them once more; the Triton kernel reads in place.
         element = torch.empty((), dtype=self.dtype).element_size()
-        gather = 4 * max_batch_size * max_total_tokens * self.kv_spec.num_kv_heads * self.kv_spec.head_dim * element
+        kv_row = self.kv_spec.num_kv_heads * self.kv_spec.head_dim * element
+        gather = 4 * max_batch_size * max_total_tokens * kv_row if self.ops.decode_gathers else 0
         budget = free - (1.0 - self.gpu_memory_fraction) * total - forward_peak - gather
         log.info("warmup: forward peak %.2f GiB, decode gather %.2f GiB, free %.2f of %.2f GiB",
                  forward_peak / 2**30, gather / 2**30, free / 2**30, total / 2**30)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quiver_server.forward_batch import build_prefill
+from quiver_server.forward_batch import build_decode, build_prefill
 from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_reference import add_lora_reference
-from quiver_server.kernels.ops import CpuKernelOps, KernelOps, select_ops
+from quiver_server.kernels.ops import CpuKernelOps, KernelOps, TritonKernelOps, select_ops
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.lora import LoraPart, LoraWrapper, with_lora
 
@@ -71,3 +71,25 @@ def test_a_layer_keeps_the_lora_backend_chosen_at_load(monkeypatch: pytest.Monke
         monkeypatch.setenv("QUIVER_LORA_BACKEND", "bogus")
         again = linear(x, batch)
     assert torch.equal(first, expected) and torch.equal(again, expected)
+
+
+def test_cuda_gets_the_triton_ops_and_no_gather_reserve() -> None:
+    ops = select_ops(torch.device("cuda", 0))  # choosing touches no GPU
+    assert isinstance(ops, TritonKernelOps) and ops.lora_backend == "triton"
+    assert not ops.decode_gathers and KernelOps.decode_gathers
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 2.0)])
+def test_triton_decode_attention_is_the_torch_path_s(window: int | None, softcap: float | None) -> None:
+    """The Triton ops' decode attention (here in Triton's CPU interpreter) through the same call
+    the attention layer makes, against the plain-torch ops on the same batch."""
+    gen = torch.Generator().manual_seed(5)
+    lengths = [1, 17, 40]
+    table = torch.randperm(12, generator=gen)[:9].view(3, 3)
+    k, v = (torch.randn(12, 16, 2, 64, generator=gen) for _ in range(2))
+    q = torch.randn(3, 8, 64, generator=gen)
+    batch = build_decode([n - 1 for n in lengths], table, 16, CPU)
+    triton_ops, torch_ops = TritonKernelOps(CPU, "torch", None), KernelOps(CPU, "torch", None)
+    got = triton_ops.decode_attention(q, k, v, batch, 0.125, window, softcap)
+    expected = torch_ops.decode_attention(q, k, v, batch, 0.125, window, softcap)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -56,6 +56,9 @@ class KernelOps:
     lora_backend: str
     packed_matmul: str | None
     name: ClassVar[str] = "torch"
+    # Whether decode attention copies every sequence's K/V blocks into new tensors (the torch
+    # path does, padded to the longest sequence): the KV budget on a GPU must leave room for it.
+    decode_gathers: ClassVar[bool] = True
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_ops.rms_norm(x, weight, eps)
@@ -109,6 +112,7 @@ class CpuKernelOps(KernelOps):
     """The C++ kernels (`cpu_ops`), each a faster form of the torch op it replaces."""
 
     name: ClassVar[str] = "cpu"
+    decode_gathers: ClassVar[bool] = False
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
@@ -139,6 +143,26 @@ class CpuKernelOps(KernelOps):
         return cpu_ops.greedy_logprob(logits)  # one fused pass per row
 
 
+@dataclass(frozen=True)
+class TritonKernelOps(KernelOps):
+    """CUDA: the Triton kernels where they replace a torch op (they also run, slowly, in Triton's
+    CPU interpreter, which is how the tests hold them to the torch ops)."""
+
+    name: ClassVar[str] = "triton"
+    decode_gathers: ClassVar[bool] = False
+
+    def decode_attention(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float, sliding_window: int | None, softcap: float | None = None,
+    ) -> torch.Tensor:
+        from quiver_server.kernels.paged_decode_triton import paged_decode_attention  # imports triton
+
+        # Reads K/V in place through the block tables: no gathered copy, no padding to the longest.
+        assert batch.block_tables is not None and batch.seq_lens is not None
+        return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
+                                      sliding_window, softcap, max_seq_len=batch.kv_span or None)
+
+
 def select_ops(device: torch.device) -> KernelOps:
     """The ops for a shard on `device`, from what is built here and the QUIVER_* switches
     (QUIVER_CPU_KERNELS, QUIVER_LORA_BACKEND; QUIVER_CPU_PACKED_WEIGHTS is read per weight)."""
@@ -146,6 +170,8 @@ def select_ops(device: torch.device) -> KernelOps:
     ops: KernelOps
     if device.type == "cpu" and cpu_ops.available():
         ops = CpuKernelOps(device, backend, packed_matmul="quiver")
+    elif device.type == "cuda":
+        ops = TritonKernelOps(device, backend, packed_matmul=None)
     else:
         # oneDNN's packing where quiver's C++ matmul is not built (cpu_gemm checks it exists).
         ops = KernelOps(device, backend, packed_matmul="onednn" if device.type == "cpu" else None)
