@@ -43,8 +43,8 @@ class ForwardBatch:
     # Prefill: tokens per sequence already in the cache before this pass (host ints, empty when
     # every sequence starts at 0); its new tokens sit at positions context .. context + len - 1.
     context_lens_host: list[int] = field(default_factory=list)
-    # Decode: block tables cut to the longest sequence. Prefill: the full block tables, kept only
-    # when some sequence has a cached context (attention gathers that context through them).
+    # Decode: block tables cut to the longest sequence. Prefill: the full block tables (the torch
+    # path reads a cached context through them, the Triton kernel every key).
     block_tables: torch.Tensor | None = None  # [B, nb] long
     # Decode only: lengths including the new token.
     seq_lens: torch.Tensor | None = None  # [B] long
@@ -54,6 +54,9 @@ class ForwardBatch:
     # [B] long: each sequence's last-token row among the logits; None when that is every row.
     sample_rows: torch.Tensor | None = None
     _decode_masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    # Per-pass data a kernel builds on its first layer and every later layer reuses (the Triton
+    # prefill's tile table), keyed by what it depends on besides the batch.
+    kernel_plans: dict[object, object] = field(default_factory=dict)
 
     def context_of(self, sequence: int) -> int:
         """Tokens of `sequence` cached before this pass (0 in decode: see `seq_lens`)."""
@@ -168,7 +171,7 @@ def build_prefill(
         logits_indices=logits_indices.to(device, non_blocking=True),
         seq_lens_host=list(prompt_lens),
         context_lens_host=list(context_lens) if has_context and context_lens is not None else [],
-        block_tables=block_table.to(device, non_blocking=True) if has_context else None,
+        block_tables=block_table.to(device, non_blocking=True),
         lora=lora,
         lora_rows=lora_rows,
         sample_rows=sample_rows,

@@ -84,6 +84,16 @@ class KernelOps:
         token's own K/V already written); semantics in `layers/attention.py`."""
         return attention_torch.decode_attention(q, k_cache, v_cache, batch, scale, sliding_window, softcap)
 
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float,
+        sliding_window: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None = None,
+    ) -> torch.Tensor:
+        """q [T, heads, d] of every sequence's new tokens over its context and themselves, their
+        k/v [T, kv_heads, d] already written into the cache; semantics in `layers/attention.py`."""
+        from quiver_server.layers.attention import prefill_attention  # the layer imports the ops
+
+        return prefill_attention(q, k, v, batch, scale, sliding_window, k_cache, v_cache, softcap)
+
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [B, V] -> (argmax token [B] long, its log-softmax [B] float32)."""
         return torch_ops.greedy_logprob(logits)
@@ -161,6 +171,27 @@ class TritonKernelOps(KernelOps):
         assert batch.block_tables is not None and batch.seq_lens is not None
         return paged_decode_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, scale,
                                       sliding_window, softcap, max_seq_len=batch.kv_span or None)
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float,
+        sliding_window: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None = None,
+    ) -> torch.Tensor:
+        from quiver_server.kernels.prefill_triton import PrefillTiles, paged_prefill_attention  # imports triton
+
+        # One launch for the whole batch, fresh and cached prompts alike: every key is read from
+        # the paged cache, where this layer's new K/V already are. The tile table is built once
+        # per pass (one small host-to-device copy) and reused by every layer.
+        assert batch.block_tables is not None
+        heads, head_dim = q.shape[1], q.shape[2]
+        key = ("prefill_tiles", heads, k_cache.shape[2], head_dim, q.dtype)
+        tiles = batch.kernel_plans.get(key)
+        if tiles is None:
+            tiles = PrefillTiles.build(batch.seq_lens_host, batch.context_lens_host, heads, k_cache.shape[2],
+                                       head_dim, q.dtype, q.device)
+            batch.kernel_plans[key] = tiles
+        assert isinstance(tiles, PrefillTiles)
+        return paged_prefill_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens_host,
+                                       batch.context_lens_host, scale, sliding_window, softcap, tiles=tiles)
 
 
 def select_ops(device: torch.device) -> KernelOps:

@@ -24,7 +24,7 @@ from quiver_server.kernels import cpu_gemm
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.activation import gated_activation
-from quiver_server.layers.attention import prefill_attention, write_kv
+from quiver_server.layers.attention import write_kv
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.norm import make_norm
 from quiver_server.layers.rotary import RotaryEmbedding
@@ -67,7 +67,8 @@ class Attention(nn.Module):
         q, k, v = self.store_kv(x, cos_sin, batch, k_cache, v_cache)
         if batch.is_prefill:
             # Every token's K/V of this layer is in the cache before any sequence reads it back.
-            out = prefill_attention(q, k, v, batch, self.scale, self.sliding_window, k_cache, v_cache, self.softcap)
+            out = self.ops.prefill_attention(q, k, v, batch, self.scale, self.sliding_window, k_cache, v_cache,
+                                             self.softcap)
         else:
             out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
