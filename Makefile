@@ -10,7 +10,7 @@ export UV_LINK_MODE := copy
 CARGO ?= cargo
 PB_OUT := server/quiver_server/pb
 
-.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape demo-wheel demo-adapter serve test test-rust test-server test-integration docs soak bench bench-peers lint clean
+.PHONY: install python cpu-kernels rust proto-py node-clients chart-tools gie-scrape demo-wheel demo-adapter serve test test-rust test-server test-integration docs soak bench bench-peers gpu-bundle gpu-check lint clean
 
 install: python rust
 
@@ -149,6 +149,21 @@ $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
 
 bench-peers: install $(VENV)/.bench-installed
 	$(PY) bench/peers.py
+
+# The prepared check for a machine with one NVIDIA GPU and no network (docs/gpu-check.md).
+# `make gpu-bundle` here gathers what that machine lacks into .cache/gpu-bundle (the stripped
+# release binaries, the generated gRPC modules, Python 3.12 wheels; printed size, 48 MiB at most);
+# `make gpu-check REPORT_DIR=DIR` there runs the check with the machine's own python3 (no .venv,
+# nothing built): each phase writes its JSON file into DIR. GPU_CHECK_ARGS passes more options
+# (e.g. --shape tiny, --phases env,kernels; `python3 bench/gpu_check.py --help`).
+GPU_BUNDLE := .cache/gpu-bundle
+GPU_PYTHON ?= python3
+gpu-bundle: rust proto-py
+	$(PY) bench/gpu_check_bundle.py --out $(GPU_BUNDLE)
+
+gpu-check:
+	@test -n "$(REPORT_DIR)" || { echo "usage: make gpu-check REPORT_DIR=DIR [GPU_CHECK_ARGS=...]"; exit 2; }
+	$(GPU_PYTHON) bench/gpu_check.py --bundle $(GPU_BUNDLE) --report-dir $(REPORT_DIR) $(GPU_CHECK_ARGS)
 
 # ruff and mypy: pyproject's `lint` extra, pinned there; configured in pyproject.toml.
 $(VENV)/.lint-installed: pyproject.toml $(VENV)/.installed
