@@ -269,7 +269,7 @@ def main() -> int:
                       bin_dir=str(bin_dir) if bin_dir else None, prepared=prepared)
     env = phase_env(site, bin_dir, args.device)
     summary: dict[str, Any] = {"status": "running", "shape": args.shape, "device": args.device, "budget_s": budget,
-                               "phases": {}}
+                               "wheels_installed": prepared.get("wheels_installed"), "phases": {}}
     try:
         for name in PHASES:
             if name not in selected:
@@ -292,7 +292,8 @@ def main() -> int:
     reports_ok = all(_read(args.report_dir, f).get("status") == "ok"
                      for name in selected if name in ("stack", "shard-tests") for f in PHASE_FILES[name])
     phases_ok = all(p.get("status") == "ok" for p in summary["phases"].values())
-    summary["status"] = "ok" if phases_ok and reports_ok else "failed"
+    prepared_ok = prepared.get("wheels_installed", True)
+    summary["status"] = "ok" if phases_ok and reports_ok and prepared_ok else "failed"
     summary["elapsed_s"] = round(time.monotonic() - started, 1)
     write_report(options, "summary.json", summary)
     log(f"{summary['status']} in {summary['elapsed_s']} s; report in {args.report_dir}")
