@@ -79,6 +79,13 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_GPU_MEMORY_FRACTION")]
     pub gpu_memory_fraction: Option<f64>,
 
+    /// On CUDA, run decode steps eagerly instead of replaying captured CUDA graphs (for
+    /// debugging, or to save the graphs' memory). The variable takes true/false, 1/0, yes/no,
+    /// on/off.
+    #[arg(long, env = "QUIVER_ENFORCE_EAGER", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub enforce_eager: bool,
+
     /// Seconds the shards get to load the model (and download it) and answer Health.
     #[arg(
         long,

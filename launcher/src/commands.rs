@@ -91,6 +91,9 @@ pub fn shard_command(
             format!("{}-shard", args.serving.otel_service_name),
         );
     }
+    if args.enforce_eager {
+        cmd.arg("--enforce-eager");
+    }
     // A revision only means something for a hub id; the demo model is a local directory.
     if let ModelSource::User(_) = model {
         cmd.flag_if_set("--revision", args.revision.as_deref());
@@ -188,6 +191,7 @@ mod tests {
             "0.8",
             "--max-cpu-adapters",
             "16",
+            "--enforce-eager",
         ]);
         let model = ModelSource::User(args.requested_model_id().unwrap());
         let cmd = shard_command(
@@ -219,6 +223,7 @@ mod tests {
                 "--max-cpu-adapters",
                 "16",
                 "--json-logs",
+                "--enforce-eager",
                 "--revision",
                 "main",
             ]
@@ -255,6 +260,7 @@ mod tests {
             );
         }
         assert!(cmd.env.is_empty());
+        assert!(!strings(&cmd).contains(&"--enforce-eager".to_owned()));
     }
 
     #[test]

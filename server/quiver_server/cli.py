@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV cache size when running on the CPU")
     serve.add_argument("--gpu-memory-fraction", type=float, default=0.9,
                        help="share of GPU memory the weights, activations and KV cache may use")
+    serve.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     serve.add_argument("--max-cpu-adapters", type=int, default=64,
                        help="LoRA adapters kept in host memory (least recently used evicted first)")
     serve.add_argument("--adapter-root",
@@ -181,6 +183,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             device=args.device,
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
             gpu_memory_fraction=args.gpu_memory_fraction,
+            cuda_graphs=not args.enforce_eager,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
             grammar_budget_s=args.grammar_compile_timeout,

@@ -32,6 +32,7 @@ import torch
 
 from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
+from quiver_server.decode_graphs import DecodeGraphs, bucket_sizes
 from quiver_server.batch_state import CachedBatch, RequestState, padded_block_table
 from quiver_server.batch_types import (
     AdapterInfo,
@@ -43,7 +44,6 @@ from quiver_server.batch_types import (
     TokenOut,
 )
 from quiver_server.forward_batch import (
-    ForwardBatch,
     build_decode,
     build_lora_meta,
     build_prefill,
@@ -107,7 +107,10 @@ class Engine:
         adapter_root: str | None = None,
         grammar_budget_s: float = DEFAULT_BUDGET_S,
         grammar_cache_size: int = DEFAULT_CACHE_SIZE,
+        cuda_graphs: bool = True,
     ) -> None:
+        """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
+        ops allow it (CUDA, a decode attention that reads the cache in place); False: eager."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -134,6 +137,8 @@ class Engine:
             model_path=str(path),
         )
         self.kv_cache: PagedKVCache | None = None
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
+        self.graphs: DecodeGraphs | None = None
         self.batches: dict[int, CachedBatch] = {}
         self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root)
         self.grammars = Grammars(
@@ -159,7 +164,7 @@ class Engine:
         if max_active_adapters > 0 and max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive with max_active_adapters={max_active_adapters}")
         self.batches.clear()
-        self.kv_cache = None
+        self.kv_cache = self.graphs = None
         self.lora.allocate_slots(max_active_adapters, max_lora_rank)
         if self.device.type == "cuda":
             num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
@@ -173,10 +178,25 @@ class Engine:
                 f"the KV cache holds {num_blocks} blocks of {BLOCK_SIZE} tokens, fewer than one request "
                 f"of max_total_tokens={max_total_tokens} needs"
             )
-        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks, self.device)
+        # With CUDA graphs one block more than the router is told of: the padded rows' scratch.
+        scratch = 1 if self.use_cuda_graphs else 0
+        self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + scratch, self.device)
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, BLOCK_SIZE,
                  num_blocks * self.kv_spec.bytes_per_block() / 2**30)
+        if self.use_cuda_graphs:
+            self._capture_decode_graphs(num_blocks, max_batch_size, max_total_tokens)
         return BLOCK_SIZE, num_blocks
+
+    def _capture_decode_graphs(self, scratch_block: int, max_batch_size: int, max_total_tokens: int) -> None:
+        assert self.kv_cache is not None
+        slots = self.lora.slots
+        self.graphs = DecodeGraphs(
+            self.model, self.kv_cache, scratch_block, max_batch_size, self.kv_spec.blocks_for_tokens(max_total_tokens),
+            BLOCK_SIZE, slots.max_rank if slots is not None else None, self.device,
+        )
+        seconds, nbytes = self.graphs.capture(self.lora.exercising_every_slot_buffer)
+        log.info("CUDA graphs: decode batches %s captured in %.1f s, %.2f GiB",
+                 ",".join(map(str, self.graphs.sizes)), seconds, nbytes / 2**30)
 
     def _dry_run(self, num_tokens: int, max_total_tokens: int) -> None:
         """A prefill of `num_tokens` prompt tokens (sequences of at most max_total_tokens) and one
@@ -218,9 +238,15 @@ class Engine:
         element = torch.empty((), dtype=self.dtype).element_size()
         kv_row = self.kv_spec.num_kv_heads * self.kv_spec.head_dim * element
         gather = 4 * max_batch_size * max_total_tokens * kv_row if self.ops.decode_gathers else 0
-        budget = free - (1.0 - self.gpu_memory_fraction) * total - forward_peak - gather
-        log.info("warmup: forward peak %.2f GiB, decode gather %.2f GiB, free %.2f of %.2f GiB",
-                 forward_peak / 2**30, gather / 2**30, free / 2**30, total / 2**30)
+        # The decode graphs' pool holds one decode step's activations at the largest bucket, which
+        # the dry run's peak bounds pro rata to its tokens, and the graphs' shared logits buffer.
+        graphs = 0
+        if self.use_cuda_graphs:
+            rows = bucket_sizes(max_batch_size)[-1]
+            graphs = int(forward_peak * min(1.0, rows / max_batch_prefill_tokens)) + rows * self.vocab_size * element
+        budget = free - (1.0 - self.gpu_memory_fraction) * total - forward_peak - gather - graphs
+        log.info("warmup: forward peak %.2f GiB, decode gather %.2f GiB, decode graphs %.2f GiB, free %.2f of %.2f GiB",
+                 forward_peak / 2**30, gather / 2**30, graphs / 2**30, free / 2**30, total / 2**30)
         return max(int(budget // self.kv_spec.bytes_per_block()), 0)
 
     # ---- steps --------------------------------------------------------------------------------
@@ -270,7 +296,8 @@ class Engine:
             [r.input_ids for r in finals], [r.prompt_logprobs for r in finals],
             [n for n, final in zip(rows_per_sequence, sampled, strict=True) if final],
         )
-        result = self._step(batch_id, batch, input_ids, forward, kv_cache, fed_last_token=False, start=start,
+        result = self._step(batch_id, batch, lambda: self.model(input_ids, forward, kv_cache), forward.sample_rows,
+                            fed_last_token=False, start=start,
                             prompt_spans=spans)
         self.batches[batch_id] = batch
         return result
@@ -298,34 +325,41 @@ class Engine:
         if not batch.requests:
             return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
         input_ids = torch.tensor([r.last_token for r in batch.requests], dtype=torch.long).to(self.device)
+        lengths, table = [r.length for r in batch.requests], batch.block_table(self.device)
+        graphs = self.graphs
+        if graphs is not None and graphs.bucket(len(lengths)) is not None:
+            slots = [r.lora_slot for r in batch.requests]
+            lora_slots = slots if any(s >= 0 for s in slots) else None
+            return self._step(batch_ids[0], batch, lambda: graphs.run(input_ids, lengths, table, lora_slots), None,
+                              fed_last_token=True, start=start)
         lora = batch.lora_meta(self.lora.max_rank, self.device) if self.lora.slots is not None else None
-        forward = build_decode(
-            [r.length for r in batch.requests], batch.block_table(self.device), BLOCK_SIZE, self.device, lora
-        )
-        return self._step(batch_ids[0], batch, input_ids, forward, kv_cache, fed_last_token=True, start=start)
+        forward = build_decode(lengths, table, BLOCK_SIZE, self.device, lora)
+        return self._step(batch_ids[0], batch, lambda: self.model(input_ids, forward, kv_cache), None,
+                          fed_last_token=True, start=start)
 
     def _step(
         self,
         batch_id: int,
         batch: CachedBatch,
-        input_ids: torch.Tensor,
-        forward: ForwardBatch,
-        kv_cache: PagedKVCache,
+        run_forward: Callable[[], torch.Tensor],
+        sample_rows: torch.Tensor | None,
         fed_last_token: bool,
         start: int,
         prompt_spans: dict[int, logprobs.PromptSpan] | None = None,
     ) -> StepResult:
-        """prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
+        """run_forward: the step's forward pass (the model eagerly, or a decode graph) -> logits;
+        sample_rows: each sequence's row among them, None when that is every row;
+        prompt_spans: batch row -> where its prompt logprobs sit among the logits (prefill)."""
         matchers = batch.matchers
         # The grammar rows' mask is filled on its own thread while the forward pass runs.
         pending = self.grammars.masks.start(matchers, self.device.type == "cuda") if batch.has_grammar else None
         try:
-            logits = self.model(input_ids, forward, kv_cache)
+            logits = run_forward()
             params = batch.sampling(self.device)
         finally:  # the matchers are the fill's until it ends, even when the forward pass failed
             grammar = pending.wait(self.device) if pending is not None else None
         sampled = sampling.sample(
-            logits if forward.sample_rows is None else logits[forward.sample_rows],
+            logits if sample_rows is None else logits[sample_rows],
             params,
             [r.generator for r in batch.requests],
             batch.seen_matrix(self.vocab_size, self.device),

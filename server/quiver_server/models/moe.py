@@ -54,7 +54,10 @@ class SparseMoe(nn.Module):
         flat_experts = experts.reshape(-1)
         order = torch.argsort(flat_experts, stable=True)
         token_of = order // self.top_k
-        counts = torch.bincount(flat_experts, minlength=self.num_experts)
+        # A scatter-add, not bincount: bincount on CUDA reads the largest id back (a host sync,
+        # which a CUDA graph cannot capture).
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat_experts, torch.ones_like(flat_experts))
         offsets = torch.cumsum(counts, 0).to(torch.int32)
         lora = self._pair_lora(batch.lora, token_of, flat_experts[order])
         hidden = self.gate_up(x[token_of], offsets, lora)
