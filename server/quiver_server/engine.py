@@ -40,6 +40,7 @@ from quiver_server.batch_types import (
     ModelInfo,
     PromptPosition,
     RequestSpec,
+    SamplingParams,
     StepResult,
     TokenOut,
 )
@@ -53,6 +54,7 @@ from quiver_server.grammar import Grammars
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
 from quiver_server.grammar.grammars import validate_grammar
 from quiver_server.kernels.ops import select_ops
+from quiver_server.sampling import SamplingBatch
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
@@ -169,7 +171,7 @@ class Engine:
         if self.device.type == "cuda":
             num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
         else:
-            self._dry_run(min(max_batch_prefill_tokens, 64), max_total_tokens)
+            self._dry_run(min(max_batch_prefill_tokens, 64), max_total_tokens, min(max_batch_size, 8))
             num_blocks = int(self.cpu_kv_cache_gib * 2**30) // self.kv_spec.bytes_per_block()
         if max_batch_total_tokens > 0:
             num_blocks = min(num_blocks, self.kv_spec.blocks_for_tokens(max_batch_total_tokens))
@@ -198,29 +200,48 @@ class Engine:
         log.info("CUDA graphs: decode batches %s captured in %.1f s, %.2f GiB",
                  ",".join(map(str, self.graphs.sizes)), seconds, nbytes / 2**30)
 
-    def _dry_run(self, num_tokens: int, max_total_tokens: int) -> None:
-        """A prefill of `num_tokens` prompt tokens (sequences of at most max_total_tokens) and one
-        decode step, on a scratch cache: proves the forward works and warms the kernels. The
-        prefill asks for prompt logprobs everywhere, so the peak covers the logits of every row."""
-        seq_len = max(1, min(max_total_tokens, self.max_position_embeddings - 1, num_tokens))
+    def _dry_run(self, num_tokens: int, max_total_tokens: int, max_batch_size: int) -> None:
+        """The worst of each kind of step, on a scratch cache: proves the forward works, warms the
+        kernels, and on a GPU sets the memory peak the KV budget leaves room for.
+        - A prefill of `num_tokens` prompt tokens with prompt logprobs on every row (the logits
+          of every row);
+        - as many new tokens again, each sequence now over the first pass's tokens as its cached
+          context (a prefix-cache hit or a prompt's next chunk, whose attention reads the cache);
+        - a decode step of `max_batch_size` rows through the costliest sampler (temperature,
+          top-k/p, min-p, every penalty, 20 top logprobs)."""
+        # Context and new tokens of a sequence fit max_total_tokens (and the positions).
+        seq_len = max(1, min(max_total_tokens // 2, (self.max_position_embeddings - 1) // 2, num_tokens))
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
-        blocks_per_seq = self.kv_spec.blocks_for_tokens(seq_len + 1)
-        scratch = PagedKVCache(self.kv_spec, blocks_per_seq * len(lens), self.device)
-        table = torch.arange(blocks_per_seq * len(lens), dtype=torch.long).view(len(lens), blocks_per_seq)
+        blocks_per_seq = self.kv_spec.blocks_for_tokens(2 * seq_len + 1)
+        prefill_blocks = blocks_per_seq * len(lens)
+        scratch = PagedKVCache(self.kv_spec, prefill_blocks + max_batch_size, self.device)
+        table = torch.arange(prefill_blocks, dtype=torch.long).view(len(lens), blocks_per_seq)
         host_ids = torch.arange(num_tokens) % self.vocab_size
         input_ids = host_ids.to(self.device)
         # With adapter slots, every token goes through the LoRA kernels too (on slot 0, whatever
         # it holds: the logits are thrown away), so their memory and compilation are covered.
         slots = [0] * len(lens) if self.lora.slots is not None else None
         max_rank = self.lora.max_rank
-        prefill = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, [True] * len(lens))
+        fresh = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, [True] * len(lens))
         spans = logprobs.prompt_spans(host_ids.split(lens), [logprobs.MAX_LOGPROBS] * len(lens), lens)
-        decode_lora = build_lora_meta(slots, [1] * len(lens), max_rank, self.device) if slots else None
-        decode = build_decode(lens, table.to(self.device), BLOCK_SIZE, self.device, decode_lora)
+        cached = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, context_lens=lens)
+        rows = max_batch_size
+        decode_table = torch.arange(prefill_blocks, prefill_blocks + rows, dtype=torch.long, device=self.device)
+        decode_slots = [0] * rows if slots is not None else None
+        decode_lora = build_lora_meta(decode_slots, [1] * rows, max_rank, self.device) if decode_slots else None
+        decode = build_decode([0] * rows, decode_table[:, None], BLOCK_SIZE, self.device, decode_lora)
+        costliest = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                                   presence_penalty=0.5, frequency_penalty=0.5, top_logprobs=logprobs.MAX_LOGPROBS)
         with self.lora.exercising_every_slot_buffer():
-            logprobs.prompt_logprobs(self.model(input_ids, prefill, scratch), list(spans.values()))
-            decode_ids = torch.zeros(len(lens), dtype=torch.long, device=self.device)
-            self.model(decode_ids, decode, scratch)
+            logprobs.prompt_logprobs(self.model(input_ids, fresh, scratch), list(spans.values()))
+            self.model(input_ids, cached, scratch)
+            logits = self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decode, scratch)
+            sampling.sample(
+                logits, SamplingBatch.from_params([costliest] * rows, self.device),
+                [sampling.new_generator(row) for row in range(rows)],
+                torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device), self.ops,
+                torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device),
+            )
         del scratch
 
     def _cuda_blocks(self, max_batch_prefill_tokens: int, max_total_tokens: int, max_batch_size: int) -> int:
@@ -228,7 +249,7 @@ class Engine:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        self._dry_run(max_batch_prefill_tokens, max_total_tokens)
+        self._dry_run(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
         torch.cuda.synchronize(self.device)
         forward_peak = torch.cuda.max_memory_allocated(self.device) - before
         torch.cuda.empty_cache()
