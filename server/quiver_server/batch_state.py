@@ -53,6 +53,33 @@ class CachedBatch:
         self._counts: torch.Tensor | None = None
         self._lora: LoraBatchMeta | None = None
         self._lora_built = False
+        # The tokens the last step sampled, still on the device: the next decode step's input
+        # without a host-to-device copy (None until a step ran on exactly these requests).
+        self._last_tokens: torch.Tensor | None = None
+
+    @classmethod
+    def joined(cls, batches: list[CachedBatch]) -> CachedBatch:
+        """The requests of `batches` in order, their last tokens kept on the device."""
+        joined = cls([r for batch in batches for r in batch.requests])
+        parts = [batch._last_tokens for batch in batches]
+        if all(part is not None for part in parts):
+            joined._last_tokens = torch.cat(parts)  # type: ignore[arg-type]
+        return joined
+
+    def subset(self, keep: set[int]) -> CachedBatch:
+        """The requests whose ids are in `keep`, in order, their last tokens kept on the device."""
+        rows = [row for row, r in enumerate(self.requests) if r.id in keep]
+        subset = CachedBatch([self.requests[row] for row in rows])
+        if self._last_tokens is not None:
+            index = torch.tensor(rows, dtype=torch.long).to(self._last_tokens.device, non_blocking=True)
+            subset._last_tokens = self._last_tokens.index_select(0, index)
+        return subset
+
+    def input_ids(self, device: torch.device) -> torch.Tensor:
+        """[B] long: each request's last token, the input of the next decode step."""
+        if self._last_tokens is not None:
+            return self._last_tokens.to(device, non_blocking=True)  # a no-op where sampled
+        return torch.tensor([r.last_token for r in self.requests], dtype=torch.long).to(device)
 
     @property
     def request_ids(self) -> list[int]:
@@ -119,6 +146,7 @@ class CachedBatch:
         for request, token in zip(self.requests, token_list, strict=True):
             request.length += fed_last_token
             request.last_token = token
+        self._last_tokens = tokens.to(torch.long)
         if self._seen is not None or self._counts is not None:
             rows = torch.arange(len(self.requests), device=tokens.device)
             if self._seen is not None:

@@ -339,13 +339,13 @@ class Engine:
         start = time.perf_counter_ns()
         batch = self.batches[batch_ids[0]]
         if len(batch_ids) > 1:
-            batch = CachedBatch(requests)
+            batch = CachedBatch.joined([self.batches[batch_id] for batch_id in batch_ids])
             for batch_id in batch_ids[1:]:
                 del self.batches[batch_id]
             self.batches[batch_ids[0]] = batch
         if not batch.requests:
             return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
-        input_ids = torch.tensor([r.last_token for r in batch.requests], dtype=torch.long).to(self.device)
+        input_ids = batch.input_ids(self.device)
         lengths, table = [r.length for r in batch.requests], batch.block_table(self.device)
         graphs = self.graphs
         if graphs is not None and graphs.bucket(len(lengths)) is not None:
@@ -425,7 +425,7 @@ class Engine:
         if not keep:
             del self.batches[batch_id]
             return []
-        filtered = CachedBatch([r for r in batch.requests if r.id in keep])
+        filtered = batch.subset(keep)
         self.batches[batch_id] = filtered
         return filtered.request_ids
 
