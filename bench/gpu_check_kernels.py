@@ -12,6 +12,9 @@ device-to-device copy), then each kernel's bytes moved over its time as a share 
 
 Bytes moved are the fewest the operation must move (every input read once, the output written
 once), so the share is a lower bound of the bandwidth the kernel reaches.
+
+Last, one decode step of the real engine (`gpu_check_decode.py`): eager and replayed from its
+CUDA graph, each with synchronising calls turned into errors, and the two compared.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any
 import torch
 
 import lora_kernels
+from gpu_check_decode import decode_step_check
 from gpu_check_common import log, phase_options, write_report
 from gpu_check_model import check_shape
 
@@ -226,6 +230,11 @@ def main() -> None:
         report["lora"].append(row)
         log(f"lora {case.name}: {row.get('results', row.get('error'))}")
         write_report(options, "kernels.json", report)
+    try:
+        report["decode_step"] = decode_step_check(options.work, device)
+    except Exception as exc:  # noqa: BLE001 - reported, not hidden
+        report["decode_step"] = {"error": repr(exc)[:500]}
+    log(f"decode step: {report['decode_step']}")
     report["status"] = "ok"
     write_report(options, "kernels.json", report)
 
