@@ -1,6 +1,7 @@
 """The Triton ops as a whole model runs them (here in Triton's CPU interpreter): paged prefill
-and decode attention, fresh and cached prompts, windows and soft-caps, against transformers on
-the same weights, as the model parity tests hold the CPU and torch ops."""
+and decode attention, fresh and cached prompts, windows and soft-caps, the row ops (RMSNorm,
+rotary with the KV write, partial rotary, the gated activation), against transformers on the
+same weights, as the model parity tests hold the CPU and torch ops."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ CASES = {
     "gemma2-caps-window": ("gemma2", {"sliding_window": 6, "attn_logit_softcapping": 2.0,
                                       "final_logit_softcapping": 3.0}),
     "qwen3-moe": ("qwen3_moe", {}),
+    "phi4-mini-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
 }
 
 

@@ -73,6 +73,19 @@ class KernelOps:
         dim = cos.shape[-1]
         return torch.cat((torch_ops.rotary(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
 
+    def rotary_and_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """q|k heads qk [T, heads + kv_heads, D] rotated on their leading cos.shape[-1] columns,
+        and the rotated k with v [T, kv_heads, D] stored at the cache's flat `slot_mapping` [T].
+        May work in place: use the result."""
+        from quiver_server.layers.attention import write_kv  # the layer imports the ops
+
+        qk = self.rotary(qk, cos, sin) if cos.shape[-1] == qk.shape[-1] else self.partial_rotary(qk, cos, sin)
+        write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)
+        return qk
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch_ops.silu_and_mul(gate_up)
 
@@ -160,6 +173,42 @@ class TritonKernelOps(KernelOps):
 
     name: ClassVar[str] = "triton"
     decode_gathers: ClassVar[bool] = False
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dim() != 2:  # the kernel takes rows of a matrix
+            return torch_ops.rms_norm(x, weight, eps)
+        from quiver_server.kernels import rowops_triton  # imports triton
+
+        return rowops_triton.rms_norm(x, weight, eps)
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from quiver_server.kernels import rowops_triton
+
+        return rowops_triton.rotary_(x, cos, sin)
+
+    def partial_rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        from quiver_server.kernels import rowops_triton
+
+        return rowops_triton.rotary_(x, cos, sin)  # turns the leading cos.shape[-1] columns
+
+    def rotary_and_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        from quiver_server.kernels import rowops_triton
+
+        # One launch: q and k turn in place, and the turned k and v go into their cache slots.
+        return rowops_triton.rotary_and_write_kv(qk, v, cos, sin, k_cache, v_cache, slot_mapping)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from quiver_server.kernels import rowops_triton
+
+        return rowops_triton.gated_activation(gate_up, "silu")
+
+    def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from quiver_server.kernels import rowops_triton
+
+        return rowops_triton.greedy_logprob(logits)
 
     def decode_attention(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,

@@ -24,7 +24,6 @@ from quiver_server.kernels import cpu_gemm
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.activation import gated_activation
-from quiver_server.layers.attention import write_kv
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.norm import make_norm
 from quiver_server.layers.rotary import RotaryEmbedding
@@ -45,7 +44,6 @@ class Attention(nn.Module):
         self.scale = cfg.scale
         self.softcap = cfg.attention_softcap
         self.sliding_window = cfg.sliding_windows[layer_index]
-        self.rotary_dim = cfg.ropes[cfg.layer_ropes[layer_index]].rotary_dim(cfg.head_dim)
         q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         parts = ({"qkv_proj": q_width + 2 * kv_width} if cfg.fused_checkpoint
                  else {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width})
@@ -85,17 +83,10 @@ class Attention(nn.Module):
         qk, v = qkv[:, : heads + kv_heads], qkv[:, heads + kv_heads :]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :heads]), self.k_norm(qk[:, heads:])), dim=1)
-        # q and k heads sit side by side, so one rotary application covers both.
-        qk = self._rotate(qk, *cos_sin)
-        q, k = qk[:, :heads], qk[:, heads:]
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        return q, k, v
-
-    def _rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.rotary_dim == self.head_dim:
-            return self.ops.rotary(qk, cos, sin)
-        # Partial rotary (Phi-4-mini): the leading rotary_dim of each head turn, the rest pass.
-        return self.ops.partial_rotary(qk, cos, sin)
+        # q and k heads sit side by side, so one rotary application covers both (on their leading
+        # rotary_dim columns: Phi-4-mini's partial rotary); the turned k and v then go to the cache.
+        qk = self.ops.rotary_and_write_kv(qk, v, *cos_sin, k_cache, v_cache, batch.slot_mapping)
+        return qk[:, :heads], qk[:, heads:], v
 
 
 class MLP(nn.Module):
