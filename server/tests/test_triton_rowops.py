@@ -36,7 +36,7 @@ from quiver_server.kernels.rowops_triton import (  # noqa: E402
     rotary_,
     rotary_and_write_kv,
 )
-from quiver_server.layers.activation import gelu_tanh_and_mul  # noqa: E402
+from quiver_server.kernels.torch_ops import gelu_tanh_and_mul  # noqa: E402
 from quiver_server.layers.attention import write_kv  # noqa: E402
 from quiver_server.layers.norm import GemmaRMSNorm, RMSNorm  # noqa: E402
 from quiver_server.layers.rotary import RopeConfig, RotaryEmbedding  # noqa: E402

@@ -86,6 +86,10 @@ class KernelOps:
         write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)
         return qk
 
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I] (Gemma's MLPs)."""
+        return torch_ops.gelu_tanh_and_mul(gate_up)
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch_ops.silu_and_mul(gate_up)
 
@@ -204,6 +208,11 @@ class TritonKernelOps(KernelOps):
         from quiver_server.kernels import rowops_triton
 
         return rowops_triton.gated_activation(gate_up, "silu")
+
+    def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        from quiver_server.kernels import rowops_triton
+
+        return rowops_triton.gated_activation(gate_up, "gelu_tanh")
 
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from quiver_server.kernels import rowops_triton

@@ -33,6 +33,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def logprob_at(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[row, tokens[row]] per row, without writing the [B, V] log_softmax."""
     return logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)

@@ -1,13 +1,12 @@
 """Gated activations, [T, 2I] = [gate | up] -> act(gate) * up [T, I], as the MLPs of every
-family compute them: silu (Llama, Qwen, Phi, Mixtral, Granite) on the shard's fused op, and
-GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`) in torch."""
+family compute them, on the shard's ops: silu (Llama, Qwen, Phi, Mixtral, Granite) and GELU
+with the tanh approximation (Gemma's `gelu_pytorch_tanh`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 from quiver_server.kernels.ops import KernelOps
 
@@ -27,15 +26,11 @@ def activation_name(config_value: str | None, default: str = "silu") -> str:
     return name
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
 
 def gated_activation(name: str, ops: KernelOps) -> Callable[[torch.Tensor], torch.Tensor]:
     """The [gate | up] -> act(gate) * up function for activation `name`."""
     if name == "silu":
         return ops.silu_and_mul
     if name == "gelu_tanh":
-        return gelu_tanh_and_mul
+        return ops.gelu_tanh_and_mul
     raise ValueError(f"unknown activation {name!r}")
