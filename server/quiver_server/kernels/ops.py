@@ -63,6 +63,15 @@ class KernelOps:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_ops.rms_norm(x, weight, eps)
 
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, residual_scale: float,
+        gemma: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The fused residual add and norm, where the ops have one: residual + x * residual_scale
+        (rounded as torch rounds it, written into `residual`) and its RMSNorm (`gemma`: the
+        (1 + w) form), as (norm, new residual); None where the layer adds and norms itself."""
+        return None
+
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by cos, sin [T, 1, D]. May work in place: use the result."""
         return torch_ops.rotary(x, cos, sin)
@@ -184,6 +193,17 @@ class TritonKernelOps(KernelOps):
         from quiver_server.kernels import rowops_triton  # imports triton
 
         return rowops_triton.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, residual_scale: float,
+        gemma: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if x.dim() != 2:
+            return None
+        from quiver_server.kernels import rowops_triton
+
+        normed = rowops_triton.rms_norm(x, weight, eps, residual=residual, residual_scale=residual_scale, gemma=gemma)
+        return normed, residual
 
     def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         from quiver_server.kernels import rowops_triton

@@ -19,6 +19,8 @@ from quiver_server.kernels.ops import KernelOps
 
 
 class RMSNorm(nn.Module):
+    gemma_form = False
+
     def __init__(self, dim: int, eps: float, ops: KernelOps) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim))
@@ -30,9 +32,22 @@ class RMSNorm(nn.Module):
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
 
+    def add_and_norm(
+        self, block_out: torch.Tensor, residual: torch.Tensor, scale: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of the new residual stream, the stream): residual + block_out * scale, in one
+        pass where the ops fuse it (the stream may then be updated in place: use the result)."""
+        fused = self.ops.add_rms_norm(block_out, residual, self.weight, self.eps, scale, self.gemma_form)
+        if fused is not None:
+            return fused
+        stream = residual + block_out * scale if scale != 1.0 else residual + block_out
+        return self(stream), stream
+
 
 class GemmaRMSNorm(RMSNorm):
     """The same parameters as `RMSNorm`; only the scale differs."""
+
+    gemma_form = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = 1.0 + self.weight.float()
@@ -44,7 +59,7 @@ class GemmaRMSNorm(RMSNorm):
         return (x32 * scale).to(x.dtype)
 
 
-def make_norm(kind: str, dim: int, eps: float, ops: KernelOps) -> nn.Module:
+def make_norm(kind: str, dim: int, eps: float, ops: KernelOps) -> RMSNorm:
     """The norm a family declares: "rms" or "gemma"."""
     if kind == "gemma":
         return GemmaRMSNorm(dim, eps, ops)

@@ -123,12 +123,13 @@ class DecoderLayer(nn.Module):
         attended = self.self_attn(self.input_layernorm(x), ropes[self.rope_index], batch, k_cache, v_cache, rows)
         if rows is not None:
             x, batch = x[rows], batch.at_logits_rows()
+        # The residual add and the next norm in one pass where the ops fuse them.
         if self.sandwich:
-            x = self._residual(x, self.post_attention_layernorm(attended))
-            mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), batch))
-            return self._residual(x, mlp_out)
-        x = self._residual(x, attended)
-        return self._residual(x, self.mlp(self.post_attention_layernorm(x), batch))
+            h, x = self.pre_feedforward_layernorm.add_and_norm(
+                self.post_attention_layernorm(attended), x, self.residual_multiplier)
+            return self._residual(x, self.post_feedforward_layernorm(self.mlp(h, batch)))
+        h, x = self.post_attention_layernorm.add_and_norm(attended, x, self.residual_multiplier)
+        return self._residual(x, self.mlp(h, batch))
 
     def _residual(self, x: torch.Tensor, block_out: torch.Tensor) -> torch.Tensor:
         if self.residual_multiplier != 1.0:
