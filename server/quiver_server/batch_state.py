@@ -20,7 +20,7 @@ class RequestState:
     length: int  # tokens whose K/V are in the cache (= position of `last_token`)
     last_token: int  # sampled, not yet fed through the model
     sampling: SamplingParams
-    generator: torch.Generator
+    draws_done: int  # uniforms its seeded stream gave so far (sampling rows draw one per token)
     # [vocab] bool: prompt and output tokens, kept only when repetition_penalty != 1. Inside a
     # batch it is a row view of the batch's seen matrix, so one scatter updates every request.
     seen: torch.Tensor | None = None
@@ -56,6 +56,7 @@ class CachedBatch:
         # The tokens the last step sampled, still on the device: the next decode step's input
         # without a host-to-device copy (None until a step ran on exactly these requests).
         self._last_tokens: torch.Tensor | None = None
+        self._draws: torch.Tensor | None = None  # [B] int64 on the device: each row's draws_done
 
     @classmethod
     def joined(cls, batches: list[CachedBatch]) -> CachedBatch:
@@ -74,6 +75,12 @@ class CachedBatch:
             index = torch.tensor(rows, dtype=torch.long).to(self._last_tokens.device, non_blocking=True)
             subset._last_tokens = self._last_tokens.index_select(0, index)
         return subset
+
+    def draws(self, device: torch.device) -> torch.Tensor:
+        """[B] int64: each request's draws so far, the position in its stream of the next one."""
+        if self._draws is None:
+            self._draws = torch.tensor([r.draws_done for r in self.requests], dtype=torch.long).to(device)
+        return self._draws
 
     def input_ids(self, device: torch.device) -> torch.Tensor:
         """[B] long: each request's last token, the input of the next decode step."""
@@ -146,7 +153,10 @@ class CachedBatch:
         for request, token in zip(self.requests, token_list, strict=True):
             request.length += fed_last_token
             request.last_token = token
+            request.draws_done += request.sampling.temperature > 0
         self._last_tokens = tokens.to(torch.long)
+        if self._draws is not None and self._sampling is not None:
+            self._draws += self._sampling.draws_per_step
         if self._seen is not None or self._counts is not None:
             rows = torch.arange(len(self.requests), device=tokens.device)
             if self._seen is not None:

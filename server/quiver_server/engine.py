@@ -238,7 +238,7 @@ class Engine:
             logits = self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decode, scratch)
             sampling.sample(
                 logits, SamplingBatch.from_params([costliest] * rows, self.device),
-                [sampling.new_generator(row) for row in range(rows)],
+                torch.zeros(rows, dtype=torch.long, device=self.device),
                 torch.zeros(rows, self.vocab_size, dtype=torch.bool, device=self.device), self.ops,
                 torch.zeros(rows, self.vocab_size, dtype=torch.float32, device=self.device),
             )
@@ -382,7 +382,7 @@ class Engine:
         sampled = sampling.sample(
             logits if sample_rows is None else logits[sample_rows],
             params,
-            [r.generator for r in batch.requests],
+            batch.draws(self.device),
             batch.seen_matrix(self.vocab_size, self.device),
             self.ops,
             batch.counts_matrix(self.vocab_size, self.device),
@@ -510,10 +510,7 @@ class Engine:
             length=len(request.input_ids),
             last_token=-1,
             sampling=request.sampling,
-            generator=sampling.new_generator(
-                request.sampling.seed,
-                request.sampling.draws_done if request.sampling.temperature > 0 else 0,
-            ),
+            draws_done=request.sampling.draws_done if request.sampling.temperature > 0 else 0,
             seen=seen,
             counts=counts,
             adapter_id=request.adapter_id,

@@ -2,9 +2,9 @@
 
 Per row, in vLLM's order: repetition penalty, frequency/presence penalties and logit_bias on
 the raw logits (`penalties.py`); then greedy (argmax) when temperature == 0, else temperature,
-top_k, top_p, min_p and a draw from the row's own seeded generator. All rows are processed as
-one tensor; only the uniform draws loop over rows (one per sampling row), so a request's tokens
-do not depend on what else is in the batch. The reported logprobs are of the raw logits
+top_k, top_p, min_p and a draw from the row's own seeded stream (`draw_streams`). All rows are
+processed as one tensor, the draws included, and a request's tokens do not depend on what else
+is in the batch. The reported logprobs are of the raw logits
 (`logprobs.py`). A batch where nobody asks for any of that takes the shard's
 `KernelOps.greedy_logprob` (one fused pass per row with the C++ kernels).
 
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from quiver_server.batch_types import SamplingParams
+from quiver_server.draw_streams import as_int64, uniforms
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kernels.torch_ops import greedy_logprob
 from quiver_server.logprobs import MAX_LOGPROBS, TopTokens, raw_logprobs, top_alternatives
@@ -62,16 +63,6 @@ def validate(params: SamplingParams, vocab_size: int, prompt_logprobs: int | Non
         raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}")
 
 
-def new_generator(seed: int, draws_done: int = 0) -> torch.Generator:
-    """The request's generator, past the `draws_done` draws a preempted request already made
-    (each one as `_draw` makes it, so the state is the same as if it had never stopped)."""
-    # Host generators: the draws (and so the tokens) for a seed are the same on CPU and CUDA.
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(draws_done):
-        torch.rand((), generator=generator, dtype=torch.float64)
-    return generator
-
-
 @dataclass
 class SamplingBatch:
     """The rows' parameters as device tensors, built once per batch composition."""
@@ -84,6 +75,8 @@ class SamplingBatch:
     presence_penalty: torch.Tensor  # [B, 1] float32, 0 = off
     frequency_penalty: torch.Tensor  # [B, 1] float32, 0 = off
     logit_bias: LogitBias | None  # None: no row has a bias
+    seeds: torch.Tensor  # [B] int64: each row's draw stream
+    draws_per_step: torch.Tensor  # [B] int64: 1 on rows that draw (temperature > 0), else 0
     sampling_rows: list[int]  # rows with temperature > 0
     top_rows: list[int]  # rows that report top logprobs
     top_logprobs: list[int]  # per row, how many
@@ -117,6 +110,8 @@ class SamplingBatch:
             presence_penalty=column([p.presence_penalty for p in params], torch.float32)[:, None],
             frequency_penalty=column([p.frequency_penalty for p in params], torch.float32)[:, None],
             logit_bias=LogitBias.from_params(params, device),
+            seeds=column([as_int64(p.seed) for p in params], torch.long),
+            draws_per_step=column([int(p.temperature > 0) for p in params], torch.long),
             sampling_rows=[i for i, p in enumerate(params) if p.temperature > 0],
             top_rows=[i for i, p in enumerate(params) if p.top_logprobs > 0],
             top_logprobs=[p.top_logprobs for p in params],
@@ -153,13 +148,14 @@ def process_scores(
 def sample(
     logits: torch.Tensor,
     params: SamplingBatch,
-    generators: Sequence[torch.Generator],
+    draws: torch.Tensor | None = None,
     seen: torch.Tensor | None = None,
     ops: KernelOps | None = None,
     counts: torch.Tensor | None = None,
     grammar: StepMask | None = None,
 ) -> Sampled:
-    """logits [B, V]; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
+    """logits [B, V]; draws [B] int64: each row's draws so far (None: none), the caller adds
+    `params.draws_per_step` after the step; seen [B, V] bool (tokens of prompt + output so far, needed when a row has a
     repetition penalty); counts [B, V] float32 (generated tokens, needed when a row has a
     frequency or presence penalty); ops: the shard's (None: plain torch throughout); grammar:
     the allowed tokens of the rows with a grammar (None: no row has one)."""
@@ -175,7 +171,7 @@ def sample(
     scores = process_scores(logits if grammar is None else grammar.apply(logits), params, seen, counts)
     tokens = scores.argmax(dim=-1)
     if params.sampling_rows:
-        sampled = _draw(warp_scores(scores, params), params, generators)
+        sampled = _draw(warp_scores(scores, params), params, draws)
         tokens = torch.where(params.temperature > 0, sampled, tokens)
     logprobs, top = raw_logprobs(logits, tokens, params.top_rows, max(params.top_logprobs))
     return Sampled(tokens, logprobs, top)
@@ -227,12 +223,12 @@ def warp_scores(scores: torch.Tensor, params: SamplingBatch) -> torch.Tensor:
     return scores
 
 
-def _draw(scores: torch.Tensor, params: SamplingBatch, generators: Sequence[torch.Generator]) -> torch.Tensor:
-    """Inverse-CDF sampling from softmax(scores), one uniform per sampling row from its generator."""
-    uniforms = [0.5] * scores.shape[0]
-    for row in params.sampling_rows:
-        uniforms[row] = float(torch.rand((), generator=generators[row], dtype=torch.float64))
-    u = torch.tensor(uniforms, dtype=torch.float32).to(scores.device, non_blocking=True)
+def _draw(scores: torch.Tensor, params: SamplingBatch, draws: torch.Tensor | None) -> torch.Tensor:
+    """Inverse-CDF sampling from softmax(scores), each row's next uniform from its stream (the
+    rows that do not sample draw too; their tokens are the argmax all the same)."""
+    if draws is None:
+        draws = torch.zeros_like(params.seeds)
+    u = uniforms(params.seeds, draws).to(torch.float32)
     cdf = scores.softmax(dim=-1).cumsum(dim=-1)
     # The first token whose cdf reaches a strictly positive target: never a zero-probability one.
     target = (u[:, None] * cdf[:, -1:]).clamp(min=torch.finfo(torch.float32).tiny)

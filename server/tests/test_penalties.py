@@ -18,7 +18,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from quiver_server.batch_types import RequestSpec, SamplingParams, TokenOut
 from quiver_server.engine import Engine
 from quiver_server.penalties import generated_counts
-from quiver_server.sampling import SamplingBatch, new_generator, process_scores, sample
+from quiver_server.sampling import SamplingBatch, process_scores, sample
 
 CPU = torch.device("cpu")
 VOCAB = 300
@@ -66,7 +66,7 @@ def test_processed_scores_follow_openai_formula() -> None:
     for row, (prompt, generated, p) in enumerate(rows):
         expected = openai_scores(logits[row].tolist(), generated, p, prompt + generated)
         torch.testing.assert_close(ours[row], torch.tensor(expected), atol=1e-5, rtol=0, msg=f"row {row}")
-    tokens, logprobs, top = sample(logits, params, [new_generator(0)] * 6, seen, counts=counts)
+    tokens, logprobs, top = sample(logits, params, None, seen, counts=counts)
     assert tokens.tolist() == [max(range(60), key=ours[r].__getitem__) for r in range(6)]
     torch.testing.assert_close(logprobs, torch.log_softmax(logits, -1).gather(1, tokens[:, None])[:, 0])
     assert top is None

@@ -20,7 +20,8 @@ from transformers.generation.logits_process import (
 
 from quiver_server.batch_types import RequestSpec, SamplingParams
 from quiver_server.engine import Engine
-from quiver_server.sampling import SamplingBatch, apply_repetition_penalty, new_generator, sample, warp_scores
+from quiver_server.draw_streams import as_int64, uniforms
+from quiver_server.sampling import SamplingBatch, apply_repetition_penalty, sample, warp_scores
 
 CPU = torch.device("cpu")
 ROW_PARAMS = [
@@ -74,33 +75,57 @@ def test_draws_follow_the_filtered_distribution() -> None:
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
     rows = 4000
     logits = probs.log().expand(rows, 4)
-    generators = [new_generator(seed) for seed in range(rows)]
-    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0)] * rows, CPU)
-    tokens, logprobs, _ = sample(logits, batch, generators)
+    batch = SamplingBatch.from_params([SamplingParams(temperature=1.0, seed=seed) for seed in range(rows)], CPU)
+    tokens, logprobs, _ = sample(logits, batch)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     torch.testing.assert_close(frequencies, probs, atol=0.03, rtol=0)
     torch.testing.assert_close(logprobs, probs.log()[tokens])
-    generators = [new_generator(seed) for seed in range(rows)]
-    top2 = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2)] * rows, CPU)
-    tokens, _, _ = sample(logits, top2, generators)
+    top2 = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=2, seed=seed) for seed in range(rows)],
+                                     CPU)
+    tokens, _, _ = sample(logits, top2)
     frequencies = torch.bincount(tokens, minlength=4) / rows
     torch.testing.assert_close(frequencies, torch.tensor([0.0, 0.0, 3 / 7, 4 / 7]), atol=0.03, rtol=0)
 
 
-def test_a_resumed_generator_continues_the_same_draws() -> None:
-    """A preempted request resumes with `draws_done` = the tokens it had: sampling from the new
-    generator gives the tokens the old one would have given next."""
+def test_a_resumed_stream_continues_the_same_draws() -> None:
+    """A preempted request resumes with `draws_done` = the tokens it had: its stream's next draw
+    is the one the uninterrupted request would have made, whatever shares its batch."""
     rows, steps, stop = 64, 12, 5
     logits = torch.randn(steps, rows, 50, generator=torch.Generator().manual_seed(0))
-    batch = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9)] * rows, CPU)
-    straight = [new_generator(seed) for seed in range(rows)]
-    expected = [sample(logits[step], batch, straight)[0] for step in range(steps)]
-    first = [new_generator(seed) for seed in range(rows)]
-    got = [sample(logits[step], batch, first)[0] for step in range(stop)]
-    resumed = [new_generator(seed, draws_done=stop) for seed in range(rows)]
-    got += [sample(logits[step], batch, resumed)[0] for step in range(stop, steps)]
+    batch = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(rows)], CPU)
+    draws = torch.zeros(rows, dtype=torch.long)
+    expected = []
     for step in range(steps):
-        torch.testing.assert_close(got[step], expected[step], rtol=0, atol=0)
+        expected.append(sample(logits[step], batch, draws)[0])
+        draws += batch.draws_per_step
+    # Rows 0..31 alone, then resumed at draw `stop` beside other rows.
+    half = SamplingBatch.from_params([SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(32)], CPU)
+    resumed = torch.full((32,), stop, dtype=torch.long)
+    for step in range(stop, steps):
+        got = sample(logits[step, :32], half, resumed)[0]
+        resumed += half.draws_per_step
+        torch.testing.assert_close(got, expected[step][:32], rtol=0, atol=0)
+
+
+def _splitmix64(seed: int, draw: int) -> float:
+    """SplitMix64's draw-th output (0-based) for `seed`, in plain Python integers."""
+    mask = (1 << 64) - 1
+    z = (seed + (draw + 1) * 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    z ^= z >> 31
+    return (z >> 11) / 2.0**53
+
+
+def test_draw_streams_are_splitmix64() -> None:
+    """The vectorised int64 stream (wrapping products, masked shifts) against SplitMix64 in
+    Python integers, seeds across the whole uint64 range."""
+    seeds = [0, 1, 42, 2**31, 2**63 - 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15]
+    draws = [0, 1, 7, 1000, 2**40]
+    pairs = [(s, d) for s in seeds for d in draws]
+    got = uniforms(torch.tensor([as_int64(s) for s, _ in pairs]), torch.tensor([d for _, d in pairs]))
+    assert got.dtype == torch.float64 and bool(((got >= 0) & (got < 1)).all())
+    assert got.tolist() == [_splitmix64(s, d) for s, d in pairs]
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +282,6 @@ def test_greedy_kernel_non_finite_rows_match_torch() -> None:
 def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
     logits = torch.randn(5, 1000, generator=torch.Generator().manual_seed(5)) * 4
     params = SamplingBatch.from_params([SamplingParams()] * 5, CPU)
-    generators = [new_generator(0)] * 5
     from quiver_server.kernels import cpu_ops
 
     calls = []
@@ -266,13 +290,13 @@ def test_all_greedy_batch_takes_the_kernel_and_agrees_with_the_torch_path(monkey
     from quiver_server.kernels.ops import select_ops
 
     ops = select_ops(CPU)  # the shard's choice here: the C++ kernels
-    fused = sample(logits, params, generators, ops=ops)
+    fused = sample(logits, params, ops=ops)
     assert calls == [(5, 1000)]
     # A sampled row or a repetition penalty keeps the torch path.
-    sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0.5)] * 5, CPU), generators, ops=ops)
+    sample(logits, SamplingBatch.from_params([SamplingParams(temperature=0.5)] * 5, CPU), ops=ops)
     assert len(calls) == 1
     monkeypatch.setenv("QUIVER_CPU_KERNELS", "0")
-    torch_path = sample(logits, params, generators)
+    torch_path = sample(logits, params)
     expected_tokens, expected_logprobs = _torch_greedy(logits)
     assert torch.equal(fused[0], expected_tokens) and torch.equal(torch_path[0], expected_tokens)
     # Each path within its own bound of the exact value: torch's sum order is its own, so it gets
@@ -311,8 +335,7 @@ def test_a_greedy_batch_with_grammar_rows_keeps_free_rows_and_masks_the_others(
                     for r in range(5)],
     }
     for name, row_params in batches.items():
-        result = sample(logits, SamplingBatch.from_params(row_params, CPU),
-                        [new_generator(r) for r in range(5)], ops=ops, grammar=StepMask(rows, bias, 0))
+        result = sample(logits, SamplingBatch.from_params(row_params, CPU), ops=ops, grammar=StepMask(rows, bias, 0))
         greedy_rows = [r for r in range(5) if row_params[r].temperature == 0]
         assert torch.equal(result.tokens[greedy_rows], expected[greedy_rows]), name
         for i, row in enumerate(rows):
