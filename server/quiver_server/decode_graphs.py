@@ -72,6 +72,11 @@ class DecodeGraphs:
         self.lora_slots = (torch.full((rows,), -1, dtype=torch.int32, device=device)
                            if max_lora_rank is not None else None)
         self.scratch_slot = scratch_block * block_size
+        # Host staging for the per-step metadata: pinned on a GPU, so its copies are truly
+        # asynchronous (from pageable memory the copy waits for the host-side staging).
+        pinned = device.type == "cuda"
+        self._host_positions = torch.zeros(rows, dtype=long, pin_memory=pinned)
+        self._host_slots = torch.zeros(rows, dtype=torch.int32, pin_memory=pinned)
         self.batches = {size: self._batch(size, max_lora_rank) for size in self.sizes}
         # Each graph copies its logits here: its own output then lives only inside the capture,
         # and the buckets' graphs reuse one pool instead of each keeping [b, vocab] alive.
@@ -134,7 +139,9 @@ class DecodeGraphs:
         if size is None or block_table.shape[1] > self.block_tables.shape[1]:
             raise ValueError(f"a decode step of {rows} rows and {block_table.shape[1]} blocks each does not fit "
                              f"the captured buckets ({self.max_rows} rows, {self.block_tables.shape[1]} blocks)")
-        positions = torch.tensor(lengths, dtype=torch.long).to(self.positions.device, non_blocking=True)
+        # The previous step's copies out of the staging buffers are done: its tokens were read back.
+        self._host_positions[:rows] = torch.tensor(lengths, dtype=torch.long)
+        positions = self._host_positions[:rows].to(self.positions.device, non_blocking=True)
         self.input_ids[:rows].copy_(input_ids)
         self.positions[:rows].copy_(positions)
         self.seq_lens[:rows].copy_(positions + 1)
@@ -143,8 +150,8 @@ class DecodeGraphs:
         self.slot_mapping[:rows].copy_(
             block_table[rows_index, positions // self.block_size] * self.block_size + positions % self.block_size)
         if self.lora_slots is not None:
-            slots = lora_slots if lora_slots is not None else [-1] * rows
-            self.lora_slots[:rows].copy_(torch.tensor(slots, dtype=torch.int32), non_blocking=True)
+            self._host_slots[:rows] = torch.tensor(lora_slots if lora_slots is not None else [-1] * rows)
+            self.lora_slots[:rows].copy_(self._host_slots[:rows], non_blocking=True)
         self._reset_padding(rows, size)
         graph = self.graphs.get(size)
         if graph is None or self.logits is None:
