@@ -22,6 +22,7 @@ background, before the next step's fill.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -96,6 +97,13 @@ def resolve_dtype(dtype: str, config: dict, device: torch.device,
     return DTYPES[dtype]
 
 
+@dataclass(frozen=True)
+class _StepAhead:
+    batch: CachedBatch
+    lengths: list[int]
+    logits: torch.Tensor
+
+
 class Engine:
     def __init__(
         self,
@@ -110,9 +118,13 @@ class Engine:
         grammar_budget_s: float = DEFAULT_BUDGET_S,
         grammar_cache_size: int = DEFAULT_CACHE_SIZE,
         cuda_graphs: bool = True,
+        overlap_steps: bool | None = None,
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
-        ops allow it (CUDA, a decode attention that reads the cache in place); False: eager."""
+        ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
+        overlap_steps: a decode step launches the next one's forward pass before it reads its
+        sampled tokens back for the router (None: on CUDA, where the device then works while the
+        host waits; on the CPU the two would only take turns)."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -141,6 +153,8 @@ class Engine:
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
         self.graphs: DecodeGraphs | None = None
+        self.overlap_steps = self.device.type == "cuda" if overlap_steps is None else overlap_steps
+        self._ahead: _StepAhead | None = None  # the next decode step's forward, launched early
         self.batches: dict[int, CachedBatch] = {}
         self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root)
         self.grammars = Grammars(
@@ -166,7 +180,7 @@ class Engine:
         if max_active_adapters > 0 and max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive with max_active_adapters={max_active_adapters}")
         self.batches.clear()
-        self.kv_cache = self.graphs = None
+        self.kv_cache = self.graphs = self._ahead = None
         self.lora.allocate_slots(max_active_adapters, max_lora_rank)
         if self.device.type == "cuda":
             num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
@@ -325,7 +339,7 @@ class Engine:
 
     @torch.inference_mode()
     def decode(self, batch_ids: list[int]) -> StepResult:
-        kv_cache = self._require_cache()
+        self._require_cache()
         if not batch_ids:
             raise ValueError("decode needs at least one batch id")
         if len(set(batch_ids)) != len(batch_ids):
@@ -345,18 +359,37 @@ class Engine:
             self.batches[batch_ids[0]] = batch
         if not batch.requests:
             return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
+        lengths = [r.length for r in batch.requests]
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.batch is batch and ahead.lengths == lengths:
+            # Launched by the previous step on exactly these requests, tokens and positions.
+            return self._step(batch_ids[0], batch, lambda: ahead.logits, None, fed_last_token=True, start=start)
         input_ids = batch.input_ids(self.device)
-        lengths, table = [r.length for r in batch.requests], batch.block_table(self.device)
+        return self._step(batch_ids[0], batch, lambda: self._decode_logits(batch, input_ids, lengths), None,
+                          fed_last_token=True, start=start)
+
+    def _decode_logits(self, batch: CachedBatch, input_ids: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """The forward pass of a decode step of `batch`: input_ids [B] at positions `lengths`,
+        from its CUDA graph where one holds the batch, else eagerly."""
+        kv_cache = self._require_cache()
+        table = batch.block_table(self.device)
         graphs = self.graphs
         if graphs is not None and graphs.bucket(len(lengths)) is not None:
             slots = [r.lora_slot for r in batch.requests]
-            lora_slots = slots if any(s >= 0 for s in slots) else None
-            return self._step(batch_ids[0], batch, lambda: graphs.run(input_ids, lengths, table, lora_slots), None,
-                              fed_last_token=True, start=start)
+            return graphs.run(input_ids, lengths, table, slots if any(s >= 0 for s in slots) else None)
         lora = batch.lora_meta(self.lora.max_rank, self.device) if self.lora.slots is not None else None
-        forward = build_decode(lengths, table, BLOCK_SIZE, self.device, lora)
-        return self._step(batch_ids[0], batch, lambda: self.model(input_ids, forward, kv_cache), None,
-                          fed_last_token=True, start=start)
+        return self.model(input_ids, build_decode(lengths, table, BLOCK_SIZE, self.device, lora), kv_cache)
+
+    def _launch_ahead(self, batch: CachedBatch, tokens: torch.Tensor) -> None:
+        """The next decode step of `batch` as it stands, launched before this step's tokens are
+        read back: it needs only the tokens on the device and positions one further. Used by the
+        next decode if that one runs on the same batch, else dropped; the K/V it wrote are those
+        of the tokens at their positions, which any later step writes alike."""
+        lengths = [r.length + 1 for r in batch.requests]
+        if any(n >= len(r.blocks) * BLOCK_SIZE or n >= self.max_position_embeddings
+               for n, r in zip(lengths, batch.requests, strict=True)):
+            return  # the next step would be refused: let it be, and say why then
+        self._ahead = _StepAhead(batch, lengths, self._decode_logits(batch, tokens.to(torch.long), lengths))
 
     def _step(
         self,
@@ -392,6 +425,8 @@ class Engine:
         if prompt_spans:
             prompt = dict(zip(prompt_spans, logprobs.prompt_logprobs(logits, list(prompt_spans.values())),
                               strict=True))
+        if fed_last_token and self.overlap_steps:
+            self._launch_ahead(batch, sampled.tokens)
         token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
         batch.record(sampled.tokens, token_list, fed_last_token)
         if grammar is not None:
@@ -426,11 +461,19 @@ class Engine:
             del self.batches[batch_id]
             return []
         filtered = batch.subset(keep)
+        ahead = self._ahead
+        if ahead is not None and ahead.batch is batch:
+            # Every row of a forward pass is its own: the kept rows' logits are the subset's.
+            rows = [row for row, r in enumerate(batch.requests) if r.id in keep]
+            index = torch.tensor(rows, dtype=torch.long).to(ahead.logits.device, non_blocking=True)
+            self._ahead = _StepAhead(filtered, [ahead.lengths[row] for row in rows],
+                                     ahead.logits.index_select(0, index))
         self.batches[batch_id] = filtered
         return filtered.request_ids
 
     def clear_cache(self, batch_id: int | None = None) -> None:
         """Drops one cached batch (unknown ids are ignored: clearing is idempotent) or all."""
+        self._ahead = None
         if batch_id is None:
             self.batches.clear()
         else:

@@ -80,15 +80,20 @@ def test_greedy_alone_and_batched_equals_transformers(model: tuple[Path, dict[in
     assert outputs == expected
 
 
-def test_filter_and_merge_keep_outputs(model: tuple[Path, dict[int, list[int]]]) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["steps-in-turn", "next-step-launched-early"])
+def test_filter_and_merge_keep_outputs(model: tuple[Path, dict[int, list[int]]], overlap: bool) -> None:
+    """Also with each decode step launching the next one's forward before its tokens are read
+    back (as on a GPU): used when the batch stays, cut to the rows a filter keeps, dropped when
+    a merge changes it."""
     path, expected = model
-    engine = _engine(path)
+    engine = _engine(path, overlap_steps=overlap)
     outputs: dict[int, list[int]] = {}
     result = engine.prefill(1, [_request(10, first_block=0), _request(11, first_block=10)])
     assert result.request_ids == [10, 11] and result.batch_id == 1
     _collect(outputs, result)
     for _ in range(3):
         _collect(outputs, engine.decode([1]))
+        assert (engine._ahead is not None) == overlap  # the next step is in flight
     # A new request joins between steps: it is prefilled alone, then merged into batch 1.
     _collect(outputs, engine.prefill(2, [_request(12, first_block=20)]))
     merged = engine.decode([1, 2])
@@ -246,3 +251,25 @@ def test_a_preempted_request_resumes_with_the_same_tokens(llama_engine: Engine, 
     assert first == straight[:stop]
     resumed = SamplingParams(**{**sampling.__dict__, "draws_done": stop})
     assert run(prompt + first, total - stop, resumed, batch_id=3) == straight[stop:]
+
+
+def test_steps_launched_early_sample_what_steps_in_turn_sample(model: tuple[Path, dict[int, list[int]]]) -> None:
+    """Seeded sampling with penalties and top logprobs: a decode step whose forward the previous
+    step launched early gives the same tokens, draws and logprobs as one run in turn."""
+    path, _ = model
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.2, frequency_penalty=0.3,
+                              top_logprobs=3)
+    runs = []
+    for overlap in (False, True):
+        engine = _engine(path, overlap_steps=overlap)
+        outputs: dict[int, list[int]] = {}
+        logprobs: list[float] = []
+        requests = [_request(10, first_block=0, sampling=sampling), _request(12, first_block=10, sampling=sampling)]
+        _collect(outputs, engine.prefill(1, requests))
+        for _ in range(NEW_TOKENS - 1):
+            result = engine.decode([1])
+            _collect(outputs, result)
+            logprobs += [g.logprob for g in result.generations]
+        runs.append((outputs, logprobs))
+    assert runs[0][0] == runs[1][0]
+    assert runs[0][1] == pytest.approx(runs[1][1], abs=1e-5)
