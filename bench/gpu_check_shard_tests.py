@@ -84,6 +84,8 @@ def main() -> None:
                               "wall_s": round(time.perf_counter() - started, 1)}
     if junit.exists():
         report |= junit_counts(junit)
+    else:  # interrupted before pytest wrote anything (still collecting): no test ran
+        report |= {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "junit": "missing"}
     report["status"] = "ok" if code == 0 and not interrupted else "failed"
     write_report(options, "shard-tests.json", report)
     log(f"shard tests: {report.get('passed')} passed, {report.get('failed')} failed, "

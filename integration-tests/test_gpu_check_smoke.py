@@ -117,19 +117,37 @@ def test_shard_tests_ran_on_the_device(full_run: Path) -> None:
     assert "passed" in (full_run / "shard-tests.log").read_text()
 
 
+# Shard tests that cannot finish: one passes, the next waits until the phase's limit interrupts it.
+UNFINISHED_TESTS = """
+import time
+
+
+def test_passes() -> None:
+    assert True
+
+
+def test_waits_for_the_interrupt() -> None:
+    time.sleep(3600)
+"""
+
+
 def test_a_run_cut_short_still_reports(tmp_path: Path) -> None:
     """A phase past its limit is stopped and its file says so; pytest interrupted at the shard
     tests' own limit still reports the tests that ran."""
-    done = _check(tmp_path, "--phases", "kernels,shard-tests", "--timeout", "kernels=2", "--timeout",
-                  "shard-tests=20", "--shard-tests", "server/tests")
+    tests_file = tmp_path / "unfinished" / "test_unfinished.py"
+    tests_file.parent.mkdir()
+    tests_file.write_text(UNFINISHED_TESTS)
+    report_dir = tmp_path / "report"
+    done = _check(report_dir, "--phases", "kernels,shard-tests", "--timeout", "kernels=2", "--timeout",
+                  "shard-tests=45", "--shard-tests", str(tests_file))
     assert done.returncode == 1, done.stderr[-2000:]
-    summary = _report(tmp_path, "summary.json")
+    summary = _report(report_dir, "summary.json")
     assert summary["status"] == "failed"
     assert summary["phases"]["kernels"]["status"] == "timeout"
-    assert _report(tmp_path, "kernels.json")["status"] == "timeout"
-    tests = _report(tmp_path, "shard-tests.json")
+    assert _report(report_dir, "kernels.json")["status"] == "timeout"
+    tests = _report(report_dir, "shard-tests.json")
     assert tests["interrupted"] and tests["status"] == "failed"
-    assert tests["passed"] > 0  # from the JUnit XML pytest wrote on SIGINT
+    assert tests["passed"] == 1  # from the JUnit XML pytest wrote on SIGINT
 
 
 def test_bundle_wheels_cover_their_requirements() -> None:
