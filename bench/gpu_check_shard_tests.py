@@ -51,6 +51,10 @@ def junit_counts(path: Path) -> dict[str, Any]:
             "seconds": round(sum(float(s.get("time", 0)) for s in suites), 1), "failures": failed[:50]}
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def main() -> None:
     options = phase_options()
     work = options.work
@@ -66,7 +70,10 @@ def main() -> None:
     started = time.perf_counter()
     interrupted = False
     with output.open("wb") as out:
-        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        # SIGINT back to its default in pytest: a shell that runs the check in the background
+        # (CI, nohup) starts it with SIGINT ignored, and pytest would then never stop to report.
+        proc = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=_default_sigint)
         try:
             code = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
