@@ -4,7 +4,8 @@ For each case (a decode batch or a prefill batch of one LoRA target module: T to
 `adapters` distinct adapters, in -> out features, rank R) it times
 
 - triton: the fused BGMV/SGMV kernels (CUDA), eagerly and, where capture works, as a CUDA graph
-  of many calls (launch gaps gone: the kernels' own time);
+  of many calls (launch gaps gone: the kernels' own time); triton.grouped: the fused-projection
+  kernel as served (`FusedLora`), decode rows grouped by adapter, likewise;
 - torch: the vectorised torch path and each of its strategies (gather_rows, group_by_slot,
   by_segment);
 - reference: the per-token loop (only for small T: it exists to be obviously right, not fast);
@@ -264,11 +265,25 @@ def strategy(name: str):
     return run
 
 
+def grouped_triton() -> Callable[..., None]:
+    """The serving path of a fused projection (`lora_triton.FusedLora`) over this one part: rows
+    grouped by adapter (decode rows sorted by slot), each adapter's tiles read once per row block."""
+    from quiver_server.kernels.lora_triton import FusedLora
+    fused: dict[tuple[int, ...], FusedLora] = {}
+
+    def run(y, x, a, b, s, meta, out_slice):
+        key = (a.data_ptr(), b.data_ptr(), s.data_ptr(), out_slice.start)
+        if key not in fused:
+            fused[key] = FusedLora([(a, b, s, out_slice, None)])
+        fused[key].add(y, x, meta)
+    return run
+
+
 def backends(case: Case, device: str, quick: bool) -> dict[str, Callable[..., None]]:
     out: dict[str, Callable[..., None]] = {"torch": lora_torch.add_lora_torch}
     if device == "cuda" or quick:
         from quiver_server.kernels.lora_triton import add_lora_triton
-        out = {"triton": add_lora_triton, **out}
+        out = {"triton": add_lora_triton, "triton.grouped": grouped_triton(), **out}
     if device == "cpu" or quick:
         out["torch.gather_rows"] = strategy("gather_rows")
         out["torch.group_by_slot"] = strategy("group_by_slot")

@@ -1,8 +1,10 @@
 """Batched multi-LoRA compute: `add_lora` (one projection) and `add_lora_parts` (the parts of a
 fused projection, which share x), over interchangeable backends.
 
-- "triton" (`lora_triton`): fused shrink+expand kernels, BGMV for decode rows and SGMV for
-  prefill segments; the default on CUDA.
+- "triton" (`lora_triton`): fused shrink+expand kernels; the default on CUDA. A fused
+  projection (`LoraProjection`) runs all its parts in one launch over row segments grouped by
+  adapter (`lora_triton.FusedLora`: decode rows sorted by slot, prefill segments); `add_lora`
+  alone runs BGMV for decode rows and SGMV for prefill segments.
 - "cpu" (`cpu_ops.lora_bgmv_parts` for decode rows, `cpu_ops.lora_sgmv_parts` for prefill
   segments when lora_B is in the CPU slots' rank-major layout, `lora_torch` otherwise): the default
   on CPU where the C++ kernels build.
@@ -19,6 +21,7 @@ when built, so a step dispatches on nothing. A call without one resolves it the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +30,9 @@ from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.lora_torch import add_lora_cpu, add_lora_torch
 from quiver_server.kernels.ops import BACKENDS, lora_backend
+
+if TYPE_CHECKING:  # triton is imported only when the triton backend is chosen
+    from quiver_server.kernels.lora_triton import FusedLora
 
 __all__ = ["LoraBatchMeta", "LoraProjection", "add_lora", "add_lora_parts", "BACKENDS"]
 
@@ -147,20 +153,29 @@ class LoraProjection:
         self.backend = _resolve(backend, first_a.device)
         self._per_part = _per_part(self.backend)
         self._cpu_one_call = self.backend == "cpu" and self.one_call
+        self._triton: FusedLora | None = None
+        if self.backend == "triton":
+            from quiver_server.kernels.lora_triton import FusedLora  # imports triton lazily
+
+            try:
+                self._triton = FusedLora(self.parts)
+            except ValueError:  # overlapping columns: one launch per part, in order
+                self._triton = None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
         """In place, for every part: `add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice)`.
         On the CPU backend a batch runs every part in one kernel call (x read once, one parallel
         region, a slot's padded ranks and untargeted parts not read): BGMV for decode rows, SGMV
-        for prefill segments."""
+        for prefill segments. On Triton every part runs in one launch over row segments grouped
+        by adapter (`lora_triton.FusedLora`), padded ranks and untargeted parts not read either."""
         if not meta.has_lora or x.shape[0] == 0:
             return
+        if self._triton is not None:
+            self._check_step(y, x, meta)
+            self._triton.add(y, x, meta)
+            return
         if self._cpu_one_call and (meta.is_decode or self.rank_major):
-            if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
-                    and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
-                raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
-                                 f"{meta.num_tokens} tokens do not fit parts of in_features {self.in_features}, "
-                                 f"dtype {self.dtype}, columns up to {self.end}")
+            self._check_step(y, x, meta)
             if meta.is_decode:
                 cpu_ops.lora_bgmv_parts(y, x, self.lora_a, self.lora_b, self.ranks, self.columns, self.scaling,
                                         meta.token_slots)
@@ -171,6 +186,14 @@ class LoraProjection:
         for lora_a, lora_b, scaling, out_slice, ranks in self.parts:
             _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
             self._per_part(y, x, lora_a, lora_b, scaling, meta, out_slice, ranks)
+
+    def _check_step(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
+        """What the one-call kernels need of a step's tensors (the parts were checked once)."""
+        if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
+                and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
+            raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
+                             f"{meta.num_tokens} tokens do not fit parts of in_features {self.in_features}, "
+                             f"dtype {self.dtype}, columns up to {self.end}")
 
 
 class _NoTokens:

@@ -9,6 +9,13 @@ LoRA-carrying linear layer of that pass. Two views of the same mapping:
   [0, T) without gaps, base-model runs included with slot -1) and `seg_slots`. The prefill kernel
   (SGMV) tiles each segment into row blocks that share one adapter, so it can use matrix units.
   Adjacent requests on the same adapter merge into one segment: bigger tiles, same result.
+
+`segments` is what the grouped kernels (`lora_triton.FusedLora`) tile: `RowSegments`, runs of
+rows sharing one slot, optionally through a permutation of the rows. A decode batch built on the
+host (`build`) carries `adapter_groups`: its adapter rows sorted by slot, so that rows of one
+adapter in any batch order form one segment and the kernel reads that adapter's weights once per
+step. Prefill uses the batch-order segments (a request's tokens are contiguous already), and
+`for_rows` (built on the device, nothing known on the host) one segment per row.
 """
 
 from __future__ import annotations
@@ -16,6 +23,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass(frozen=True)
+class RowSegments:
+    """Segment g holds positions indptr[g] .. indptr[g + 1] - 1 of `rows` (int32, a list of row
+    indices; None: positions are the rows themselves), all on slot slots[g] (-1: no delta).
+    max_len: the longest segment (host int, bounds the kernel's grid); 0 = unknown."""
+
+    indptr: torch.Tensor  # int32 [num_segments + 1]
+    slots: torch.Tensor  # int32 [num_segments]
+    rows: torch.Tensor | None
+    max_len: int
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.slots.shape[0])
 
 
 @dataclass(frozen=True)
@@ -29,6 +52,9 @@ class LoraBatchMeta:
     # Longest segment in tokens (host int, so launching the SGMV grid needs no device sync);
     # 0 = unknown, kernels then assume the whole batch could be one segment.
     max_seg_len: int = 0
+    # Decode: the adapter rows sorted by slot (stable), one segment per slot in the batch; base
+    # rows are left out. None: the grouped kernels run the batch-order segments.
+    adapter_groups: RowSegments | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -38,12 +64,21 @@ class LoraBatchMeta:
     def num_segments(self) -> int:
         return int(self.seg_slots.shape[0])
 
+    @property
+    def segments(self) -> RowSegments:
+        """The row segments the grouped kernels tile: `adapter_groups` if any, else the
+        batch-order segments."""
+        if self.adapter_groups is not None:
+            return self.adapter_groups
+        return RowSegments(self.seg_indptr, self.seg_slots, None, self.max_seg_len)
+
     @staticmethod
     def for_rows(row_slots: torch.Tensor, max_rank: int) -> LoraBatchMeta:
         """Metadata for rows that each name their own buffer row (int32 [N], -1 = none), built
         on the device without a host sync: every row is its own segment, as in decode, so each
         backend runs its per-row kernel (BGMV). Sparse MLPs use it for their (token, expert)
-        rows, whose buffer row is slot * experts + expert."""
+        rows, whose buffer row is slot * experts + expert. Its shapes depend on N only, so a
+        CUDA graph captured over static row_slots replays with whatever slots they then hold."""
         rows = row_slots.shape[0]
         return LoraBatchMeta(
             token_slots=row_slots,
@@ -81,22 +116,40 @@ class LoraBatchMeta:
                 seg_slots.append(slot)
                 indptr.append(indptr[-1] + count)
         seg_lens = [indptr[i + 1] - indptr[i] for i in range(len(seg_slots))]
-        num_tokens, num_segments = indptr[-1], len(seg_slots)
-        # One host buffer, one copy to the device, three views of it.
-        host = torch.empty(num_tokens + 2 * num_segments + 1, dtype=torch.int32)
-        host[:num_tokens] = torch.repeat_interleave(
-            torch.tensor(seg_slots, dtype=torch.int32), torch.tensor(seg_lens, dtype=torch.long),
-            output_size=num_tokens,
-        )
-        host[num_tokens:num_tokens + num_segments + 1] = torch.tensor(indptr, dtype=torch.int32)
-        host[num_tokens + num_segments + 1:] = torch.tensor(seg_slots, dtype=torch.int32)
-        packed = host.to(device)
+        num_tokens = indptr[-1]
+        is_decode = all(n == 1 for n in tokens_per_request)
+        # Decode: adapter rows sorted by slot, then one group per slot (host ints, no device sort).
+        order = sorted((slot, row) for row, slot in enumerate(slots_per_request) if slot >= 0) if is_decode else []
+        group_indptr, group_slots = [0], list[int]()
+        for slot, _ in order:
+            if group_slots and group_slots[-1] == slot:
+                group_indptr[-1] += 1
+            else:
+                group_slots.append(slot)
+                group_indptr.append(group_indptr[-1] + 1)
+        # One host buffer, one copy to the device, views of it.
+        pieces = [
+            torch.repeat_interleave(torch.tensor(seg_slots, dtype=torch.int32),
+                                    torch.tensor(seg_lens, dtype=torch.long), output_size=num_tokens),
+            torch.tensor(indptr, dtype=torch.int32), torch.tensor(seg_slots, dtype=torch.int32),
+        ]
+        if group_slots:
+            pieces += [torch.tensor([row for _, row in order], dtype=torch.int32),
+                       torch.tensor(group_indptr, dtype=torch.int32), torch.tensor(group_slots, dtype=torch.int32)]
+        packed = torch.cat(pieces).to(device)
+        token_slots, seg_indptr_d, seg_slots_d, *groups = packed.split([len(piece) for piece in pieces])
+        adapter_groups = None
+        if groups:
+            rows, g_indptr, g_slots = groups
+            longest = max(end - start for start, end in zip(group_indptr, group_indptr[1:], strict=False))
+            adapter_groups = RowSegments(g_indptr, g_slots, rows, longest)
         return LoraBatchMeta(
-            token_slots=packed[:num_tokens],
-            seg_indptr=packed[num_tokens:num_tokens + num_segments + 1],
-            seg_slots=packed[num_tokens + num_segments + 1:],
+            token_slots=token_slots,
+            seg_indptr=seg_indptr_d,
+            seg_slots=seg_slots_d,
             max_rank=max_rank,
-            is_decode=all(n == 1 for n in tokens_per_request),
+            is_decode=is_decode,
             has_lora=any(s >= 0 for s in seg_slots),
             max_seg_len=max(seg_lens, default=0),
+            adapter_groups=adapter_groups,
         )

@@ -1,6 +1,16 @@
-"""Triton kernels for batched LoRA: BGMV (decode rows) and SGMV (prefill segments).
+"""Triton kernels for batched LoRA: `FusedLora` (every part of a fused projection, rows grouped
+by adapter: what the serving path runs), and BGMV (decode rows) and SGMV (prefill segments) for
+one part (`add_lora`; the baselines `bench/lora_kernels.py` and `bench/lora_compile_report.py`
+measure).
 
-Both compute, in ONE launch per call, exactly `lora_reference.add_lora_reference`:
+`FusedLora` runs q|k|v or gate|up in one launch: grid (segments, row programs, column splits of
+all parts); a program selects its part from its split index, reads the slot's rank in that part
+(0: returns) and computes the SGMV tile below for BLOCK_M rows of one segment. Decode segments
+are the batch's adapters (rows sorted by slot on the host, `LoraBatchMeta.adapter_groups`,
+gathered and scattered through that row list), so an adapter's A and B tiles are read once per
+16 rows instead of once per row as in BGMV. See the class for its contract.
+
+All of them compute, in ONE launch per call, exactly `lora_reference.add_lora_reference`:
 
     for every token t with s = slot(t) >= 0:
         y[t, out_slice] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))      (float32 accumulate)
@@ -45,6 +55,7 @@ without a GPU (registers, spills, wgmma); `bench/lora_kernels.py` times them on 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +121,69 @@ def _bgmv_kernel(
 
 
 @triton.jit
+def _part_rows(
+    y_ptr, x_ptr, rows_ptr, a_slot, b_slot, scale, rank, width, column, split,
+    seg_start, seg_end, row_block, K, cols_per_split,
+    stride_xt, stride_xk, stride_yt, stride_yn, stride_ar, stride_ak, stride_bn, stride_br,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One part's delta for row block `row_block` of one segment (rows past its end: nothing)
+    and the part's columns [split * cols_per_split, ...). One block per program: a loop over
+    several costs ~25% more registers on sm_90 (compile report)."""
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    r_mask = offs_r < rank  # the slot's own rank in this part: its padding is never read
+    a_cols = a_slot + offs_r[None, :] * stride_ar
+    b_rows = b_slot + offs_r[:, None] * stride_br
+    n_start = split * cols_per_split
+    n_end = tl.minimum(n_start + cols_per_split, width)
+    m0 = seg_start + row_block * BLOCK_M
+    if m0 < seg_end:
+        position = m0 + offs_m
+        m_mask = position < seg_end
+        if HAS_ROWS:
+            rows = tl.load(rows_ptr + position, mask=m_mask, other=0).to(tl.int64)
+            x_rows = x_ptr + rows[:, None] * stride_xt
+            y_rows = y_ptr + rows[:, None] * stride_yt
+        else:
+            # 64-bit scalar bases, 32-bit offsets inside the tiles: half the registers.
+            x_rows = x_ptr + m0.to(tl.int64) * stride_xt + offs_m[:, None] * stride_xt
+            y_rows = y_ptr + m0.to(tl.int64) * stride_yt + offs_m[:, None] * stride_yt
+
+        # Shrink: h[BLOCK_M, BLOCK_R] = x[rows, :] @ A[slot]^T, accumulated in float32.
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + offs_k
+            k_mask = k < K
+            xv = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
+            if UPCAST:
+                xv = xv.to(tl.float32)
+                at = at.to(tl.float32)
+            acc = tl.dot(xv, at, acc, input_precision=DOT_PRECISION)
+        # Rounded to the weights' dtype between the two products, as PEFT and `sgmv` do.
+        h = (acc * scale).to(b_slot.dtype.element_ty)
+        if UPCAST:
+            h = h.to(tl.float32)
+
+        # Expand into this program's columns: y[rows, column + n] += h @ B[slot][n, :]^T.
+        for n0 in range(n_start, n_end, BLOCK_N):
+            n = n0 + offs_n
+            n_mask = n < n_end
+            bt = tl.load(b_rows + n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            if UPCAST:
+                bt = bt.to(tl.float32)
+            delta = tl.dot(h, bt, input_precision=DOT_PRECISION)
+            y_tile = y_rows + (column + n)[None, :] * stride_yn
+            y_mask = m_mask[:, None] & n_mask[None, :]
+            yv = tl.load(y_tile, mask=y_mask, other=0.0)
+            tl.store(y_tile, (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@triton.jit
 def _sgmv_kernel(
     y_ptr, x_ptr, a_ptr, b_ptr, scaling_ptr, seg_indptr_ptr, seg_slots_ptr,
     K, N, R, cols_per_split,
@@ -121,63 +195,17 @@ def _sgmv_kernel(
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     seg = tl.program_id(0)
-    block = tl.program_id(1)
-    split = tl.program_id(2)
     slot = tl.load(seg_slots_ptr + seg)
     if slot < 0:
         return
-    m0 = tl.load(seg_indptr_ptr + seg) + block * BLOCK_M
-    rows_left = tl.load(seg_indptr_ptr + seg + 1) - m0
-    if rows_left <= 0:
-        return
-    # 64-bit scalar bases, 32-bit offsets inside the tiles: half the registers of 64-bit tiles.
-    x_blk = x_ptr + m0.to(tl.int64) * stride_xt
-    y_blk = y_ptr + m0.to(tl.int64) * stride_yt
-    a_slot = a_ptr + slot.to(tl.int64) * stride_as
-    b_slot = b_ptr + slot.to(tl.int64) * stride_bs
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < rows_left
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_k = tl.arange(0, BLOCK_K)
-    r_mask = offs_r < R
-
-    # Shrink: h[BLOCK_M, BLOCK_R] = x[rows, :] @ A[slot]^T, accumulated in float32.
-    x_rows = x_blk + offs_m[:, None] * stride_xt
-    a_cols = a_slot + offs_r[None, :] * stride_ar
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < K
-        xv = tl.load(x_rows + k[None, :] * stride_xk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        at = tl.load(a_cols + k[:, None] * stride_ak, mask=k_mask[:, None] & r_mask[None, :], other=0.0)
-        if UPCAST:
-            xv = xv.to(tl.float32)
-            at = at.to(tl.float32)
-        acc = tl.dot(xv, at, acc, input_precision=DOT_PRECISION)
-    h = (acc * tl.load(scaling_ptr + slot)).to(b_ptr.dtype.element_ty)
-    if UPCAST:
-        h = h.to(tl.float32)
-
-    # Expand into this program's columns [n_start, n_end): y[rows, n] += h @ B[slot][n, :]^T.
-    n_start = split * cols_per_split
-    n_end = tl.minimum(n_start + cols_per_split, N)
-    offs_n = tl.arange(0, BLOCK_N)
-    b_rows = b_slot + offs_r[:, None] * stride_br
-    y_rows = y_blk + offs_m[:, None] * stride_yt
-    for n0 in range(n_start, n_end, BLOCK_N):
-        n = n0 + offs_n
-        n_mask = n < n_end
-        bt = tl.load(b_rows + n[None, :] * stride_bn, mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if UPCAST:
-            bt = bt.to(tl.float32)
-        delta = tl.dot(h, bt, input_precision=DOT_PRECISION)
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        yv = tl.load(y_rows + n[None, :] * stride_yn, mask=y_mask, other=0.0)
-        tl.store(
-            y_rows + n[None, :] * stride_yn,
-            (yv.to(tl.float32) + delta).to(y_ptr.dtype.element_ty),
-            mask=y_mask,
-        )
+    # The row-block body `FusedLora` runs too, for one part at column 0 of the y view.
+    _part_rows(
+        y_ptr, x_ptr, seg_indptr_ptr, a_ptr + slot.to(tl.int64) * stride_as, b_ptr + slot.to(tl.int64) * stride_bs,
+        tl.load(scaling_ptr + slot), R, N, 0, tl.program_id(2), tl.load(seg_indptr_ptr + seg),
+        tl.load(seg_indptr_ptr + seg + 1), tl.program_id(1), K, cols_per_split,
+        stride_xt, stride_xk, stride_yt, stride_yn, stride_ar, stride_ak, stride_bn, stride_br,
+        BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, False, DOT_PRECISION, UPCAST,
+    )
 
 
 @dataclass(frozen=True)
@@ -304,3 +332,164 @@ def add_lora_triton(
         bgmv(y_part, x, lora_a, lora_b, scaling, meta.token_slots, config)
     else:
         sgmv(y_part, x, lora_a, lora_b, scaling, meta.seg_indptr, meta.seg_slots, meta.max_seg_len, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every part of one fused projection in one launch, over row segments grouped by adapter.
+
+
+@triton.jit
+def _parts_kernel(
+    y_ptr, x_ptr, rows_ptr, indptr_ptr, slots_ptr,
+    a_ptrs, b_ptrs, scaling_ptrs, ranks_ptrs,  # one per part
+    widths, columns, split_starts,  # one per part; split_starts has one more (the total)
+    stride_as, stride_ar, stride_ak, stride_bs, stride_bn, stride_br,  # one per part
+    K, cols_per_split,
+    stride_xt, stride_xk, stride_yt, stride_yn,
+    NUM_PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, HAS_ROWS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seg = tl.program_id(0)
+    split = tl.program_id(2)  # over the column splits of all parts, part 0's first
+    slot = tl.load(slots_ptr + seg)
+    if slot < 0:
+        return
+    # This program's part: the last whose first split is <= split. Its arguments are selected,
+    # not branched on, so the kernel body exists once whatever the number of parts.
+    a_slot = a_ptrs[0] + slot.to(tl.int64) * stride_as[0]
+    b_slot = b_ptrs[0] + slot.to(tl.int64) * stride_bs[0]
+    scaling_ptr = scaling_ptrs[0]
+    ranks_ptr = ranks_ptrs[0]
+    width = widths[0]
+    column = columns[0]
+    first_split = split_starts[0]
+    ar, ak, bn, br = stride_ar[0], stride_ak[0], stride_bn[0], stride_br[0]
+    for p in tl.static_range(1, NUM_PARTS):
+        here = split >= split_starts[p]
+        a_slot = tl.where(here, a_ptrs[p] + slot.to(tl.int64) * stride_as[p], a_slot)
+        b_slot = tl.where(here, b_ptrs[p] + slot.to(tl.int64) * stride_bs[p], b_slot)
+        scaling_ptr = tl.where(here, scaling_ptrs[p], scaling_ptr)
+        ranks_ptr = tl.where(here, ranks_ptrs[p], ranks_ptr)
+        width = tl.where(here, widths[p], width)
+        column = tl.where(here, columns[p], column)
+        first_split = tl.where(here, split_starts[p], first_split)
+        ar = tl.where(here, stride_ar[p], ar)
+        ak = tl.where(here, stride_ak[p], ak)
+        bn = tl.where(here, stride_bn[p], bn)
+        br = tl.where(here, stride_br[p], br)
+    rank = tl.load(ranks_ptr + slot)
+    if rank == 0:  # the slot's adapter does not target this part
+        return
+    _part_rows(
+        y_ptr, x_ptr, rows_ptr, a_slot, b_slot, tl.load(scaling_ptr + slot), rank, width, column,
+        split - first_split, tl.load(indptr_ptr + seg), tl.load(indptr_ptr + seg + 1), tl.program_id(1),
+        K, cols_per_split, stride_xt, stride_xk, stride_yt, stride_yn, ar, ak, bn, br,
+        BLOCK_M, BLOCK_K, BLOCK_N, BLOCK_R, HAS_ROWS, DOT_PRECISION, UPCAST,
+    )
+
+
+@dataclass(frozen=True)
+class PartsPlan:
+    """One launch of `_parts_kernel`: grid (segments, row programs, column splits of all parts),
+    where each part's splits start, and the compile-time block sizes."""
+
+    grid: tuple[int, int, int]
+    cols_per_split: int
+    split_starts: tuple[int, ...]
+    blocks: dict[str, int]
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=4096)  # called per fused projection and layer: same shapes every step
+def plan_parts(
+    num_rows: int, num_segments: int, max_seg_len: int, k: int, widths: tuple[int, ...], rank: int,
+    dtype: torch.dtype, sm_count: int, config: LaunchConfig,
+) -> PartsPlan:
+    """Pure function of host ints. Rows: grid axis 1 has one program per BLOCK_M-row block of the
+    longest segment. Columns: one split width for every part, each part at least one split."""
+    max_seg_len = max_seg_len if max_seg_len > 0 else num_rows
+    block_r = max(16, triton.next_power_of_2(rank))
+    block_m = config.block_m or max(16, min(64, triton.next_power_of_2(max_seg_len)))
+    if dtype == torch.float32 and config.block_m is None:
+        # float32 dots run on FMA units with the tiles in registers: big tiles spill.
+        block_m = min(block_m, max(16, 1024 // block_r))
+    block_k = config.block_k or (32 if block_r >= 128 else 64)
+    # float32 at rank 64 also spills with 128 columns (sm_90 compile report).
+    block_n = config.block_n or (64 if block_r >= 128 or (dtype == torch.float32 and block_r >= 64) else 128)
+    row_blocks = max(1, triton.cdiv(max_seg_len, block_m))
+    tiles = [triton.cdiv(width, block_n) for width in widths]
+    requested = config.splits
+    if requested is None:
+        # ~2 waves of SMs, at most 8 recomputations of the shrink per part.
+        busy = triton.cdiv(num_rows, block_m) + num_segments
+        requested = min(triton.cdiv(2 * sm_count, max(busy, 1)), 8) * len(widths)
+    cols = triton.cdiv(sum(tiles), max(1, min(requested, sum(tiles)))) * block_n
+    starts = [0]
+    for width in widths:
+        starts.append(starts[-1] + triton.cdiv(width, cols))
+    blocks = {"BLOCK_M": block_m, "BLOCK_K": block_k, "BLOCK_N": block_n, "BLOCK_R": block_r}
+    return PartsPlan((num_segments, row_blocks, starts[-1]), cols, tuple(starts), blocks, config.num_warps)
+
+
+class FusedLora:
+    """The Triton kernel call of one fused projection's parts (q|k|v, gate|up, or one part),
+    sharing x: each part (lora_a [S, R_p, in], lora_b [S, out_p, R_p], scaling [S] float32,
+    out_slice, slot_ranks int32 [S] or None = R_p). `add` computes, in ONE launch,
+
+        for every segment g of meta.segments with s = slots[g] >= 0, every row t of g, every part p
+        with r = slot_ranks_p[s] > 0:
+            h = (scaling_p[s] * (lora_a_p[s, :r] @ x[t])).to(dtype)          (float32 accumulate)
+            y[t, out_slice_p] += lora_b_p[s, :, :r] @ h
+
+    i.e. `add_lora` per part, with a slot's padded ranks and untargeted parts never read. A
+    program takes BLOCK_M rows of one segment, so an adapter's A and B tiles are read once per
+    row block, not once per row: a decode batch built by `LoraBatchMeta.build` groups its rows
+    by adapter (`adapter_groups`, gathered and scattered through the sorted row list), prefill
+    takes its batch-order segments, `LoraBatchMeta.for_rows` one row per segment.
+
+    Parts must write disjoint columns (programs of different parts run concurrently). The
+    per-part arguments are fixed here; a call only plans the grid from host ints (rows, segments,
+    longest segment) and launches, with no device sync. CUDA graphs: the grid, hence the
+    metadata's segment count and longest segment, must be what they were at capture; a graph
+    over `for_rows` metadata (segments = rows) qualifies, host-built adapter groups
+    (data-dependent counts) run eagerly."""
+
+    def __init__(self, parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice,
+                                             torch.Tensor | None]]) -> None:
+        spans = sorted((out_slice.start, out_slice.start + lora_b.shape[1]) for _, lora_b, _, out_slice, _ in parts)
+        if any(end > start for (_, end), (start, _) in zip(spans, spans[1:], strict=False)):
+            raise ValueError(f"FusedLora: the parts' columns overlap: {spans}")
+        self.dtype = parts[0][0].dtype
+        self.in_features = parts[0][0].shape[2]
+        self.max_rank = max(lora_a.shape[1] for lora_a, *_ in parts)
+        self.widths = tuple(lora_b.shape[1] for _, lora_b, *_ in parts)
+        self.end = max(span[1] for span in spans)
+        ranks = [r if r is not None else torch.full((a.shape[0],), a.shape[1], dtype=torch.int32, device=a.device)
+                 for a, _, _, _, r in parts]
+        lora_a = [part[0] for part in parts]
+        lora_b = [part[1] for part in parts]
+        self._pointers = (tuple(lora_a), tuple(lora_b), tuple(part[2] for part in parts), tuple(ranks))
+        self._columns = tuple(out_slice.start for *_, out_slice, _ in parts)
+        self._strides = tuple(tuple(t.stride(d) for t in lora_a) for d in range(3)) + tuple(
+            tuple(t.stride(d) for t in lora_b) for d in range(3))
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta, config: LaunchConfig = LaunchConfig()) -> None:
+        """In place, every part's delta (see the class); x [T, in] and y [T, >= columns' end]
+        in the parts' dtype, checked by the caller."""
+        segments = meta.segments
+        num_rows, k = x.shape
+        plan = plan_parts(num_rows, segments.num_segments, segments.max_len, k, self.widths, self.max_rank,
+                          x.dtype, _sm_count(x.device), config)
+        if plan.grid[0] == 0:
+            return
+        # Triton's interpreter multiplies bfloat16 dot operands as raw bits: see `sgmv`.
+        upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
+        rows = segments.rows
+        _parts_kernel[plan.grid](
+            y, x, rows if rows is not None else segments.indptr, segments.indptr, segments.slots,
+            *self._pointers, self.widths, self._columns, plan.split_starts, *self._strides,
+            k, plan.cols_per_split, x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+            NUM_PARTS=len(self.widths), **plan.blocks, HAS_ROWS=rows is not None,
+            DOT_PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+            num_warps=plan.num_warps,
+        )
