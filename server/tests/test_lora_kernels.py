@@ -23,9 +23,10 @@ from float_error import lora_error_bound
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.kernels import LoraBatchMeta, LoraProjection, add_lora, add_lora_parts, cpu_ops, lora_torch  # noqa: E402
+from quiver_server.kernels import LoraBatchMeta, add_lora, add_lora_parts, cpu_ops, lora_torch  # noqa: E402
 from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
+from lora_parts_cases import assert_within_parts_bound, fused_parts, random_batch, reference_per_part  # noqa: E402
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DEFAULT_LAUNCH = lora_triton.LaunchConfig()
@@ -138,12 +139,6 @@ def assert_matches(actual: torch.Tensor, case: Case, expected: torch.Tensor | No
     error = (actual[:, inside].double() - expected[:, inside]).abs()
     assert not torch.isnan(actual).any()
     assert (error <= bound).all(), f"max error over bound {(error / bound.clamp_min(1e-300)).max():.3g}"
-
-
-def random_batch(rng: random.Random, num_requests: int, max_tokens: int, num_slots: int) -> tuple[list[int], list[int]]:
-    tokens = [rng.randint(1, max_tokens) for _ in range(num_requests)]
-    slots = [rng.randrange(-1, num_slots) for _ in range(num_requests)]
-    return tokens, slots
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,59 +360,13 @@ def test_dispatcher_rejects_mismatched_shapes() -> None:
 # Several parts of one fused projection (q|k|v, gate|up) in one call.
 
 
-def _fused_parts(dtype: torch.dtype, rank_major_b: bool, num_rows: int, seed: int):
-    """Three parts of widths 48, 24, 24 over one x, slot buffers of different max ranks holding
-    adapters of smaller ranks (slot 4 does not target the middle part: rank 0 there); rows mix
-    slots and base rows. Each part is (lora_a, lora_b, scaling, out_slice, slot_ranks)."""
-    gen = torch.Generator().manual_seed(seed)
-    num_slots, in_features = 5, 64
-    scaling = torch.rand(num_slots, generator=gen) * 2 + 0.25
-    parts, start = [], 3
-    for index, (width, max_rank) in enumerate(((48, 16), (24, 8), (24, 16))):
-        a = torch.zeros(num_slots, max_rank, in_features)
-        b = torch.zeros(num_slots, width, max_rank)
-        ranks = torch.zeros(num_slots, dtype=torch.int32)
-        for slot in range(num_slots):
-            rank = 0 if (index, slot) == (1, 4) else 1 + (slot * 5 + max_rank) % max_rank
-            a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
-            b[slot, :, :rank] = torch.randn(width, rank, generator=gen) / max(rank, 1)**0.5
-            ranks[slot] = rank
-        b = b.to(dtype)
-        if rank_major_b:
-            b = b.transpose(1, 2).contiguous().transpose(1, 2)
-        parts.append((a.to(dtype), b, scaling, slice(start, start + width), ranks))
-        start += width
-    y = torch.randn(num_rows, start + 5, generator=gen).to(dtype)
-    x = torch.randn(num_rows, in_features, generator=gen).to(dtype)
-    slots = [int(s) for s in torch.randint(-1, num_slots, (num_rows,), generator=gen)]
-    slots[:2] = [2, 4]  # at least one adapter row, and one of the slot with an untargeted part
-    meta = LoraBatchMeta.build(slots, [1] * num_rows, 16, "cpu")
-    return y, x, parts, meta
-
-
-def _assert_within_parts_bound(actual, expected, y, x, parts, meta) -> None:
-    """actual and the float32 reference each within the rounding bound of the exact value, part by
-    part (float_error.lora_error_bound), so within twice it of each other."""
-    for lora_a, lora_b, scaling, out_slice, _ in parts:
-        bound = 2 * lora_error_bound(y, x, lora_a, lora_b, scaling, meta.token_slots, out_slice)
-        error = (actual[:, out_slice].double() - expected[:, out_slice].double()).abs()
-        assert (error <= bound).all(), f"max error over bound {(error / bound.clamp_min(1e-300)).max():.3g}"
-
-
-def _reference_per_part(y, x, parts, meta):
-    expected = y.clone()
-    for lora_a, lora_b, scaling, out_slice, _ in parts:
-        add_lora_reference(expected, x, lora_a, lora_b, scaling, meta, out_slice)
-    return expected
-
-
 @pytest.mark.parametrize("with_ranks", [False, True], ids=["padded", "slot-ranks"])
 @pytest.mark.parametrize("rank_major_b", [False, True], ids=["b-out-major", "b-rank-major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, backend, with_ranks) -> None:
-    y, x, parts, meta = _fused_parts(dtype, rank_major_b, num_rows=29, seed=7)
-    expected = _reference_per_part(y, x, parts, meta)
+    y, x, parts, meta = fused_parts(dtype, rank_major_b, num_rows=29, seed=7)
+    expected = reference_per_part(y, x, parts, meta)
     if not with_ranks:
         parts = [(*part[:4], None) for part in parts]
     actual = y.clone()
@@ -426,7 +375,7 @@ def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, back
     assert torch.equal(actual[:, :3], y[:, :3]) and torch.equal(actual[:, -5:], y[:, -5:])
     base_rows = meta.token_slots < 0
     assert torch.equal(actual[base_rows], y[base_rows])
-    _assert_within_parts_bound(actual, expected, y, x, parts, meta)
+    assert_within_parts_bound(actual, expected, y, x, parts, meta)
 
 
 @pytest.mark.parametrize("step", ["decode", "prefill"])
@@ -437,14 +386,14 @@ def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool, backend: str
     values, and the result must still be the reference on the zero-padded buffers (a kernel that
     read the padding would be off by about 1e3). Decode rows take the one-call BGMV kernel on
     CPU, prefill segments the per-segment matmuls."""
-    y, x, parts, meta = _fused_parts(torch.float32, rank_major_b, num_rows=17, seed=3)
+    y, x, parts, meta = fused_parts(torch.float32, rank_major_b, num_rows=17, seed=3)
     if step == "prefill":
         lengths = [40, 33, 20, 30]
         meta = LoraBatchMeta.build([2, 4, -1, 0], lengths, 16, "cpu")
         gen = torch.Generator().manual_seed(5)
         y = torch.randn(sum(lengths), y.shape[1], generator=gen)
         x = torch.randn(sum(lengths), x.shape[1], generator=gen)
-    expected = _reference_per_part(y, x, parts, meta)
+    expected = reference_per_part(y, x, parts, meta)
     polluted = []
     for lora_a, lora_b, scaling, out_slice, ranks in parts:
         a, b = lora_a.clone(), lora_b.clone()
@@ -461,7 +410,7 @@ def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool, backend: str
     assert (control - expected).abs().max() > 1.0
 @pytest.mark.cpu_kernels
 def test_fused_parts_kernel_rejects_bad_input() -> None:
-    y, x, parts, meta = _fused_parts(torch.float32, True, num_rows=4, seed=1)
+    y, x, parts, meta = fused_parts(torch.float32, True, num_rows=4, seed=1)
     a, b, s, _, r = zip(*parts, strict=True)
     a, b, r = list(a), list(b), list(r)
     slots = meta.token_slots
@@ -521,7 +470,7 @@ def test_cpu_sgmv_matches_reference(dtype: torch.dtype, in_features: int, widths
     # Widths and in_features on and off the kernel's vector blocks (16 floats, 64 outputs).
     y, x, parts, meta = _sgmv_case(dtype, in_features, widths, seed=in_features)
     assert not meta.is_decode and all(cpu_ops.rank_major(part[1]) for part in parts)
-    expected = _reference_per_part(y, x, parts, meta)
+    expected = reference_per_part(y, x, parts, meta)
     actual = y.clone()
     a, b, s, slices, r = zip(*parts, strict=True)
     cpu_ops.lora_sgmv_parts(actual, x, list(a), list(b), list(r), [sl.start for sl in slices], s[0],
@@ -529,7 +478,7 @@ def test_cpu_sgmv_matches_reference(dtype: torch.dtype, in_features: int, widths
     assert torch.equal(actual[:, :2], y[:, :2]) and torch.equal(actual[:, -3:], y[:, -3:])
     untouched = (meta.token_slots < 0) | (meta.token_slots == 3)  # base rows; slot 3 has rank 0
     assert torch.equal(actual[untouched], y[untouched])
-    _assert_within_parts_bound(actual, expected, y, x, parts, meta)
+    assert_within_parts_bound(actual, expected, y, x, parts, meta)
     # As served: a fused projection's prefill on the CPU backend takes this kernel.
     served = y.clone()
     add_lora_parts(served, x, parts, meta, backend="cpu")
@@ -551,201 +500,3 @@ def test_cpu_sgmv_rejects_bad_input() -> None:
         bad[1] = bad[2] + 1  # [0, 72, 71, ...]
         cpu_ops.lora_sgmv_parts(**args, seg_indptr=bad, seg_slots=meta.seg_slots)
     assert torch.equal(y, _sgmv_case(torch.float32, 64, (64,), seed=2)[0])  # nothing was written
-
-
-# ---------------------------------------------------------------------------------------------
-# Triton: every part of a fused projection in one launch, rows grouped by adapter
-# (`lora_triton.FusedLora`, what `LoraProjection` runs on the triton backend).
-
-
-def test_meta_groups_decode_rows_by_adapter() -> None:
-    # Decode rows in batch order, adapters repeated and interleaved with base rows: the groups
-    # list each adapter's rows once, in slot order, and leave base rows out.
-    meta = LoraBatchMeta.build([2, -1, 0, 2, 1, 0, 2], [1] * 7, max_rank=8, device="cpu")
-    groups = meta.adapter_groups
-    assert groups is not None and meta.segments is groups
-    assert groups.rows is not None and groups.rows.tolist() == [2, 5, 4, 0, 3, 6]
-    assert groups.indptr.tolist() == [0, 2, 3, 6] and groups.slots.tolist() == [0, 1, 2]
-    assert groups.max_len == 3 and groups.rows.dtype == groups.indptr.dtype == groups.slots.dtype == torch.int32
-    assert meta.token_slots.tolist() == [2, -1, 0, 2, 1, 0, 2]  # the batch-order views are unchanged
-    # Prefill keeps its batch-order segments; an all-base decode batch has nothing to group.
-    prefill = LoraBatchMeta.build([2, 2, -1, 0], [3, 1, 2, 4], max_rank=8, device="cpu")
-    assert prefill.adapter_groups is None and prefill.segments.rows is None
-    assert prefill.segments.indptr.tolist() == [0, 4, 6, 10] and prefill.segments.max_len == 4
-    assert LoraBatchMeta.build([-1, -1], [1, 1], max_rank=8, device="cpu").adapter_groups is None
-    # Rows built on the device: one segment per row, nothing known on the host.
-    rows = LoraBatchMeta.for_rows(torch.tensor([3, -1, 3], dtype=torch.int32), max_rank=8)
-    assert rows.adapter_groups is None and rows.segments.indptr.tolist() == [0, 1, 2, 3]
-    assert rows.segments.max_len == 1
-
-
-class _Launches:
-    """Stands in for `lora_triton._parts_kernel`, recording each launch's grid."""
-
-    def __init__(self, kernel) -> None:
-        self.kernel, self.grids = kernel, []
-
-    def __getitem__(self, grid):
-        self.grids.append(grid)
-        return self.kernel[grid]
-
-
-def _fused_triton(y, x, parts, meta_on_device, monkeypatch, config=DEFAULT_LAUNCH):
-    """FusedLora(parts).add on TRITON_DEVICE with meta_on_device(device); returns (y on CPU,
-    the launch grids)."""
-    device = torch.device(TRITON_DEVICE)
-    moved = [(a.to(device), b.to(device), s.to(device), sl, None if r is None else r.to(device))
-             for a, b, s, sl, r in parts]
-    launches = _Launches(lora_triton._parts_kernel)
-    out = y.to(device, copy=True)
-    with monkeypatch.context() as patch:
-        patch.setattr(lora_triton, "_parts_kernel", launches)
-        lora_triton.FusedLora(moved).add(out, x.to(device), meta_on_device(device), config)
-    return out.cpu(), launches.grids
-
-
-PREFILL_LENGTHS, PREFILL_SLOTS = [40, 1, 20, 3, 30, 2], [2, 4, -1, 2, 0, 4]
-
-
-@pytest.mark.parametrize("with_ranks", [False, True], ids=["padded", "slot-ranks"])
-@pytest.mark.parametrize("step", ["decode", "prefill"])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_fused_parts_in_one_launch(dtype, step, with_ranks, monkeypatch) -> None:
-    # Parts of widths 48/24/24 and max ranks 16/8/16, adapters of smaller ranks, slot 4 not
-    # targeting the middle part; decode rows in unsorted adapter order with repeats and base
-    # rows, prefill segments with a slot used twice and a one-token segment.
-    y, x, parts, meta = _fused_parts(dtype, rank_major_b=False, num_rows=29, seed=11)
-    slots, tokens = [int(s) for s in meta.token_slots], [1] * 29
-    if step == "prefill":
-        slots, tokens = PREFILL_SLOTS, PREFILL_LENGTHS
-        meta = LoraBatchMeta.build(slots, tokens, 16, "cpu")
-        gen = torch.Generator().manual_seed(2)
-        y = torch.randn(sum(tokens), y.shape[1], generator=gen).to(dtype)
-        x = torch.randn(sum(tokens), x.shape[1], generator=gen).to(dtype)
-    assert (meta.adapter_groups is not None) == (step == "decode")
-    expected = _reference_per_part(y, x, parts, meta)
-    if not with_ranks:
-        parts = [(*part[:4], None) for part in parts]
-    actual, grids = _fused_triton(y, x, parts, lambda d: LoraBatchMeta.build(slots, tokens, 16, d), monkeypatch)
-    assert len(grids) == 1  # q|k|v-like parts, shrink and expand: one launch
-    assert torch.equal(actual[:, :3], y[:, :3]) and torch.equal(actual[:, -5:], y[:, -5:])
-    base_rows = meta.token_slots < 0
-    assert torch.equal(actual[base_rows], y[base_rows])
-    _assert_within_parts_bound(actual, expected, y, x, parts, meta)
-
-
-@pytest.mark.parametrize("step", ["decode", "prefill"])
-def test_triton_fused_parts_read_no_padded_rank(step, monkeypatch) -> None:
-    # As test_slot_ranks_bound_what_the_kernel_reads: padding past each slot's rank (and the
-    # whole untargeted part of slot 4) holds 1e3; with slot_ranks the result is still the
-    # reference on zero padding, without them (the control) it is not.
-    y, x, parts, meta = _fused_parts(torch.float32, rank_major_b=True, num_rows=17, seed=5)
-    slots, tokens = [int(s) for s in meta.token_slots], [1] * 17
-    if step == "prefill":
-        slots, tokens = PREFILL_SLOTS, PREFILL_LENGTHS
-        meta = LoraBatchMeta.build(slots, tokens, 16, "cpu")
-        gen = torch.Generator().manual_seed(4)
-        y, x = torch.randn(sum(tokens), y.shape[1], generator=gen), torch.randn(sum(tokens), x.shape[1], generator=gen)
-    expected = _reference_per_part(y, x, parts, meta)
-    polluted = []
-    for lora_a, lora_b, scaling, out_slice, ranks in parts:
-        a, b = lora_a.clone(), lora_b.clone()
-        for slot, rank in enumerate(ranks.tolist()):
-            a[slot, rank:] = 1e3
-            b[slot, :, rank:] = 1e3
-        polluted.append((a, b, scaling, out_slice, ranks))
-    build = lambda d: LoraBatchMeta.build(slots, tokens, 16, d)  # noqa: E731
-    actual, _ = _fused_triton(y, x, polluted, build, monkeypatch)
-    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
-    control, _ = _fused_triton(y, x, [(*part[:4], None) for part in polluted], build, monkeypatch)
-    assert (control - expected).abs().max() > 1.0
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_fused_parts_for_rows_meta(dtype, monkeypatch) -> None:
-    # A sparse MLP's (token, expert) rows: buffers of 3 slots x 4 experts, each row naming its
-    # buffer row slot * 4 + expert (-1: base), built on the device by for_rows. The grid depends
-    # on the row count only, so a CUDA graph over static row slots replays any slots.
-    gen = torch.Generator().manual_seed(8)
-    slots, experts, in_features, max_rank = 3, 4, 40, 8
-    parts, start = [], 2
-    scaling = torch.rand(slots * experts, generator=gen) + 0.5
-    for width in (24, 24):  # gate|up
-        a = torch.randn(slots * experts, max_rank, in_features, generator=gen) / in_features**0.5
-        b = torch.randn(slots * experts, width, max_rank, generator=gen) / max_rank**0.5
-        parts.append((a.to(dtype), b.to(dtype), scaling, slice(start, start + width), None))
-        start += width
-    rows = 19
-    row_slots = torch.randint(-1, slots * experts, (rows,), generator=gen, dtype=torch.int32)
-    row_slots[:3] = torch.tensor([5, 5, 0], dtype=torch.int32)  # one buffer row twice
-    y = torch.randn(rows, start + 3, generator=gen).to(dtype)
-    x = torch.randn(rows, in_features, generator=gen).to(dtype)
-    meta = LoraBatchMeta.for_rows(row_slots, max_rank)
-    expected = _reference_per_part(y, x, parts, meta)
-    actual, grids = _fused_triton(y, x, parts, lambda d: LoraBatchMeta.for_rows(row_slots.to(d), max_rank),
-                                  monkeypatch)
-    assert torch.equal(actual[meta.token_slots < 0], y[meta.token_slots < 0])
-    _assert_within_parts_bound(actual, expected, y, x, parts, meta)
-    _, other_grids = _fused_triton(y, x, parts, lambda d: LoraBatchMeta.for_rows(
-        torch.full((rows,), 7, dtype=torch.int32, device=d), max_rank), monkeypatch)
-    assert grids == other_grids and grids[0][:2] == (rows, 1)
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_triton_fused_parts_random_shapes_and_launch_configs(seed, monkeypatch) -> None:
-    # Tile sizes and column splits (over 1-3 parts) change which program computes what, never
-    # the result.
-    rng = random.Random(300 + seed)
-    gen = torch.Generator().manual_seed(seed)
-    dtype = rng.choice(DTYPES)
-    num_slots, in_features = rng.choice([2, 5]), rng.choice([16, 33, 80])
-    decode = seed % 2 == 0
-    tokens, slots = random_batch(rng, rng.randint(2, 9), 1 if decode else 40, num_slots)
-    slots[-1] = max(slots[-1], 0)
-    parts, start = [], rng.choice([0, 7])
-    scaling = torch.rand(num_slots, generator=gen) + 0.5
-    for _ in range(rng.randint(1, 3)):
-        width, max_rank = rng.choice([16, 50, 130]), rng.choice([1, 8, 24])
-        ranks = torch.tensor([rng.randint(0, max_rank) for _ in range(num_slots)], dtype=torch.int32)
-        a = torch.zeros(num_slots, max_rank, in_features)
-        b = torch.zeros(num_slots, width, max_rank)
-        for slot, rank in enumerate(ranks.tolist()):
-            a[slot, :rank] = torch.randn(rank, in_features, generator=gen) / in_features**0.5
-            b[slot, :, :rank] = torch.randn(width, rank, generator=gen) / max(rank, 1)**0.5
-        parts.append((a.to(dtype), b.to(dtype), scaling, slice(start, start + width), ranks))
-        start += width
-    y = torch.randn(sum(tokens), start + 2, generator=gen).to(dtype)
-    x = torch.randn(sum(tokens), in_features, generator=gen).to(dtype)
-    meta = LoraBatchMeta.build(slots, tokens, 24, "cpu")
-    config = lora_triton.LaunchConfig(
-        block_m=rng.choice([None, 16, 32]), block_k=rng.choice([None, 16, 32]),
-        block_n=rng.choice([None, 16, 32]), splits=rng.choice([None, 1, 3, 7]),
-    )
-    actual, grids = _fused_triton(y, x, parts, lambda d: LoraBatchMeta.build(slots, tokens, 24, d), monkeypatch, config)
-    assert len(grids) == 1
-    _assert_within_parts_bound(actual, _reference_per_part(y, x, parts, meta), y, x, parts, meta)
-
-
-def test_triton_projection_runs_fused_parts_and_overlapping_parts_per_part(monkeypatch) -> None:
-    # LoraProjection on the triton backend binds FusedLora; parts whose columns overlap (never a
-    # real fused projection) cannot share a launch and go one launch per part, in order.
-    y, x, parts, meta = _fused_parts(torch.float32, rank_major_b=False, num_rows=6, seed=2)
-    device = torch.device(TRITON_DEVICE)
-    moved = [(a.to(device), b.to(device), s.to(device), sl, r.to(device)) for a, b, s, sl, r in parts]
-    meta_d = LoraBatchMeta.build([int(s) for s in meta.token_slots], [1] * 6, 16, device)
-    launches = _Launches(lora_triton._parts_kernel)
-    monkeypatch.setattr(lora_triton, "_parts_kernel", launches)
-    projection = LoraProjection(moved, backend="triton")
-    out = y.to(device, copy=True)
-    projection.add(out, x.to(device), meta_d)
-    assert len(launches.grids) == 1
-    _assert_within_parts_bound(out.cpu(), _reference_per_part(y, x, parts, meta), y, x, parts, meta)
-    with pytest.raises(ValueError, match="do not fit parts"):
-        projection.add(out[:, :40], x.to(device), meta_d)
-    overlapping = [moved[1], (*moved[2][:3], moved[1][3], moved[2][4])]  # both on the middle columns
-    out = y.to(device, copy=True)
-    LoraProjection(overlapping, backend="triton").add(out, x.to(device), meta_d)
-    expected = y.clone()
-    for a, b, s, sl, _ in overlapping:
-        add_lora_reference(expected, x, a.cpu(), b.cpu(), s.cpu(), meta, sl)
-    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
