@@ -42,6 +42,11 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_DTYPE", value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
 
+    /// Quantize the projection weights at load (weight-only: int8 per output channel, int4 in
+    /// groups of 128); activations, embeddings and the LM head stay in --dtype.
+    #[arg(long, env = "QUIVER_QUANTIZE", value_enum)]
+    pub quantize: Option<Quantize>,
+
     /// Device the shards run on; auto = CUDA if available, else CPU.
     #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,
@@ -120,6 +125,12 @@ pub enum Dtype {
     Float32,
     Bfloat16,
     Float16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Quantize {
+    Int8,
+    Int4,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -72,6 +72,7 @@ pub fn shard_command(
         .flag("--world-size", args.num_shard.to_string())
         .flag("--dtype", flag_value(args.dtype))
         .flag("--device", flag_value(args.device))
+        .flag_if_set("--quantize", args.quantize.map(flag_value))
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
@@ -253,6 +254,7 @@ mod tests {
             "--max-cpu-adapters",
             "--grammar-compile-timeout",
             "--grammar-cache-size",
+            "--quantize",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),
@@ -261,6 +263,17 @@ mod tests {
         }
         assert!(cmd.env.is_empty());
         assert!(!strings(&cmd).contains(&"--enforce-eager".to_owned()));
+    }
+
+    #[test]
+    fn shards_quantize_as_asked() {
+        let model = ModelSource::User("m".into());
+        for (value, expected) in [("int8", "int8"), ("int4", "int4")] {
+            let args = parse(&["--quantize", value]);
+            let shard = shard_command(&args, Path::new("s"), &model, 0, Path::new("/s"), None);
+            assert_eq!(value_of(&shard, "--quantize").as_deref(), Some(expected));
+        }
+        assert!(LauncherArgs::try_parse_from(["quiver-launcher", "--quantize", "int3"]).is_err());
     }
 
     #[test]

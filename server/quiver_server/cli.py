@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: 16-bit on CUDA (a half checkpoint's own, else bfloat16), float32 on CPU")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="auto: cuda if available")
+    serve.add_argument("--quantize", choices=["int8", "int4"],
+                       help="quantize the projection weights at load (weight-only: int8 per output channel, int4 "
+                            "in groups of 128 with scale and offset); activations, embeddings and the LM head "
+                            "stay in --dtype"),
     serve.add_argument("--rank", type=int, default=0, help="this shard's rank among --world-size shards")
     serve.add_argument("--world-size", type=int, default=1, help="number of shards serving this model")
     serve.add_argument("--cpu-kv-cache-gib", type=float, default=1.0,
@@ -184,6 +188,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             cpu_kv_cache_gib=args.cpu_kv_cache_gib,
             gpu_memory_fraction=args.gpu_memory_fraction,
             cuda_graphs=not args.enforce_eager,
+            quantize=args.quantize,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
             grammar_budget_s=args.grammar_compile_timeout,

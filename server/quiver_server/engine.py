@@ -119,12 +119,14 @@ class Engine:
         grammar_cache_size: int = DEFAULT_CACHE_SIZE,
         cuda_graphs: bool = True,
         overlap_steps: bool | None = None,
+        quantize: str | None = None,
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
         ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
         overlap_steps: a decode step launches the next one's forward pass before it reads its
         sampled tokens back for the router (None: on CUDA, where the device then works while the
-        host waits; on the CPU the two would only take turns)."""
+        host waits; on the CPU the two would only take turns).
+        quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`)."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -135,7 +137,7 @@ class Engine:
         # The one choice of kernels and LoRA backend: the model's layers, the sampler and the
         # adapter slots all run what it picked.
         self.ops = select_ops(self.device)
-        self.model = load_model(path, config, self.dtype, self.device, self.ops)
+        self.model = load_model(path, config, self.dtype, self.device, self.ops, quantize)
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings

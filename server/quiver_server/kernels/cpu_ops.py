@@ -9,7 +9,9 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 - `lora_sgmv_parts`: the same for prefill segments (rows sharing one adapter), in tiles of rows
   that read their adapter's weights once (the torch path runs a matmul pair per segment and part);
 - `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp);
-- `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp).
+- `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp);
+- `linear_quant`: weight-only int8/int4 projections, dequantized in registers (linear_quant.cpp,
+  driven by `quant_gemm`).
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
 $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
@@ -33,8 +35,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
-           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "elementwise.cpp",
-                        "greedy.cpp", "build_info.cpp")]
+           for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "linear_quant.cpp",
+                        "elementwise.cpp", "greedy.cpp", "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from quiver_server.kernels import attention_torch, cpu_gemm, cpu_ops, torch_ops
+from quiver_server.kernels import attention_torch, cpu_gemm, cpu_ops, quant_gemm, torch_ops
+from quiver_server.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import would be a cycle
     from quiver_server.forward_batch import ForwardBatch
@@ -59,6 +60,8 @@ class KernelOps:
     # Whether decode attention copies every sequence's K/V blocks into new tensors (the torch
     # path does, padded to the longest sequence): the KV budget on a GPU must leave room for it.
     decode_gathers: ClassVar[bool] = True
+    # The quantized matmul (`quant_gemm`): weights dequantized per product by torch here.
+    quant_kernel: ClassVar[str] = "torch"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch_ops.rms_norm(x, weight, eps)
@@ -124,6 +127,10 @@ class KernelOps:
         """float32 [B, V] -> (argmax token [B] long, its log-softmax [B] float32)."""
         return torch_ops.greedy_logprob(logits)
 
+    def pack_quantized(self, weight: QuantizedWeight) -> quant_gemm.PackedQuantWeight:
+        """A quantized projection weight packed for this device's kernel (`quant_gemm`)."""
+        return quant_gemm.pack(weight, self.device, self.quant_kernel)
+
     def pack(self, weight: torch.Tensor) -> cpu_gemm.PackedWeight | None:
         """`weight` packed for `cpu_gemm.linear`, or None where it stays a plain `F.linear` weight
         (CUDA, 16-bit, QUIVER_CPU_PACKED_WEIGHTS=0)."""
@@ -149,6 +156,7 @@ class CpuKernelOps(KernelOps):
 
     name: ClassVar[str] = "cpu"
     decode_gathers: ClassVar[bool] = False
+    quant_kernel: ClassVar[str] = "cpu"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
@@ -186,6 +194,7 @@ class TritonKernelOps(KernelOps):
 
     name: ClassVar[str] = "triton"
     decode_gathers: ClassVar[bool] = False
+    quant_kernel: ClassVar[str] = "triton"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix

@@ -7,6 +7,11 @@ allocated, a `layers.lora.LoraLinear` wraps it and adds them.
 
 The shard's `KernelOps` decides once at load whether `pack_weight` (called once the checkpoint
 is loaded) swaps the plain weight for a prepacked one (float32 on CPU, `kernels.cpu_gemm`).
+
+Quantized (`quant/`): a part may load as a `QuantizedWeight` (a GGUF or pre-quantized checkpoint),
+or `pack_weight(quantize=...)` quantizes the loaded float weight (`--quantize`); either way the
+parts are joined into one quantized weight and packed for `kernels.quant_gemm`, and the float
+weight is dropped. A Linear takes its parts all quantized or all float.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import cpu_gemm
+from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
+from quiver_server.quant.quantize import quantize as quantize_weight
+from quiver_server.quant.weights import QuantizedWeight, concat_rows
 
 
 class Linear(nn.Module):
@@ -32,30 +39,60 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(self.out_features)) if bias else None
         self.part_columns = part_columns(self.parts)
         self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
+        self.quant_weight: quant_gemm.PackedQuantWeight | None = None  # replaces `weight` when quantized
+        self.quantized_parts: dict[str, QuantizedWeight] = {}  # pre-quantized parts, until packed
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, in] -> [T, out]. `batch` is for a LoRA wrapper's sake; the matmul ignores it."""
         del batch
+        if self.quant_weight is not None:
+            return quant_gemm.linear(x, self.quant_weight, self.bias)
         if self.packed_weight is not None:
             return cpu_gemm.linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_weight(self) -> bool:
-        """Replaces the plain weight by a prepacked one where the ops pack weights; True if it
-        did. Only after loading: `load_part` needs the plain weight."""
-        packed = self.ops.pack(self.weight) if self.weight is not None else None
+    def pack_weight(self, quantize: str | None = None) -> bool:
+        """Replaces the plain weight by a prepacked one where the ops pack weights, or by the
+        quantized one (pre-quantized parts, or `quantize`: "int8"/"int4" of the float weight);
+        True if it did. Only after loading: `load_part` needs the plain weight."""
+        if self.weight is None:
+            return False
+        if self.quantized_parts or quantize:
+            self.quant_weight = self.ops.pack_quantized(self._quantized(quantize))
+            self.quantized_parts = {}
+            self.register_parameter("weight", None)
+            return True
+        packed = self.ops.pack(self.weight)
         if packed is None:
             return False
         self.packed_weight = packed
         self.register_parameter("weight", None)  # the packed copy is the only one kept
         return True
 
-    def load_part(self, part: str, kind: str, tensor: torch.Tensor) -> None:
-        """Copies a checkpoint tensor (`kind` "weight" or "bias" of projection `part`) into place."""
+    def _quantized(self, quantize: str | None) -> QuantizedWeight:
+        if not self.quantized_parts:
+            assert quantize is not None and self.weight is not None
+            return quantize_weight(self.weight.data, quantize)
+        missing = [part for part in self.parts if part not in self.quantized_parts]
+        if missing:
+            raise ValueError(f"projections {missing} are not quantized like {list(self.quantized_parts)}: "
+                             "a fused projection takes all its parts quantized or none")
+        return concat_rows([self.quantized_parts[part] for part in self.parts])
+
+    def load_part(self, part: str, kind: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+        """Copies a checkpoint tensor (`kind` "weight" or "bias" of projection `part`) into place;
+        a quantized weight is kept aside until `pack_weight` joins the parts."""
         if self.weight is None:
             raise RuntimeError("weights are packed for serving; load before pack_weight")
         if part not in self.part_columns:
             raise ValueError(f"projection {part!r} is not one of {list(self.parts)}")
+        if isinstance(tensor, QuantizedWeight):
+            start, end = self.part_columns[part]
+            if kind != "weight" or (tensor.out_features, tensor.in_features) != (end - start, self.in_features):
+                raise ValueError(f"{part}.{kind}: quantized {tensor.out_features}x{tensor.in_features}, "
+                                 f"expected a {end - start}x{self.in_features} weight")
+            self.quantized_parts[part] = tensor
+            return
         target = self.weight if kind == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a bias for {part!r} but the config says it has none")

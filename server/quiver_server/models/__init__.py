@@ -39,11 +39,13 @@ def family_for(config: dict[str, Any]) -> type[ModelFamily]:
 
 
 def load_model(
-    model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device, ops: KernelOps | None = None
+    model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device, ops: KernelOps | None = None,
+    quantize: str | None = None,
 ) -> ModelFamily:
-    """The model on `device`, running `ops` (by default `select_ops(device)`: the shard passes its own)."""
+    """The model on `device`, running `ops` (by default `select_ops(device)`: the shard passes its
+    own), its projections quantized at load if `quantize` says so ("int8", "int4")."""
     if ops is None:
         ops = select_ops(device)
     elif ops.device != device:
         raise ValueError(f"ops for {ops.device} cannot run a model on {device}")
-    return family_for(config).load(Path(model_dir), config, dtype, ops)
+    return family_for(config).load(Path(model_dir), config, dtype, ops, quantize)

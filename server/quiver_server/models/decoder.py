@@ -216,7 +216,9 @@ class DecoderForCausalLM(nn.Module):
         return logits
 
     @classmethod
-    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps) -> DecoderForCausalLM:
+    def load(
+        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps, quantize: str | None = None
+    ) -> DecoderForCausalLM:
         cfg = cls.config_from_hf(config)
         device = ops.device
         with torch.device("meta"):
@@ -227,16 +229,18 @@ class DecoderForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
         model.load_weights(iter_tensors(model_dir, device))
-        model.pack_weights()
+        model.pack_weights(quantize)
         return model.eval()
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, quantize: str | None = None) -> None:
         """Every projection and the LM head on prepacked weights where the ops pack them (float32
-        on CPU, `kernels.cpu_gemm`). A tied LM head packs a copy: the embedding lookup still
-        needs the plain table."""
+        on CPU, `kernels.cpu_gemm`); projections quantized where they loaded quantized or
+        `quantize` asks ("int8", "int4"; the LM head and embeddings stay in the model dtype, the
+        MoE experts too for now). A tied LM head packs a copy: the embedding lookup still needs
+        the plain table."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack_weight()
+                module.pack_weight(quantize)
         self.lm_head_packed = self.ops.pack(self.lm_head.weight)
         if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
             self.lm_head.register_parameter("weight", None)

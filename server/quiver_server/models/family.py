@@ -145,6 +145,9 @@ class ModelFamily(Protocol):
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
 
     @classmethod
-    def load(cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps) -> ModelFamily:
-        """The model of config.json `config` with the checkpoint in `model_dir`, on `ops.device`."""
+    def load(
+        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps, quantize: str | None = None
+    ) -> ModelFamily:
+        """The model of config.json `config` with the checkpoint in `model_dir`, on `ops.device`;
+        `quantize` ("int8", "int4"): its projections quantized at load (`quant.quantize`)."""
         ...

@@ -1,0 +1,267 @@
+// Weight-only quantized linear layers on CPU: y = x dequant(W)^T (+ bias), x and y float32.
+//
+// The weight is packed once at load (kernels/quant_gemm.py) into column panels like linear.cpp's
+// float32 ones, so a block of y stays in registers while the panel streams past:
+//   8-bit: q [P, K, PANEL] int8, one value per column per k;
+//   4-bit: q [P, K / 2, PANEL] uint8, byte (k2, j) = value(2 k2, j) | value(2 k2 + 1, j) << 4;
+//   scales, offsets [P, G, PANEL] float32 (G = K / group_size): w = q * scale + offset.
+// Per k the micro-kernel widens NV vectors of values to float32, scales them (and adds the
+// offset) into the weight itself, then does the same MR x NV multiply-adds as the float32
+// kernel. Dequantizing in registers costs ~4 instructions per weight vector against MR
+// multiply-adds that use it, and a decode step, which reads every weight from DRAM once, moves a
+// quarter (8-bit) or an eighth (4-bit) of the float32 bytes: that is the point of the format.
+// Products are rounded as w = fma(q, scale, offset) in float32, exactly the dequantized weight
+// the Python reference computes, so the only difference from x @ dequant(W)^T in float32 is the
+// order of the sums.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "vec_f32.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using quiver_vec::kVecRegs;
+using quiver_vec::VL;
+using quiver_vec::vfloat;
+using quiver_vec::vload;
+using quiver_vec::vstore;
+
+// Same panels as linear.cpp. Rows per block: the float32 kernel's 8 (AVX-512) / 6 (AVX2) plus
+// the NV scale and NV offset vectors would spill, so one row fewer on AVX-512 keeps the block,
+// the dequantized panel row and its scales in the 32 zmm registers, and AVX2 takes 4 rows.
+constexpr int NV = kVecRegs >= 32 ? 3 : 2;
+constexpr int MR = kVecRegs >= 32 ? 6 : 4;
+constexpr int64_t PANEL = NV * VL;
+constexpr int64_t ROW_CHUNK = 128;
+
+// Widening bytes to float32 lanes with the ISA's own instructions (vpmovsxbd/vpmovzxbd, then
+// vcvtdq2ps): GCC's __builtin_convertvector on byte vectors extracts them lane by lane.
+#if defined(__AVX512F__)
+typedef __m512i vint;
+inline vfloat load_bytes(const int8_t* p) {
+  return (vfloat)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline vint load_ubytes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat low_nibbles(vint v) { return (vfloat)_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))); }
+inline vfloat high_nibbles(vint v) { return (vfloat)_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+#else
+typedef __m256i vint;
+inline vfloat load_bytes(const int8_t* p) {
+  return (vfloat)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline vint load_ubytes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat low_nibbles(vint v) { return (vfloat)_mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))); }
+inline vfloat high_nibbles(vint v) { return (vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+#endif
+
+struct Prefetcher {  // the next panel's lines, spread over the current panel's k steps
+  const char* next = nullptr;
+  int64_t lines = 0, issued = 0, per_step = 1;
+
+  void reset(const char* next_panel, int64_t panel_lines, int64_t steps) {
+    next = next_panel;
+    lines = next_panel ? panel_lines : 0;
+    issued = 0;
+    per_step = steps > 0 ? std::max<int64_t>(1, (lines + steps - 1) / steps) : 1;
+  }
+
+  inline void step() {
+    for (int64_t q = 0; q < per_step && issued < lines; ++q, ++issued) __builtin_prefetch(next + issued * 64, 0, 2);
+  }
+};
+
+struct Panel {
+  const void* q;         // this panel's values
+  const float* scales;   // [G, PANEL]
+  const float* offsets;  // [G, PANEL] or null
+};
+
+template <int ROWS>
+inline void fma_rows(vfloat (&acc)[ROWS][NV], const float* x, int64_t k_len, int64_t k, const vfloat (&w)[NV]) {
+#pragma GCC unroll 8
+  for (int i = 0; i < ROWS; ++i) {
+    const float xi = x[i * k_len + k];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) acc[i][v] += xi * w[v];
+  }
+}
+
+// y[0 : ROWS, :cols] = x[0 : ROWS] dequant(panel) (+ bias).
+template <int BITS, bool OFFSETS, int ROWS>
+void micro(const float* x, int64_t k_len, int64_t group, const Panel& panel, const float* bias, float* y,
+           int64_t y_stride, int64_t cols, Prefetcher& prefetch) {
+  vfloat acc[ROWS][NV];
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = vfloat{};
+  const int64_t groups = k_len / group;
+  for (int64_t g = 0; g < groups; ++g) {
+    vfloat s[NV], m[NV];
+    for (int v = 0; v < NV; ++v) {
+      s[v] = vload(panel.scales + g * PANEL + v * VL);
+      m[v] = OFFSETS ? vload(panel.offsets + g * PANEL + v * VL) : vfloat{};
+    }
+    const int64_t k_end = (g + 1) * group;
+    if constexpr (BITS == 8) {
+      const int8_t* q = static_cast<const int8_t*>(panel.q);
+      for (int64_t k = g * group; k < k_end; ++k) {
+        vfloat w[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) w[v] = OFFSETS ? load_bytes(q + k * PANEL + v * VL) * s[v] + m[v]
+                                                    : load_bytes(q + k * PANEL + v * VL) * s[v];
+        prefetch.step();
+        fma_rows<ROWS>(acc, x, k_len, k, w);
+      }
+    } else {
+      const uint8_t* q = static_cast<const uint8_t*>(panel.q);
+      for (int64_t k = g * group; k < k_end; k += 2) {  // group sizes are even: pairs stay inside
+        vint packed[NV];
+        vfloat w[NV];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          packed[v] = load_ubytes(q + (k / 2) * PANEL + v * VL);
+          const vfloat low = low_nibbles(packed[v]);
+          w[v] = OFFSETS ? low * s[v] + m[v] : low * s[v];
+        }
+        prefetch.step();
+        fma_rows<ROWS>(acc, x, k_len, k, w);
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) {
+          const vfloat high = high_nibbles(packed[v]);
+          w[v] = OFFSETS ? high * s[v] + m[v] : high * s[v];
+        }
+        fma_rows<ROWS>(acc, x, k_len, k + 1, w);
+      }
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    if (bias)
+      for (int v = 0; v < NV; ++v) acc[i][v] += vload(bias + v * VL);
+    float* yi = y + i * y_stride;
+    if (cols == PANEL) {
+      for (int v = 0; v < NV; ++v) vstore(yi + v * VL, acc[i][v]);
+    } else {
+      float tmp[PANEL];
+      for (int v = 0; v < NV; ++v) vstore(tmp + v * VL, acc[i][v]);
+      std::memcpy(yi, tmp, cols * sizeof(float));
+    }
+  }
+}
+
+template <int BITS, bool OFFSETS>
+void panel_rows(const float* x, int64_t k_len, int64_t group, const Panel& panel, const float* bias, float* y,
+                int64_t y_stride, int64_t cols, int64_t m_begin, int64_t m_end, Prefetcher& prefetch) {
+  int64_t m = m_begin;
+  for (; m + MR <= m_end; m += MR)
+    micro<BITS, OFFSETS, MR>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
+  if (MR > 4 && m + 4 <= m_end) {
+    micro<BITS, OFFSETS, 4>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
+    m += 4;
+  }
+  if (m + 2 <= m_end) {
+    micro<BITS, OFFSETS, 2>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
+    m += 2;
+  }
+  if (m < m_end)
+    micro<BITS, OFFSETS, 1>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
+}
+
+int64_t row_blocks(int64_t rows) {
+  const int64_t rest = rows % MR;
+  return rows / MR + (MR > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
+}
+
+// Work items are (row chunk, panel) pairs, chunk-major, one contiguous range per thread.
+template <int BITS, bool OFFSETS>
+void run(const float* x, int64_t m, int64_t k_len, int64_t group, const uint8_t* q, const float* scales,
+         const float* offsets, int64_t n, const float* bias_padded, float* y) {
+  const int64_t panels = (n + PANEL - 1) / PANEL;
+  const int64_t chunk = m <= 2 * ROW_CHUNK ? m : ROW_CHUNK;
+  const int64_t chunks = (m + chunk - 1) / chunk;
+  const int64_t panel_bytes = k_len * PANEL * BITS / 8;
+  const int64_t panel_params = (k_len / group) * PANEL;
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    Prefetcher prefetch;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c = item / panels, p = item % panels;
+      const int64_t m_begin = c * chunk, m_end = std::min(m, m_begin + chunk);
+      const Panel panel{q + p * panel_bytes, scales + p * panel_params,
+                        OFFSETS ? offsets + p * panel_params : nullptr};
+      const bool next = item + 1 < end && p + 1 < panels;
+      const int64_t steps = row_blocks(m_end - m_begin) * (BITS == 8 ? k_len : k_len / 2);
+      prefetch.reset(next ? reinterpret_cast<const char*>(q + (p + 1) * panel_bytes) : nullptr, panel_bytes / 64,
+                     steps);
+      panel_rows<BITS, OFFSETS>(x, k_len, group, panel, bias_padded ? bias_padded + p * PANEL : nullptr,
+                                y + p * PANEL, n, std::min<int64_t>(PANEL, n - p * PANEL), m_begin, m_end, prefetch);
+    }
+  });
+}
+
+at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
+                        int64_t n, int64_t bits, int64_t group) {
+  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "linear_quant runs on CPU tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 [rows, in]");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  const int64_t m = x.size(0), k_len = x.size(1), panels = (n + PANEL - 1) / PANEL;
+  TORCH_CHECK(n > 0 && group > 0 && k_len % group == 0 && group % 2 == 0, "group ", group, " does not fit ", k_len,
+              " inputs (even groups dividing them)");
+  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && q.is_contiguous() && q.dim() == 3 &&
+                  q.size(0) == panels && q.size(1) == (bits == 8 ? k_len : k_len / 2) && q.size(2) == PANEL,
+              "packed values ", q.sizes(), " do not fit x ", x.sizes(), " and ", n, " outputs");
+  const std::vector<int64_t> params{panels, k_len / group, PANEL};
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
+              "scales must be a contiguous float32 ", at::IntArrayRef(params));
+  const bool has_offsets = offsets.has_value();
+  if (has_offsets)
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
+                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
+  at::Tensor y = at::empty({m, n}, x.options());
+  if (m == 0) return y;
+  std::vector<float> b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == n && bias->is_contiguous(),
+                "bias must be a contiguous float32 [", n, "]");
+    b.assign(panels * PANEL, 0.f);
+    std::memcpy(b.data(), bias->data_ptr<float>(), n * sizeof(float));
+  }
+  const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = has_offsets ? offsets->data_ptr<float>() : nullptr;
+  const float* bp = b.empty() ? nullptr : b.data();
+  float* yp = y.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  if (bits == 8) {
+    if (has_offsets) run<8, true>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
+    else run<8, false>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
+  } else {
+    if (has_offsets) run<4, true>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
+    else run<4, false>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
+  }
+  return y;
+}
+
+int64_t quant_panel_width() { return PANEL; }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(quiver_cpu, m) {
+  m.def("linear_quant(Tensor x, Tensor q, Tensor scales, Tensor? offsets, Tensor? bias, int out_features, "
+        "int bits, int group_size) -> Tensor");
+  m.def("quant_panel_width() -> int");
+  m.impl("linear_quant", c10::DispatchKey::CPU, &linear_quant);
+  m.impl("quant_panel_width", c10::DispatchKey::CatchAll, &quant_panel_width);
+}

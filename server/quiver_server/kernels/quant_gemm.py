@@ -1,0 +1,112 @@
+"""Weight-only quantized matmuls: y = x @ dequant(W)^T (+ bias) for a `quant.QuantizedWeight`,
+packed once at load for the device's kernel.
+
+- CPU with the C++ kernels (`cpu/linear_quant.cpp`): column panels of int8 or two-per-byte 4-bit
+  values with their scales, dequantized in registers; x goes in as float32 (a 16-bit model's
+  activations are widened for the product and the result rounded back to their dtype).
+- CUDA: the Triton kernel (`quant_matmul_triton`).
+- Elsewhere (QUIVER_CPU_KERNELS=0, no compiler): the weight is kept quantized and dequantized
+  into a temporary for each product: slow, but the memory stays small and the numbers are the
+  same products (a fallback for correctness, not for speed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quiver_server.kernels import cpu_ops
+from quiver_server.quant.weights import QuantizedWeight
+
+
+@dataclass(frozen=True)
+class PackedQuantWeight:
+    """`weight` in `kernel`'s layout ("cpu", "triton" or "torch"); `data` is the kernel's own."""
+
+    kernel: str
+    out_features: int
+    in_features: int
+    bits: int
+    group_size: int
+    data: Any
+
+    def nbytes(self) -> int:
+        tensors = self.data if isinstance(self.data, tuple) else (self.data,)
+        return sum(t.numel() * t.element_size() for t in _tensors(tensors))
+
+
+def _tensors(items: Any) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for item in items:
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif isinstance(item, QuantizedWeight):
+            found.extend(t for t in (item.q, item.scales, item.offsets) if t is not None)
+        elif hasattr(item, "__dataclass_fields__"):
+            found.extend(_tensors(getattr(item, name) for name in item.__dataclass_fields__))
+    return found
+
+
+def default_kernel(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if device.type == "cpu" and cpu_ops.available() else "torch"
+
+
+def pack(weight: QuantizedWeight, device: torch.device, kernel: str | None = None) -> PackedQuantWeight:
+    kernel = kernel or default_kernel(device)
+    if kernel == "cpu":
+        data: Any = _pack_cpu(weight)
+    elif kernel == "triton":
+        from quiver_server.kernels.quant_matmul_triton import pack_for_triton  # imports triton
+
+        data = pack_for_triton(weight, device)
+    elif kernel == "torch":
+        data = QuantizedWeight(weight.bits, weight.q.to(device), weight.scales.to(device),
+                               None if weight.offsets is None else weight.offsets.to(device), weight.group_size)
+    else:
+        raise ValueError(f"unknown quantized-matmul kernel {kernel!r}")
+    return PackedQuantWeight(kernel, weight.out_features, weight.in_features, weight.bits, weight.group_size, data)
+
+
+def _panels(t: torch.Tensor, panel: int, fill: int | float = 0) -> torch.Tensor:
+    """[N, C] -> [P, C, panel]: columns of t's transpose in panels of `panel`, padded past N."""
+    n, c = t.shape
+    panels = -(-n // panel)
+    padded = t.new_full((panels * panel, c), fill)
+    padded[:n] = t
+    return padded.view(panels, panel, c).transpose(1, 2).contiguous()
+
+
+def _pack_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    if weight.group_size % 2:
+        raise ValueError(f"the CPU kernel takes even group sizes, not {weight.group_size}")
+    panel = int(torch.ops.quiver_cpu.quant_panel_width())
+    q = weight.q.cpu()
+    if weight.bits == 4:
+        pairs = q.view(q.shape[0], -1, 2)  # (value 2k, value 2k+1) in one byte: low, high nibble
+        q = pairs[..., 0] | (pairs[..., 1] << 4)
+    packed = _panels(q, panel)
+    scales = _panels(weight.scales.cpu(), panel)
+    offsets = None if weight.offsets is None else _panels(weight.offsets.cpu(), panel)
+    return packed, scales, offsets
+
+
+def linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, dequant(W), bias); x [..., in] -> [..., out] in x's dtype."""
+    if packed.kernel == "triton":
+        from quiver_server.kernels.quant_matmul_triton import quant_linear
+
+        return quant_linear(x, packed.data, bias)
+    if packed.kernel == "torch":
+        weight: QuantizedWeight = packed.data
+        return F.linear(x, weight.dequantize(x.dtype), bias)
+    q, scales, offsets = packed.data
+    rows = x.reshape(-1, packed.in_features).to(torch.float32).contiguous()
+    fbias = None if bias is None else bias.to(torch.float32).contiguous()
+    y = torch.ops.quiver_cpu.linear_quant(rows, q, scales, offsets, fbias, packed.out_features, packed.bits,
+                                          packed.group_size)
+    return y.to(x.dtype).reshape(*x.shape[:-1], packed.out_features)

@@ -1,0 +1,59 @@
+"""`--quantize int8|int4`: weight-only quantization of a float projection weight at load.
+
+- int8: symmetric, one scale per output channel (what TGI's and LoRAX's EETQ/bitsandbytes int8
+  give): scale = max|w| / 127, q = round(w / scale).
+- int4: affine, one scale and offset per group of `group_size` input features along each output
+  row (AWQ's and GPTQ's default group of 128): scale = (max - min) / 15, q = round((w - min) /
+  scale) clamped to [0, 15], offset = min. The range includes 0 only if the group's does, as the
+  formats' own quantizers do with a float zero point.
+
+A group size that does not divide the input features falls back to the largest power of two
+below it that does (down to 32), else to one group per row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quiver_server.quant.weights import QuantizedWeight
+
+METHODS = ("int8", "int4")
+DEFAULT_INT4_GROUP = 128
+
+
+def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
+    if method == "int8":
+        return quantize_int8(weight)
+    if method == "int4":
+        return quantize_int4(weight, group_size)
+    raise ValueError(f"unknown quantization {method!r}, expected one of {', '.join(METHODS)}")
+
+
+def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+    w = weight.detach().to(torch.float32)
+    scales = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row stays zero
+    q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(8, q.contiguous(), scales.contiguous(), None, w.shape[1])
+
+
+def int4_group_size(in_features: int, wanted: int) -> int:
+    group = wanted
+    while group >= 32:
+        if in_features % group == 0:
+            return group
+        group //= 2
+    return in_features
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
+    w = weight.detach().to(torch.float32)
+    out, inp = w.shape
+    group = int4_group_size(inp, group_size)
+    grouped = w.view(out, inp // group, group)
+    low = grouped.amin(dim=2)
+    high = grouped.amax(dim=2)
+    scales = (high - low) / 15.0
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # a constant group: q = 0, w = offset
+    q = torch.round((grouped - low.unsqueeze(2)) / scales.unsqueeze(2)).clamp_(0, 15).to(torch.uint8)
+    return QuantizedWeight(4, q.view(out, inp).contiguous(), scales.contiguous(), low.contiguous(), group)
