@@ -37,6 +37,11 @@ transformers' batched generate (repeats alternating), the same 8 streams over 8 
 (router and experts included on the MoE) against transformers+peft one request at a time, and
 greedy agreement with both; it makes the report's `model_families` block (`--families-repeats 0`
 leaves it out).
+
+The quantization block (quant_bench.py, issue 28) serves the demo model in float32, bfloat16 and
+with `--quantize int8`/`int4` (float32 and bfloat16 activations) side by side: 1, 8 and 32 streams
+on the base, 32 on the adapter, the perplexity of testdata/perplexity/ from each server's own
+prompt logprobs, and greedy agreement with bfloat16 (`--quant-repeats 0` leaves it out).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import json_model  # noqa: E402
 import peft_baseline  # noqa: E402
+import quant_bench  # noqa: E402
 import real_model  # noqa: E402
 import report as reports  # noqa: E402
 import structured  # noqa: E402
@@ -143,6 +149,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--families-repeats", type=int, default=3,
                    help="alternating repeats of the model-family block (Qwen3-MoE- and Gemma-3-shaped random "
                         "models, base and 8 adapters, families_bench.py); 0: no such block")
+    p.add_argument("--quant-repeats", type=int, default=3,
+                   help="alternating repeats of the quantization block (the demo model in float32, bfloat16, "
+                        "int8 and int4, with perplexity, quant_bench.py; CPU only); 0: no such block")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -164,6 +173,7 @@ def parse_args() -> argparse.Namespace:
         args.real_model_repeats = min(args.real_model_repeats, 1)
         args.real_model_max_tokens = min(args.real_model_max_tokens, 16)
         args.families_repeats = min(args.families_repeats, 1)
+        args.quant_repeats = min(args.quant_repeats, 1)
     return args
 
 
@@ -388,6 +398,11 @@ def main() -> None:
             report["model_families"] = families_bench.run(
                 args.model_root, args.device, "tiny" if args.quick else args.device, args.families_repeats,
                 args.prompt_tokens, args.max_tokens, args.requests_per_client, args.naive_requests, Path(tmp))
+    if args.quant_repeats and args.device == "cpu":
+        log(f"quantization: the demo model in float32, bfloat16, int8 and int4 ({args.quant_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-quant-") as tmp:
+            report["quantization"] = quant_bench.run(args.model_root, args.quant_repeats, args.real_model_max_tokens,
+                                                     args.requests_per_client, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)

@@ -47,6 +47,11 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_QUANTIZE", value_enum)]
     pub quantize: Option<Quantize>,
 
+    /// Inputs per scale and offset of --quantize int4 (a power of two, 16 or more) (shard default: 128).
+    #[arg(long, env = "QUIVER_QUANTIZE_GROUP_SIZE",
+          value_parser = clap::value_parser!(u32).range(16..))]
+    pub quantize_group_size: Option<u32>,
+
     /// Device the shards run on; auto = CUDA if available, else CPU.
     #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,

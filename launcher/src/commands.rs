@@ -73,6 +73,7 @@ pub fn shard_command(
         .flag("--dtype", flag_value(args.dtype))
         .flag("--device", flag_value(args.device))
         .flag_if_set("--quantize", args.quantize.map(flag_value))
+        .flag_if_set("--quantize-group-size", args.quantize_group_size)
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
@@ -255,6 +256,7 @@ mod tests {
             "--grammar-compile-timeout",
             "--grammar-cache-size",
             "--quantize",
+            "--quantize-group-size",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),
@@ -273,6 +275,9 @@ mod tests {
             let shard = shard_command(&args, Path::new("s"), &model, 0, Path::new("/s"), None);
             assert_eq!(value_of(&shard, "--quantize").as_deref(), Some(expected));
         }
+        let grouped = parse(&["--quantize", "int4", "--quantize-group-size", "32"]);
+        let shard = shard_command(&grouped, Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert_eq!(value_of(&shard, "--quantize-group-size").as_deref(), Some("32"));
         assert!(LauncherArgs::try_parse_from(["quiver-launcher", "--quantize", "int3"]).is_err());
     }
 

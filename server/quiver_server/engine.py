@@ -59,6 +59,7 @@ from quiver_server.sampling import SamplingBatch
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
+from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
 
 log = logging.getLogger(__name__)
@@ -120,13 +121,15 @@ class Engine:
         cuda_graphs: bool = True,
         overlap_steps: bool | None = None,
         quantize: str | None = None,
+        quantize_group_size: int = DEFAULT_INT4_GROUP,
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
         ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
         overlap_steps: a decode step launches the next one's forward pass before it reads its
         sampled tokens back for the router (None: on CUDA, where the device then works while the
         host waits; on the CPU the two would only take turns).
-        quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`)."""
+        quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
+        groups of `quantize_group_size` inputs."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -137,7 +140,8 @@ class Engine:
         # The one choice of kernels and LoRA backend: the model's layers, the sampler and the
         # adapter slots all run what it picked.
         self.ops = select_ops(self.device)
-        self.model = load_model(path, config, self.dtype, self.device, self.ops, quantize)
+        spec = QuantizeSpec(quantize, quantize_group_size) if quantize else None
+        self.model = load_model(path, config, self.dtype, self.device, self.ops, spec)
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings

@@ -25,6 +25,7 @@ from quiver_server.forward_batch import build_decode, build_prefill
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.layers.linear import Linear
 from quiver_server.models import load_model
+from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.weights import load_config
 
 # Quantized weights change logits by ~1e-2 from the float model, so agreeing with the
@@ -33,10 +34,11 @@ ATOL = 1e-4
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _group(width: int) -> int:
-    for group in (128, 64, 32):
-        if width % group == 0:
-            return group
+def _group(width: int, wanted: int) -> int:
+    while wanted >= 32:
+        if width % wanted == 0:
+            return wanted
+        wanted //= 2
     return width
 
 
@@ -46,9 +48,9 @@ def dequantized_int8(w: torch.Tensor) -> torch.Tensor:
     return (torch.round(w64 / scale).clamp(-127, 127) * scale).float()
 
 
-def dequantized_int4(w: torch.Tensor) -> torch.Tensor:
+def dequantized_int4(w: torch.Tensor, wanted_group: int = 128) -> torch.Tensor:
     out, width = w.shape
-    group = _group(width)
+    group = _group(width, wanted_group)
     g = w.double().view(out, width // group, group)
     low, high = g.amin(dim=2, keepdim=True), g.amax(dim=2, keepdim=True)
     scale = ((high - low).float() / 15).double()  # float32 scales, as stored
@@ -56,28 +58,32 @@ def dequantized_int4(w: torch.Tensor) -> torch.Tensor:
     return (q * scale + low).float().view(out, width)
 
 
-DEQUANTIZE = {"int8": dequantized_int8, "int4": dequantized_int4}
-CASES = {"llama-int8": ("llama", "int8", {}), "llama-int4": ("llama", "int4", {}),
-         "qwen2-bias-int4": ("qwen2", "int4", {}), "llama-tied-int8": ("llama", "int8", {"tie_word_embeddings": True})}
+# case -> (architecture, --quantize, --quantize-group-size, model options)
+CASES = {"llama-int8": ("llama", "int8", 128, {}), "llama-int4": ("llama", "int4", 128, {}),
+         "llama-int4-group-32": ("llama", "int4", 32, {}), "qwen2-bias-int4": ("qwen2", "int4", 128, {}),
+         "llama-tied-int8": ("llama", "int8", 128, {"tie_word_embeddings": True})}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, object]:
-    arch, method, kwargs = CASES[request.param]
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, QuantizeSpec, object]:
+    arch, method, group, kwargs = CASES[request.param]
+    spec = QuantizeSpec(method, group)
     root = tmp_path_factory.mktemp(request.param)
     path = build_tiny_model(root / "float", arch, seed=list(CASES).index(request.param), **kwargs)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS and name.endswith(".weight"):
-                param.copy_(DEQUANTIZE[method](param))
-    return path, method, reference
+                param.copy_(dequantized_int8(param) if method == "int8" else dequantized_int4(param, group))
+    return path, spec, reference
 
 
 @torch.inference_mode()
-def test_quantized_model_gives_the_dequantized_models_logits(case: tuple[Path, str, transformers.PreTrainedModel]):
-    path, method, reference = case
-    model = load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize=method)
+def test_quantized_model_gives_the_dequantized_models_logits(
+    case: tuple[Path, QuantizeSpec, transformers.PreTrainedModel],
+) -> None:
+    path, spec, reference = case
+    model = load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize=spec)
     cfg = model.config
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
     rng = random.Random(5)
@@ -104,7 +110,7 @@ def test_quantized_model_gives_the_dequantized_models_logits(case: tuple[Path, s
 
 def test_quantized_projections_keep_no_float_copy_and_the_head_stays_float(tmp_path: Path) -> None:
     path = build_tiny_model(tmp_path / "llama", "llama")
-    model = load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize="int4")
+    model = load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize=QuantizeSpec("int4"))
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None and m.quant_weight is not None for m in linears)
     assert all(m.quant_weight.bits == 4 for m in linears if m.quant_weight is not None)
@@ -113,7 +119,8 @@ def test_quantized_projections_keep_no_float_copy_and_the_head_stays_float(tmp_p
     assert head is not None
 
 
-def test_unknown_quantization_is_refused(tmp_path: Path) -> None:
-    path = build_tiny_model(tmp_path / "llama", "llama")
+def test_unknown_quantization_is_refused() -> None:
     with pytest.raises(ValueError, match="int3"):
-        load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize="int3")
+        QuantizeSpec("int3")
+    with pytest.raises(ValueError, match="power of two"):
+        QuantizeSpec("int4", 48)

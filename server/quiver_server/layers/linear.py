@@ -23,7 +23,7 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.quant.quantize import quantize as quantize_weight
+from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight, concat_rows
 
 
@@ -51,9 +51,9 @@ class Linear(nn.Module):
             return cpu_gemm.linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack_weight(self, quantize: str | None = None) -> bool:
+    def pack_weight(self, quantize: QuantizeSpec | None = None) -> bool:
         """Replaces the plain weight by a prepacked one where the ops pack weights, or by the
-        quantized one (pre-quantized parts, or `quantize`: "int8"/"int4" of the float weight);
+        quantized one (pre-quantized parts, or `quantize` of the float weight);
         True if it did. Only after loading: `load_part` needs the plain weight."""
         if self.weight is None:
             return False
@@ -69,10 +69,10 @@ class Linear(nn.Module):
         self.register_parameter("weight", None)  # the packed copy is the only one kept
         return True
 
-    def _quantized(self, quantize: str | None) -> QuantizedWeight:
+    def _quantized(self, quantize: QuantizeSpec | None) -> QuantizedWeight:
         if not self.quantized_parts:
             assert quantize is not None and self.weight is not None
-            return quantize_weight(self.weight.data, quantize)
+            return quantize.apply(self.weight.data)
         missing = [part for part in self.parts if part not in self.quantized_parts]
         if missing:
             raise ValueError(f"projections {missing} are not quantized like {list(self.quantized_parts)}: "

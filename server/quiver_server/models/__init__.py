@@ -18,6 +18,7 @@ import torch
 from quiver_server.kernels.ops import KernelOps, select_ops
 from quiver_server.models import gemma, granite, llama, mixture, phi3
 from quiver_server.models.family import ModelFamily
+from quiver_server.quant.quantize import QuantizeSpec
 
 MODEL_FAMILIES: dict[str, type[ModelFamily]] = {
     **{model_type: llama.LlamaForCausalLM for model_type in llama.MODEL_TYPES},
@@ -40,10 +41,10 @@ def family_for(config: dict[str, Any]) -> type[ModelFamily]:
 
 def load_model(
     model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device, ops: KernelOps | None = None,
-    quantize: str | None = None,
+    quantize: QuantizeSpec | None = None,
 ) -> ModelFamily:
     """The model on `device`, running `ops` (by default `select_ops(device)`: the shard passes its
-    own), its projections quantized at load if `quantize` says so ("int8", "int4")."""
+    own), its projections quantized at load if `quantize` says so."""
     if ops is None:
         ops = select_ops(device)
     elif ops.device != device:

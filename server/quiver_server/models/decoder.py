@@ -13,6 +13,7 @@ chosen once at load and handed to every layer.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,6 +31,8 @@ from quiver_server.layers.rotary import RotaryEmbedding
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
+from quiver_server.quant.quantize import QuantizeSpec
+from quiver_server.quant.weights import QuantizedWeight
 from quiver_server.weights import iter_tensors
 
 Loader = Callable[[torch.Tensor], None]
@@ -217,7 +220,8 @@ class DecoderForCausalLM(nn.Module):
 
     @classmethod
     def load(
-        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps, quantize: str | None = None
+        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps,
+        quantize: QuantizeSpec | None = None,
     ) -> DecoderForCausalLM:
         cfg = cls.config_from_hf(config)
         device = ops.device
@@ -232,10 +236,10 @@ class DecoderForCausalLM(nn.Module):
         model.pack_weights(quantize)
         return model.eval()
 
-    def pack_weights(self, quantize: str | None = None) -> None:
+    def pack_weights(self, quantize: QuantizeSpec | None = None) -> None:
         """Every projection and the LM head on prepacked weights where the ops pack them (float32
         on CPU, `kernels.cpu_gemm`); projections quantized where they loaded quantized or
-        `quantize` asks ("int8", "int4"; the LM head and embeddings stay in the model dtype, the
+        `quantize` asks (the LM head and embeddings stay in the model dtype, the
         MoE experts too for now). A tied LM head packs a copy: the embedding lookup still needs
         the plain table."""
         for module in self.modules():
@@ -264,8 +268,12 @@ class DecoderForCausalLM(nn.Module):
             loaders.pop("lm_head.weight", None)
         return loaders
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+        """Every checkpoint tensor into place. A quantized one (GGUF, AWQ/GPTQ) stays quantized
+        where it is a projection's weight (`Linear`); anywhere else (embeddings, MoE experts) it
+        is dequantized into the model's float parameter."""
         loaders = self.checkpoint_loaders()
+        quantized_loaders = self._quantized_loaders()
         loaded: set[str] = set()
         for checkpoint_name, tensor in tensors:
             if checkpoint_name.endswith("rotary_emb.inv_freq"):
@@ -276,11 +284,30 @@ class DecoderForCausalLM(nn.Module):
             loader = loaders.get(name)
             if loader is None:
                 raise ValueError(f"unexpected tensor {checkpoint_name!r} in checkpoint for {self.config.model_type}")
-            loader(tensor)
+            if isinstance(tensor, QuantizedWeight):
+                keep = quantized_loaders.get(name)
+                if keep is not None:
+                    keep(tensor)
+                else:
+                    loader(tensor.dequantize())
+            else:
+                loader(tensor)
             loaded.add(name)
         missing = sorted(set(loaders) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+    def _quantized_loaders(self) -> dict[str, Callable[[QuantizedWeight], None]]:
+        """The checkpoint names whose quantized weights a `Linear` keeps quantized."""
+        sparse = [name for name, module in self.named_modules() if isinstance(module, SparseMoe)]
+        loaders: dict[str, Callable[[QuantizedWeight], None]] = {}
+        for module_name, module in self.named_modules():
+            if isinstance(module, Linear) and not any(module_name.startswith(f"{p}.") for p in sparse):
+                parent = module_name.rpartition(".")[0]
+                for part in module.parts:
+                    loaders[f"{parent}.{part}.weight"] = partial(module.load_part, part, "weight")
+        return loaders
 
 
 def _linear_loaders(module_name: str, linear: Linear) -> dict[str, Loader]:

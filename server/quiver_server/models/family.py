@@ -16,6 +16,7 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
+from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.lora import LoraWrapper
@@ -146,8 +147,9 @@ class ModelFamily(Protocol):
 
     @classmethod
     def load(
-        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps, quantize: str | None = None
+        cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps,
+        quantize: QuantizeSpec | None = None,
     ) -> ModelFamily:
         """The model of config.json `config` with the checkpoint in `model_dir`, on `ops.device`;
-        `quantize` ("int8", "int4"): its projections quantized at load (`quant.quantize`)."""
+        `quantize`: its projections quantized at load (`quant.quantize`)."""
         ...

@@ -7,18 +7,40 @@
   scale) clamped to [0, 15], offset = min. The range includes 0 only if the group's does, as the
   formats' own quantizers do with a float zero point.
 
-A group size that does not divide the input features falls back to the largest power of two
-below it that does (down to 32), else to one group per row.
+`--quantize-group-size` sets int4's group (default 128, AWQ's and GPTQ's; a float checkpoint
+quantized by rounding alone loses more at 128 than calibrated AWQ/GPTQ do, and smaller groups
+recover it at the cost of more scales: docs/quantization.md has the measurements). A group size
+that does not divide the input features falls back to the largest power of two below it that
+does (down to 32), else to one group per row.
 """
 
 from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from quiver_server.quant.weights import QuantizedWeight
 
 METHODS = ("int8", "int4")
 DEFAULT_INT4_GROUP = 128
+
+
+@dataclass(frozen=True)
+class QuantizeSpec:
+    """What `--quantize` and `--quantize-group-size` ask for."""
+
+    method: str
+    group_size: int = DEFAULT_INT4_GROUP
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"unknown quantization {self.method!r}, expected one of {', '.join(METHODS)}")
+        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise ValueError(f"quantization group size {self.group_size}: a power of two, 16 or more")
+
+    def apply(self, weight: torch.Tensor) -> QuantizedWeight:
+        return quantize(weight, self.method, self.group_size)
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:

@@ -1,0 +1,134 @@
+"""`make bench`'s quantization block (issue 28): the demo model (SmolLM2-135M-Instruct) served by
+quiver with its projections in float32, bfloat16, int8 and int4 (`--quantize`, with float32 and
+bfloat16 activations), and from the wheel's own Q4_1 GGUF file where the shard reads GGUF
+(`--model-id file.gguf`), each stack up side by side, repeats alternating between them.
+
+Per configuration: 1, 8 and 32 streams on the base and 32 on the demo adapter, chat prompts of
+realistic lengths (real_prompts.py), `--max-tokens` tokens each (ignore_eos); the weights'
+perplexity on public-domain text (testdata/perplexity/) from the server's own prompt logprobs
+(`/v1/completions` with echo, logprobs 0, max_tokens 0); greedy agreement of 16 answers with
+the bfloat16 configuration's (the issue's "int8 agrees with bf16 on most prompts")."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import math
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import load
+import real_model
+import real_prompts
+from stack import REPO_ROOT, Stack, StackConfig
+from stats import with_median
+
+BASE, ADAPTER = real_model.BASE, real_model.ADAPTER
+TEXTS = REPO_ROOT / "testdata" / "perplexity"
+SCENARIOS = [("base-c1", 1, (BASE,)), ("base-c8", 8, (BASE,)), ("base-c32", 32, (BASE,)),
+             ("adapter-c32", 32, (ADAPTER,))]
+AGREEMENT_PROMPTS = 16
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    dtype: str
+    quantize: str | None = None
+    gguf: bool = False
+
+
+CONFIGS = [Config("float32", "float32"), Config("bfloat16", "bfloat16"),
+           Config("float32-int8", "float32", "int8"), Config("float32-int4", "float32", "int4"),
+           Config("bfloat16-int8", "bfloat16", "int8"), Config("bfloat16-int4", "bfloat16", "int4")]
+REFERENCE = "bfloat16"
+
+
+def log(message: str) -> None:
+    print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def _stack(config: Config, demo: Path, model_id: str, prompts: list[list[int]], max_tokens: int,
+           logs: Path) -> Stack:
+    extra = ["--adapter-source", "local", "--adapter-root", str(demo / "adapters"), "--preload-adapters", ADAPTER,
+             "--prefix-caching", "false"]
+    if config.quantize:
+        extra += ["--quantize", config.quantize]
+    return Stack(StackConfig(
+        model_id=model_id, served_model_name=BASE, dtype=config.dtype, device="cpu", cpu_kv_cache_gib=1.0,
+        max_total_tokens=max(len(p) for p in prompts) + max(max_tokens, real_model.AGREEMENT_MAX_TOKENS) + 16,
+        max_batch_size=32, extra_args=extra), logs / f"quiver-quant-{config.name}.log")
+
+
+def _post(base_url: str, body: dict) -> dict:
+    request = urllib.request.Request(base_url + "/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.load(response)
+
+
+def perplexity(base_url: str) -> dict:
+    """exp of the mean negative log-likelihood of every text's tokens after its first, from the
+    served model's own prompt logprobs."""
+    total, count, per_text = 0.0, 0, {}
+    for path in sorted(TEXTS.glob("*.txt")):
+        body = {"model": BASE, "prompt": path.read_text(), "max_tokens": 0, "echo": True, "logprobs": 0}
+        logprobs = [lp for lp in _post(base_url, body)["choices"][0]["logprobs"]["token_logprobs"] if lp is not None]
+        per_text[path.name] = round(math.exp(-sum(logprobs) / len(logprobs)), 4)
+        total += sum(logprobs)
+        count += len(logprobs)
+    return {"perplexity": round(math.exp(-total / count), 4), "tokens": count, "per_text": per_text}
+
+
+def run(model_root: Path, repeats: int, max_tokens: int, requests_per_client: int, logs: Path,
+        gguf: Path | None = None) -> dict:
+    from transformers import AutoTokenizer
+
+    demo = real_model.ensure_demo(model_root)
+    tokenizer = AutoTokenizer.from_pretrained(demo)
+    prompts = real_prompts.prompt_ids(tokenizer, 32 * requests_per_client)
+    configs = list(CONFIGS) + ([Config("gguf-q4_1", "float32", gguf=True)] if gguf is not None else [])
+    stacks = {c.name: _stack(c, demo, str(gguf) if c.gguf else str(demo), prompts, max_tokens, logs)
+              for c in configs}
+    runs: dict[str, dict[str, list]] = {c.name: {name: [] for name, _, _ in SCENARIOS} for c in configs}
+    block: dict = {"model": "SmolLM2-135M-Instruct (the demo) and its pirate adapter",
+                   "prompts": real_prompts.length_summary(prompts), "max_tokens": max_tokens, "repeats": repeats,
+                   "perplexity_texts": sorted(p.name for p in TEXTS.glob("*.txt"))}
+    try:
+        for name, stack in stacks.items():
+            log(f"quantization: starting quiver {name}; log: {stack.log_path}")
+            stack.start(timeout_s=300)
+        for repeat in range(repeats):
+            for config in configs:
+                for scenario, concurrency, names in SCENARIOS:
+                    log(f"quantization, run {repeat + 1}/{repeats}: {config.name} {scenario}")
+                    workload = load.Workload(BASE, prompts, max_tokens, requests_per_client, names)
+                    runs[config.name][scenario].append(
+                        load.measure(stacks[config.name].base_url + "/v1", workload, concurrency, 1))
+        answers = {}
+        for name, stack in stacks.items():
+            log(f"quantization: perplexity and greedy answers of {name}")
+            block[name] = {"perplexity": perplexity(stack.base_url)}
+            with concurrent.futures.ThreadPoolExecutor(AGREEMENT_PROMPTS) as pool:
+                answers[name] = list(pool.map(lambda p, url=stack.base_url: real_model._greedy_served(url, p),
+                                              prompts[:AGREEMENT_PROMPTS]))
+    finally:
+        for stack in stacks.values():
+            stack.stop()
+    reference_ppl = block[REFERENCE]["perplexity"]["perplexity"]
+    for config in configs:
+        scenarios = {s: with_median(load.best_of(r)[0]) for s, r in runs[config.name].items()}
+        block[config.name].update({
+            "dtype": config.dtype, "quantize": config.quantize, "gguf": config.gguf, "scenarios": scenarios,
+            "perplexity_to_bfloat16": round(block[config.name]["perplexity"]["perplexity"] / reference_ppl, 4),
+            "greedy_agreement_with_bfloat16": real_model.agreement(answers[config.name], answers[REFERENCE]),
+        })
+    medians = {c.name: {s: block[c.name]["scenarios"][s]["throughput_tok_s_median"] for s, _, _ in SCENARIOS}
+               for c in configs}
+    block["ratios_of_medians_to_bfloat16"] = {
+        name: {s: round(v / medians[REFERENCE][s], 2) for s, v in rows.items()} for name, rows in medians.items()}
+    block["adapter_c32_to_base_c32"] = {
+        name: round(rows["adapter-c32"] / rows["base-c32"], 2) for name, rows in medians.items()}
+    return block
