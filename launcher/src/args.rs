@@ -52,6 +52,12 @@ pub struct LauncherArgs {
           value_parser = clap::value_parser!(u32).range(16..))]
     pub quantize_group_size: Option<u32>,
 
+    /// With --quantize, quantize the LM head too (a quantized copy where it is tied to the
+    /// embeddings). The variable takes true/false, 1/0, yes/no, on/off.
+    #[arg(long, env = "QUIVER_QUANTIZE_LM_HEAD", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub quantize_lm_head: bool,
+
     /// Device the shards run on; auto = CUDA if available, else CPU.
     #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,

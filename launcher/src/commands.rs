@@ -93,6 +93,9 @@ pub fn shard_command(
             format!("{}-shard", args.serving.otel_service_name),
         );
     }
+    if args.quantize_lm_head {
+        cmd.arg("--quantize-lm-head");
+    }
     if args.enforce_eager {
         cmd.arg("--enforce-eager");
     }
@@ -278,6 +281,10 @@ mod tests {
         let grouped = parse(&["--quantize", "int4", "--quantize-group-size", "32"]);
         let shard = shard_command(&grouped, Path::new("s"), &model, 0, Path::new("/s"), None);
         assert_eq!(value_of(&shard, "--quantize-group-size").as_deref(), Some("32"));
+        assert!(!strings(&shard).contains(&"--quantize-lm-head".to_owned()));
+        let head = parse(&["--quantize", "int8", "--quantize-lm-head"]);
+        let shard = shard_command(&head, Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert!(strings(&shard).contains(&"--quantize-lm-head".to_owned()));
         assert!(LauncherArgs::try_parse_from(["quiver-launcher", "--quantize", "int3"]).is_err());
     }
 

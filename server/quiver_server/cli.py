@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "stay in --dtype"),
     serve.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
                        help="inputs per scale and offset of --quantize int4 (a power of two, 16 or more)"),
+    serve.add_argument("--quantize-lm-head", action="store_true",
+                       help="with --quantize, the LM head too (a quantized copy where it is tied to the embeddings)"),
     serve.add_argument("--rank", type=int, default=0, help="this shard's rank among --world-size shards")
     serve.add_argument("--world-size", type=int, default=1, help="number of shards serving this model")
     serve.add_argument("--cpu-kv-cache-gib", type=float, default=1.0,
@@ -192,6 +194,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             cuda_graphs=not args.enforce_eager,
             quantize=args.quantize,
             quantize_group_size=args.quantize_group_size,
+            quantize_lm_head=args.quantize_lm_head,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
             grammar_budget_s=args.grammar_compile_timeout,

@@ -122,6 +122,7 @@ class Engine:
         overlap_steps: bool | None = None,
         quantize: str | None = None,
         quantize_group_size: int = DEFAULT_INT4_GROUP,
+        quantize_lm_head: bool = False,
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
         ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
@@ -129,7 +130,7 @@ class Engine:
         sampled tokens back for the router (None: on CUDA, where the device then works while the
         host waits; on the CPU the two would only take turns).
         quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
-        groups of `quantize_group_size` inputs."""
+        groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -140,7 +141,9 @@ class Engine:
         # The one choice of kernels and LoRA backend: the model's layers, the sampler and the
         # adapter slots all run what it picked.
         self.ops = select_ops(self.device)
-        spec = QuantizeSpec(quantize, quantize_group_size) if quantize else None
+        if quantize_lm_head and not quantize:
+            raise ValueError("--quantize-lm-head needs --quantize")
+        spec = QuantizeSpec(quantize, quantize_group_size, quantize_lm_head) if quantize else None
         self.model = load_model(path, config, self.dtype, self.device, self.ops, spec)
         shape = self.model.config
         self.vocab_size = shape.vocab_size

@@ -5,7 +5,8 @@ documented rules (int8: per-output-channel symmetric, scale = max|w| / 127; int4
 inputs, or the largest power of two down to 32 that divides the width, scale = (max - min) / 15,
 offset = min) rather than taken from quiver's quantizer.
 
-Also what each path leaves in the model: the projections hold packed quantized weights (no float
+`--quantize-lm-head` quantizes the LM head the same way (a copy where it is tied). Also what
+each path leaves in the model: the projections hold packed quantized weights (no float
 copy), and the embeddings and LM head stay float.
 """
 
@@ -58,23 +59,32 @@ def dequantized_int4(w: torch.Tensor, wanted_group: int = 128) -> torch.Tensor:
     return (q * scale + low).float().view(out, width)
 
 
-# case -> (architecture, --quantize, --quantize-group-size, model options)
-CASES = {"llama-int8": ("llama", "int8", 128, {}), "llama-int4": ("llama", "int4", 128, {}),
-         "llama-int4-group-32": ("llama", "int4", 32, {}), "qwen2-bias-int4": ("qwen2", "int4", 128, {}),
-         "llama-tied-int8": ("llama", "int8", 128, {"tie_word_embeddings": True})}
+def dequantize(w: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
+    return dequantized_int8(w) if spec.method == "int8" else dequantized_int4(w, spec.group_size)
+
+
+# case -> (architecture, QuantizeSpec, model options)
+CASES = {"llama-int8": ("llama", QuantizeSpec("int8"), {}), "llama-int4": ("llama", QuantizeSpec("int4"), {}),
+         "llama-int4-group-32": ("llama", QuantizeSpec("int4", 32), {}),
+         "qwen2-bias-int4": ("qwen2", QuantizeSpec("int4"), {}),
+         "llama-tied-int8": ("llama", QuantizeSpec("int8"), {"tie_word_embeddings": True}),
+         "llama-int8-lm-head": ("llama", QuantizeSpec("int8", lm_head=True), {}),
+         # The head a quantized copy; the embedding lookup keeps the float table.
+         "llama-tied-int4-lm-head": ("llama", QuantizeSpec("int4", 32, lm_head=True), {"tie_word_embeddings": True})}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, QuantizeSpec, object]:
-    arch, method, group, kwargs = CASES[request.param]
-    spec = QuantizeSpec(method, group)
+    arch, spec, kwargs = CASES[request.param]
     root = tmp_path_factory.mktemp(request.param)
     path = build_tiny_model(root / "float", arch, seed=list(CASES).index(request.param), **kwargs)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, param in reference.named_parameters():
             if name.rpartition(".")[0].rpartition(".")[2] in PROJECTIONS and name.endswith(".weight"):
-                param.copy_(dequantized_int8(param) if method == "int8" else dequantized_int4(param, group))
+                param.copy_(dequantize(param, spec))
+        if spec.lm_head:  # untied in the reference: its embeddings stay float, as served
+            reference.lm_head.weight = torch.nn.Parameter(dequantize(reference.lm_head.weight, spec))
     return path, spec, reference
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import cpu_gemm
+from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.layers.activation import gated_activation
@@ -171,6 +171,7 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`
         self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
+        self.lm_head_quant: quant_gemm.PackedQuantWeight | None = None  # --quantize-lm-head
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -208,7 +209,9 @@ class DecoderForCausalLM(nn.Module):
             rows = batch.logits_indices if index == last and batch.is_prefill else None
             x = layer(x, ropes, batch, kv_cache.k[index], kv_cache.v[index], rows)
         x = self.model.norm(x)  # decode: every row is wanted
-        if self.lm_head_packed is not None:
+        if self.lm_head_quant is not None:
+            logits = quant_gemm.linear(x, self.lm_head_quant, None)
+        elif self.lm_head_packed is not None:
             logits = cpu_gemm.linear(x, self.lm_head_packed, None)
         else:
             logits = self.lm_head(x)
@@ -239,14 +242,17 @@ class DecoderForCausalLM(nn.Module):
     def pack_weights(self, quantize: QuantizeSpec | None = None) -> None:
         """Every projection and the LM head on prepacked weights where the ops pack them (float32
         on CPU, `kernels.cpu_gemm`); projections quantized where they loaded quantized or
-        `quantize` asks (the LM head and embeddings stay in the model dtype, the
-        MoE experts too for now). A tied LM head packs a copy: the embedding lookup still needs
-        the plain table."""
+        `quantize` asks (the embeddings and MoE experts stay in the model dtype, and the LM
+        head unless `quantize.lm_head`). A tied LM head packs a copy: the embedding lookup still
+        needs the plain table."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight(quantize)
-        self.lm_head_packed = self.ops.pack(self.lm_head.weight)
-        if self.lm_head_packed is not None and not self.config.tie_word_embeddings:
+        if quantize is not None and quantize.lm_head:
+            self.lm_head_quant = self.ops.pack_quantized(quantize.apply(self.lm_head.weight.data))
+        else:
+            self.lm_head_packed = self.ops.pack(self.lm_head.weight)
+        if (self.lm_head_packed is not None or self.lm_head_quant is not None) and not self.config.tie_word_embeddings:
             self.lm_head.register_parameter("weight", None)
 
     def checkpoint_loaders(self) -> dict[str, Loader]:

@@ -32,6 +32,7 @@ class QuantizeSpec:
 
     method: str
     group_size: int = DEFAULT_INT4_GROUP
+    lm_head: bool = False  # --quantize-lm-head: the LM head too (a copy of it where it is tied)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
