@@ -71,7 +71,8 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_MAX_CPU_ADAPTERS")]
     pub max_cpu_adapters: Option<u32>,
 
-    /// Directory for quiver's own files, such as the demo model (default: ~/.cache/quiver).
+    /// Directory for quiver's own files, such as the demo model and the companion directories of
+    /// GGUF files (default: ~/.cache/quiver).
     /// Hub weights go to the Hugging Face cache (HF_HOME).
     #[arg(long, env = "QUIVER_CACHE_DIR")]
     pub cache_dir: Option<PathBuf>,

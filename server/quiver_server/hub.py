@@ -84,7 +84,14 @@ class LoggingProgress(tqdm):
 
 
 def resolve_model(model_id: str, revision: str | None = None) -> str:
-    """Local directory for `model_id`, downloading it from the hub if it is not a directory."""
+    """Local directory for `model_id`, downloading it from the hub if it is not a directory; a
+    local GGUF file gets its companion directory (`gguf_source`)."""
+    from quiver_server import gguf_source
+
+    if gguf_source.is_gguf_file(model_id):
+        if revision:
+            logger.warning("--revision %s ignored: %s is a local file", revision, model_id)
+        return gguf_source.prepare(model_id)
     local = Path(model_id).expanduser()
     if local.is_dir():
         if revision:

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from quiver_server.quant.weights import QuantizedWeight
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -38,8 +40,19 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def iter_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every checkpoint tensor, one at a time, loaded onto `device`."""
+def iter_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """(name, tensor) for every checkpoint tensor, one at a time, loaded onto `device`; a GGUF
+    companion directory's come from its file, quantized projections as `QuantizedWeight`s (on
+    the CPU: packing for the device happens at load's end)."""
+    from quiver_server.gguf_source import source_of
+
+    gguf = source_of(model_dir)
+    if gguf is not None:
+        from quiver_server.quant.gguf_model import iter_gguf_tensors
+
+        for name, tensor in iter_gguf_tensors(gguf):
+            yield name, tensor if isinstance(tensor, QuantizedWeight) else tensor.to(device)
+        return
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():

@@ -1,0 +1,111 @@
+"""A llama-architecture GGUF file (Llama, Mistral, SmolLM2... as llama.cpp writes them) as a
+transformers checkpoint: its config, and its tensors under transformers' names, quantized
+projections left quantized (`gguf_blocks`).
+
+llama.cpp's converter reorders the rows of q_proj and k_proj for its rotary layout (each
+head's two halves interleaved); the rows are put back here as transformers' GGUF loader does.
+A quantized weight's groups run along the input dimension, so reordering its rows reorders its
+values, scales and offsets alike and stays exact.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from quiver_server.quant.gguf_blocks import FLOAT_TYPES, float_tensor, quantized_weight
+from quiver_server.quant.weights import QuantizedWeight
+
+ARCHITECTURES = ("llama",)
+_GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+           "output.weight": "lm_head.weight"}
+_LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# Kept float even when the file quantized them: the lookup table and norms (`load_weights`
+# dequantizes whatever is not a projection).
+_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def _field(reader: GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.parts[field.data[0]]
+    if value.dtype == np.uint8 and key.endswith("architecture"):
+        return bytes(value).decode()
+    return value.tolist()[0] if len(value) == 1 else value.tolist()
+
+
+def architecture(reader: GGUFReader) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not served yet (served: {', '.join(ARCHITECTURES)})")
+    return str(arch)
+
+
+def gguf_config(path: Path) -> dict[str, Any]:
+    """config.json's contents for the model in GGUF file `path`, as transformers derives them."""
+    from transformers import AutoConfig
+
+    architecture(GGUFReader(str(path)))
+    config = AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
+    data: dict[str, Any] = config.to_dict()
+    return data
+
+
+def _hf_name(name: str) -> tuple[str, str | None]:
+    """(transformers name, llama.cpp projection kind or None)."""
+    if name in _GLOBAL:
+        return _GLOBAL[name], None
+    match = _LAYER_NAME.fullmatch(name)
+    if match is None or match.group(2) not in _LAYER:
+        raise ValueError(f"unexpected GGUF tensor {name!r}")
+    layer, kind, suffix = match.groups()
+    return f"model.layers.{layer}.{_LAYER[kind]}.{suffix}", kind
+
+
+def rotary_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's q/k permutation for `heads` heads: new row
+    h * D + j * D/2 + i is old row h * D + 2 i + j."""
+    half = rows // heads // 2
+    return torch.arange(rows).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _reorder(tensor: torch.Tensor | QuantizedWeight, order: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+    if isinstance(tensor, torch.Tensor):
+        return tensor[order].contiguous()
+    offsets = None if tensor.offsets is None else tensor.offsets[order].contiguous()
+    return QuantizedWeight(tensor.bits, tensor.q[order].contiguous(), tensor.scales[order].contiguous(), offsets,
+                           tensor.group_size)
+
+
+def iter_gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Every tensor of GGUF file `path` under transformers' name, in float32 or (projection
+    weights stored quantized) as a `QuantizedWeight`."""
+    reader = GGUFReader(str(path))
+    arch = architecture(reader)
+    heads = int(_field(reader, f"{arch}.attention.head_count"))
+    kv_heads = int(_field(reader, f"{arch}.attention.head_count_kv") or heads)
+    for tensor in reader.tensors:
+        name, kind = _hf_name(tensor.name)
+        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists the innermost first
+        value: torch.Tensor | QuantizedWeight
+        if tensor.tensor_type in FLOAT_TYPES:
+            value = float_tensor(tensor.name, tensor.tensor_type, tensor.data, shape)
+        elif len(shape) == 2:
+            value = quantized_weight(tensor.name, tensor.tensor_type, tensor.data, shape[0], shape[1])
+            if kind not in _PROJECTIONS:
+                value = value.dequantize()
+        else:
+            raise ValueError(f"{tensor.name}: a quantized tensor of {len(shape)} dimensions")
+        if kind in ("attn_q", "attn_k"):
+            value = _reorder(value, rotary_rows(shape[0], heads if kind == "attn_q" else kv_heads))
+        yield name, value
