@@ -194,8 +194,7 @@ class TritonKernelOps(KernelOps):
 
     name: ClassVar[str] = "triton"
     decode_gathers: ClassVar[bool] = False
-    # Quantized projections dequantize per product until the Triton quantized matmul lands.
-    quant_kernel: ClassVar[str] = "torch"
+    quant_kernel: ClassVar[str] = "triton"
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
