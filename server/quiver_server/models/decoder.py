@@ -31,6 +31,8 @@ from quiver_server.layers.rotary import RotaryEmbedding
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
+from quiver_server.gguf_source import source_of
+from quiver_server.quant.prequantized import checkpoint_quantization, group_quantized_tensors
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight
 from quiver_server.weights import iter_tensors
@@ -228,6 +230,11 @@ class DecoderForCausalLM(nn.Module):
     ) -> DecoderForCausalLM:
         cfg = cls.config_from_hf(config)
         device = ops.device
+        # Before any weight is read: an unsupported quantization_config fails here, by name.
+        prequantized = checkpoint_quantization(config)
+        if quantize is not None and (prequantized is not None or source_of(model_dir) is not None):
+            raise ValueError("--quantize quantizes a float checkpoint; this one is already quantized "
+                             f"({prequantized.method if prequantized else 'GGUF'}) and serves in its own format")
         with torch.device("meta"):
             model = cls(cfg, ops)
         # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
@@ -235,7 +242,8 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
-        model.load_weights(iter_tensors(model_dir, device))
+        tensors = iter_tensors(model_dir, device)
+        model.load_weights(tensors if prequantized is None else group_quantized_tensors(tensors, prequantized))
         model.pack_weights(quantize)
         return model.eval()
 

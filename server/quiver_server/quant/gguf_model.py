@@ -65,6 +65,11 @@ def _hf_name(name: str) -> tuple[str, str | None]:
     """(transformers name, llama.cpp projection kind or None)."""
     if name in _GLOBAL:
         return _GLOBAL[name], None
+    if name == "rope_freqs.weight":
+        # Llama 3.1+'s rope scaling as llama.cpp stores it: transformers' GGUF config drops it too,
+        # so serving the file would silently change long-context positions. Refused until mapped.
+        raise ValueError("GGUF tensor 'rope_freqs.weight' (Llama 3.1+ rope scaling) is not supported yet; "
+                         "serve the model's safetensors checkpoint instead")
     match = _LAYER_NAME.fullmatch(name)
     if match is None or match.group(2) not in _LAYER:
         raise ValueError(f"unexpected GGUF tensor {name!r}")
