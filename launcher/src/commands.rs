@@ -99,7 +99,8 @@ pub fn shard_command(
     // Where a shard writes a GGUF file's companion directory (config, tokenizer): the cache
     // the user named (the shard's own default is the same ~/.cache/quiver).
     if let Some(dir) = &args.cache_dir {
-        cmd.env.push(("QUIVER_CACHE_DIR".to_owned(), dir.display().to_string()));
+        cmd.env
+            .push(("QUIVER_CACHE_DIR".to_owned(), dir.display().to_string()));
     }
     if args.enforce_eager {
         cmd.arg("--enforce-eager");
@@ -285,11 +286,16 @@ mod tests {
         }
         let grouped = parse(&["--quantize", "int4", "--quantize-group-size", "32"]);
         let shard = shard_command(&grouped, Path::new("s"), &model, 0, Path::new("/s"), None);
-        assert_eq!(value_of(&shard, "--quantize-group-size").as_deref(), Some("32"));
+        assert_eq!(
+            value_of(&shard, "--quantize-group-size").as_deref(),
+            Some("32")
+        );
         assert!(!strings(&shard).contains(&"--quantize-lm-head".to_owned()));
         let cached = parse(&["--cache-dir", "/c"]);
         let shard = shard_command(&cached, Path::new("s"), &model, 0, Path::new("/s"), None);
-        assert!(shard.env.contains(&("QUIVER_CACHE_DIR".to_owned(), "/c".to_owned())));
+        assert!(shard
+            .env
+            .contains(&("QUIVER_CACHE_DIR".to_owned(), "/c".to_owned())));
         let head = parse(&["--quantize", "int8", "--quantize-lm-head"]);
         let shard = shard_command(&head, Path::new("s"), &model, 0, Path::new("/s"), None);
         assert!(strings(&shard).contains(&"--quantize-lm-head".to_owned()));
