@@ -20,6 +20,7 @@ import torch
 from quiver_server.kernels import cpu_ops, quant_gemm
 from quiver_server.quant.weights import QuantizedWeight
 from float_error import UNIT_ROUNDOFF, gamma
+from quant_cases import random_weight
 
 CPU = torch.device("cpu")
 AMX_CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512_bf16"}
@@ -37,18 +38,6 @@ def amx_here() -> bool:
 
 
 needs_amx = pytest.mark.skipif(not amx_here(), reason="no AMX-BF16 in this build or CPU (the fallback is tested)")
-
-
-def random_weight(out: int, inp: int, bits: int, group: int, offsets: bool, seed: int) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 8:
-        q = torch.randint(-128, 128, (out, inp), generator=gen, dtype=torch.int8)
-    else:
-        q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
-    groups = (out, inp // group)
-    scales = torch.rand(groups, generator=gen) * 0.02 + 1e-3
-    offs = (torch.randn(groups, generator=gen) * 0.1) if offsets else None
-    return QuantizedWeight(bits, q, scales, offs, group)
 
 
 def bf16_weight(weight: QuantizedWeight) -> torch.Tensor:

@@ -15,21 +15,10 @@ from quiver_server.kernels import cpu_ops, quant_gemm
 from quiver_server.quant.quantize import quantize
 from quiver_server.quant.weights import QuantizedWeight
 from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
+from quant_cases import random_weight
 
 CPU = torch.device("cpu")
 KERNELS = ["cpu", "torch"]
-
-
-def random_weight(out: int, inp: int, bits: int, group: int, offsets: bool, seed: int) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 8:
-        q = torch.randint(-128, 128, (out, inp), generator=gen, dtype=torch.int8)
-    else:
-        q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
-    groups = (out, inp // group)
-    scales = torch.rand(groups, generator=gen) * 0.02 + 1e-3
-    offs = (torch.randn(groups, generator=gen) * 0.1) if offsets else None
-    return QuantizedWeight(bits, q, scales, offs, group)
 
 
 def exact(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,6 +30,7 @@ from quiver_server.kernels.quant_matmul_triton import (  # noqa: E402
     quant_linear,
 )
 from quiver_server.quant.weights import QuantizedWeight  # noqa: E402
+from quant_cases import random_weight
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -37,18 +38,6 @@ BITS_OFFSETS = [(8, False), (8, True), (4, True), (4, False)]
 # (group, K): groups of 16 (Q6_K), 32 (GGUF's Q8_0/Q4_*), 128 (AWQ/GPTQ/--quantize int4) and the
 # whole row (--quantize int8), K past the 128-value padding in each.
 GROUPS = [(16, 144), (32, 96), (128, 256), (80, 80)]
-
-
-def random_weight(out: int, inp: int, bits: int, group: int, offsets: bool, seed: int) -> QuantizedWeight:
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 8:
-        q = torch.randint(-128, 128, (out, inp), generator=gen, dtype=torch.int8)
-    else:
-        q = torch.randint(0, 16, (out, inp), generator=gen, dtype=torch.uint8)
-    groups = (out, inp // group)
-    scales = torch.rand(groups, generator=gen) * 0.02 + 1e-3
-    offs = (torch.randn(groups, generator=gen) * 0.1) if offsets else None
-    return QuantizedWeight(bits, q, scales, offs, group)
 
 
 def dequantized(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
