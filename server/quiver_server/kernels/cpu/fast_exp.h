@@ -8,8 +8,8 @@
 #pragma once
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
+#include <cstring>
 
 namespace quiver {
 
@@ -28,7 +28,11 @@ inline float fast_exp(float x) {
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
   const std::int32_t bits = (static_cast<std::int32_t>(k) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
+  // memcpy rather than std::bit_cast: torch's cpp_extension may compile as C++17 (torch 2.11
+  // does); GCC turns either into a plain register move, inside vectorised loops too.
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
 }
 
 }  // namespace quiver
