@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_packed.h"
 #include "vec_f32.h"
 
 #include <immintrin.h>
@@ -212,32 +213,15 @@ void run(const float* x, int64_t m, int64_t k_len, int64_t group, const uint8_t*
 at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                         int64_t n, int64_t bits, int64_t group) {
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "linear_quant runs on CPU tensors");
+  TORCH_CHECK(x.device().is_cpu(), "linear_quant runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous float32 [rows, in]");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
-  const int64_t m = x.size(0), k_len = x.size(1), panels = (n + PANEL - 1) / PANEL;
-  TORCH_CHECK(n > 0 && group > 0 && k_len % group == 0 && group % 2 == 0, "group ", group, " does not fit ", k_len,
-              " inputs (even groups dividing them)");
-  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && q.is_contiguous() && q.dim() == 3 &&
-                  q.size(0) == panels && q.size(1) == (bits == 8 ? k_len : k_len / 2) && q.size(2) == PANEL,
-              "packed values ", q.sizes(), " do not fit x ", x.sizes(), " and ", n, " outputs");
-  const std::vector<int64_t> params{panels, k_len / group, PANEL};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
-              "scales must be a contiguous float32 ", at::IntArrayRef(params));
+  const int64_t m = x.size(0), k_len = x.size(1);
+  const int64_t panels = quiver_quant::check_packed(q, scales, offsets, k_len, n, bits, group, PANEL);
   const bool has_offsets = offsets.has_value();
-  if (has_offsets)
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
-                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  std::vector<float> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->numel() == n && bias->is_contiguous(),
-                "bias must be a contiguous float32 [", n, "]");
-    b.assign(panels * PANEL, 0.f);
-    std::memcpy(b.data(), bias->data_ptr<float>(), n * sizeof(float));
-  }
+  const std::vector<float> b = quiver_quant::padded_bias(bias, n, panels, PANEL);
   const auto* qp = static_cast<const uint8_t*>(q.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets->data_ptr<float>() : nullptr;

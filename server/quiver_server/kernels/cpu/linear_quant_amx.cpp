@@ -34,6 +34,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "quant_packed.h"
 #include "vec_width.h"
 
 #include <algorithm>
@@ -415,32 +416,15 @@ at::Tensor linear_quant_amx(const at::Tensor& x, const at::Tensor& q, const at::
                             const c10::optional<at::Tensor>& offsets, const c10::optional<at::Tensor>& bias,
                             int64_t n, int64_t bits, int64_t group) {
   TORCH_CHECK(amx_ready(), "linear_quant_amx unavailable: the CPU or the OS does not grant AMX tiles");
-  TORCH_CHECK(x.device().is_cpu() && q.device().is_cpu(), "linear_quant_amx runs on CPU tensors");
+  TORCH_CHECK(x.device().is_cpu(), "linear_quant_amx runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1,
               "x must be a bfloat16 [rows, in] with contiguous rows");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
-  const int64_t m = x.size(0), k_len = x.size(1), panels = (n + PANEL - 1) / PANEL;
-  TORCH_CHECK(n > 0 && group > 0 && k_len % group == 0 && group % 2 == 0, "group ", group, " does not fit ", k_len,
-              " inputs (even groups dividing them)");
-  TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && q.is_contiguous() && q.dim() == 3 &&
-                  q.size(0) == panels && q.size(1) == (bits == 8 ? k_len : k_len / 2) && q.size(2) == PANEL,
-              "packed values ", q.sizes(), " do not fit x ", x.sizes(), " and ", n, " outputs");
-  const std::vector<int64_t> params{panels, k_len / group, PANEL};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
-              "scales must be a contiguous float32 ", at::IntArrayRef(params));
+  const int64_t m = x.size(0), k_len = x.size(1);
+  const int64_t panels = quiver_quant::check_packed(q, scales, offsets, k_len, n, bits, group, PANEL);
   const bool has_offsets = offsets.has_value();
-  if (has_offsets)
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
-                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  std::vector<float> b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->numel() == n, "bias must be [", n, "]");
-    const at::Tensor fb = bias->to(at::kFloat).contiguous();
-    b.assign(panels * PANEL, 0.f);
-    std::memcpy(b.data(), fb.data_ptr<float>(), n * sizeof(float));
-  }
+  const std::vector<float> b = quiver_quant::padded_bias(bias, n, panels, PANEL);
   // Tile loads read x in whole steps of 32 inputs: up to 16 rows are read in place (the tiles
   // configured to their count) unless K is no multiple of 32; more go through a blocked copy.
   const int64_t k_pad = (k_len + 31) / 32 * 32;
