@@ -190,7 +190,7 @@ def test_scales_are_stored_16_bit_only_where_that_is_exact() -> None:
 def test_quant_gemm_dispatches_to_triton() -> None:
     weight = random_weight(24, 64, 8, 64, False, seed=6)
     packed = quant_gemm.pack(weight, DEVICE, "triton")
-    assert isinstance(packed.data, TritonQuantWeight) and packed.nbytes() > 0
+    assert isinstance(packed.data, TritonQuantWeight)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
     check(quant_gemm.linear(x.to(DEVICE), packed, None), x, weight, None, packed.data)
 

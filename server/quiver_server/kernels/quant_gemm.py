@@ -36,22 +36,6 @@ class PackedQuantWeight:
     group_size: int
     data: Any
 
-    def nbytes(self) -> int:
-        tensors = self.data if isinstance(self.data, tuple) else (self.data,)
-        return sum(t.numel() * t.element_size() for t in _tensors(tensors))
-
-
-def _tensors(items: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for item in items:
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif isinstance(item, QuantizedWeight):
-            found.extend(t for t in (item.q, item.scales, item.offsets) if t is not None)
-        elif hasattr(item, "__dataclass_fields__"):
-            found.extend(_tensors(getattr(item, name) for name in item.__dataclass_fields__))
-    return found
-
 
 def default_kernel(device: torch.device) -> str:
     if device.type == "cuda":

@@ -59,12 +59,6 @@ class QuantizedWeight:
     def in_features(self) -> int:
         return int(self.q.shape[1])
 
-    def nbytes(self) -> int:
-        """Bytes this weight takes packed (two 4-bit values a byte) with its scales and offsets."""
-        values = self.q.numel() if self.bits == 8 else (self.q.numel() + 1) // 2
-        extra = self.scales.numel() * 4 * (1 if self.offsets is None else 2)
-        return values + extra
-
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] it stands for, computed in float32 (one rounding per
         product, as the kernels do), then cast to `dtype`."""
