@@ -15,6 +15,8 @@
 #include <cmath>
 
 #include "fast_exp.h"
+#include "flush_denormals.h"
+#include "lane_convert.h"
 
 namespace {
 
@@ -42,14 +44,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         float squares = 0.f;
         _Pragma("omp simd reduction(+ : squares)")
         for (int64_t d = 0; d < dim; ++d) {
-          const float v = static_cast<float>(row[d]);
+          const float v = quiver::to_float(row[d]);
           squares += v * v;
         }
         const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
         scalar_t* o = od + t * dim;
+        _Pragma("omp simd")
         for (int64_t d = 0; d < dim; ++d) {
-          const scalar_t normed = static_cast<scalar_t>(static_cast<float>(row[d]) * inverse);
-          o[d] = static_cast<scalar_t>(static_cast<float>(wd[d]) * static_cast<float>(normed));
+          const float normed = quiver::round_to<scalar_t>(quiver::to_float(row[d]) * inverse);
+          o[d] = quiver::from_float<scalar_t>(quiver::to_float(wd[d]) * normed);
         }
       }
     });
@@ -68,15 +71,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     const scalar_t* in = gate_up.data_ptr<scalar_t>();
     scalar_t* od = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows, grain(2 * width), [&](int64_t begin, int64_t end) {
+      const quiver::FlushDenormals flush;
       for (int64_t t = begin; t < end; ++t) {
         const scalar_t* gate = in + t * stride;
         const scalar_t* up = gate + width;
         scalar_t* o = od + t * width;
         _Pragma("omp simd")
         for (int64_t i = 0; i < width; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          const scalar_t activated = static_cast<scalar_t>(g / (1.f + quiver::fast_exp(-g)));
-          o[i] = static_cast<scalar_t>(static_cast<float>(activated) * static_cast<float>(up[i]));
+          const float g = quiver::to_float(gate[i]);
+          const float activated = quiver::round_to<scalar_t>(g / (1.f + quiver::fast_exp(-g)));
+          o[i] = quiver::from_float<scalar_t>(activated * quiver::to_float(up[i]));
         }
       }
     });
@@ -105,15 +109,16 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
         const scalar_t* s = sd + t * dim;
         for (int64_t h = 0; h < heads; ++h) {
           scalar_t* v = xd + t * row_stride + h * head_stride;
+          _Pragma("omp simd")
           for (int64_t i = 0; i < half; ++i) {
             // Each product rounded to the dtype, then the sum: torch's x * cos + rotated * sin.
-            const scalar_t x1 = v[i], x2 = v[i + half];
-            const scalar_t a = static_cast<scalar_t>(static_cast<float>(x1) * static_cast<float>(c[i]));
-            const scalar_t b = static_cast<scalar_t>(-static_cast<float>(x2) * static_cast<float>(s[i]));
-            const scalar_t e = static_cast<scalar_t>(static_cast<float>(x2) * static_cast<float>(c[i + half]));
-            const scalar_t f = static_cast<scalar_t>(static_cast<float>(x1) * static_cast<float>(s[i + half]));
-            v[i] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(b));
-            v[i + half] = static_cast<scalar_t>(static_cast<float>(e) + static_cast<float>(f));
+            const float x1 = quiver::to_float(v[i]), x2 = quiver::to_float(v[i + half]);
+            const float a = quiver::round_to<scalar_t>(x1 * quiver::to_float(c[i]));
+            const float b = quiver::round_to<scalar_t>(-x2 * quiver::to_float(s[i]));
+            const float e = quiver::round_to<scalar_t>(x2 * quiver::to_float(c[i + half]));
+            const float f = quiver::round_to<scalar_t>(x1 * quiver::to_float(s[i + half]));
+            v[i] = quiver::from_float<scalar_t>(a + b);
+            v[i + half] = quiver::from_float<scalar_t>(e + f);
           }
         }
       }
