@@ -82,7 +82,10 @@ def test_kernels_are_built_and_chosen_on_cpu() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "heads,kv_heads,head_dim,window",
-    [(8, 8, 64, None), (8, 2, 64, None), (4, 1, 128, None), (6, 3, 48, None), (8, 2, 64, 20), (4, 4, 32, 16)],
+    # Head sizes 64 and 128 take the register-tiled kernel (tiles of up to 4 query heads per KV
+    # head: groups of 1, 2, 3, 4 and 6 cover whole and partial tiles), 48 and 32 the general one.
+    [(8, 8, 64, None), (8, 2, 64, None), (4, 1, 128, None), (6, 3, 48, None), (8, 2, 64, 20), (4, 4, 32, 16),
+     (9, 3, 64, None), (12, 2, 64, None), (6, 3, 128, None), (12, 2, 128, 20)],
 )
 def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> None:
     lengths = [1, 15, 16, 17, 32, 33, 100, 257, 2, 64]
