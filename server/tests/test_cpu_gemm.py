@@ -12,6 +12,7 @@ from quiver_server.kernels import cpu_gemm, cpu_ops
 from quiver_server.layers.linear import Linear
 from quiver_server.models import load_model
 from quiver_server.weights import load_config
+from test_cpu_quant_amx import amx_expected
 from float_error import linear_error_bound
 from tiny_models import build_tiny_model
 
@@ -93,9 +94,12 @@ def test_a_cpu_float32_model_serves_on_packed_weights(tmp_path, tie) -> None:
 
 
 def test_other_dtypes_and_the_switch_keep_plain_weights(tmp_path, monkeypatch) -> None:
-    model = _load(tmp_path, dtype=torch.bfloat16)
+    model = _load(tmp_path, dtype=torch.float16)
     assert all(m.packed_weight is None and m.weight is not None
                for m in model.modules() if isinstance(m, Linear))
+    # bfloat16 weights pack for the AMX kernel exactly where it runs (test_cpu_bf16_amx.py).
+    model = _load(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert all((m.packed_weight is not None) == amx_expected() for m in model.modules() if isinstance(m, Linear))
     monkeypatch.setenv("QUIVER_CPU_PACKED_WEIGHTS", "0")
     model = _load(tmp_path / "again")
     assert model.lm_head_packed is None

@@ -133,7 +133,7 @@ class KernelOps:
 
     def pack(self, weight: torch.Tensor) -> cpu_gemm.PackedWeight | None:
         """`weight` packed for `cpu_gemm.linear`, or None where it stays a plain `F.linear` weight
-        (CUDA, 16-bit, QUIVER_CPU_PACKED_WEIGHTS=0)."""
+        (CUDA, float16, bfloat16 without AMX, QUIVER_CPU_PACKED_WEIGHTS=0)."""
         if self.packed_matmul is None or not cpu_gemm.available(weight):
             return None
         return cpu_gemm.pack(weight, self.packed_matmul)
