@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "linear_quant.cpp",
-                        "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp", "greedy.cpp", "build_info.cpp")]
+                        "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp", "greedy.cpp",
+                        "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp
