@@ -187,17 +187,23 @@ void attend_in_registers(const at::Tensor& q, const at::Tensor& k_cache, const a
           for (int64_t line = 0; line < kRowBytes; line += 64)
             __builtin_prefetch(rows + pos * token_stride * sizeof(scalar_t) + line);
       };
-      // fn(index from first, the position's row of KV head `kv`) for the keys first .. len - 1,
-      // with the next block on its way while one is read.
-      auto for_each_key = [&](const scalar_t* cache, int64_t kv, auto&& fn) {
+      // fn(index from first, the row of KV head `kv` at that position, n) for runs of n consecutive
+      // keys (rows token_stride apart) covering first .. len - 1, one run per block, with the
+      // next block on its way while one is read.
+      auto for_each_run = [&](const scalar_t* cache, int64_t kv, auto&& fn) {
         const int64_t last_block = (len - 1) / block_size;
         for (int64_t block_start = first - first % block_size; block_start < len; block_start += block_size) {
           const int64_t block_index = block_start / block_size;
           const scalar_t* base = cache + table[block_index] * block_stride + kv * kHeadDim;
           const int64_t lo = std::max(first, block_start), hi = std::min(len, block_start + block_size);
           if (block_index < last_block) prefetch_block(cache, block_index + 1, kv);
-          for (int64_t pos = lo; pos < hi; ++pos) fn(pos - first, base + (pos - block_start) * token_stride);
+          fn(lo - first, base + (lo - block_start) * token_stride, hi - lo);
         }
+      };
+      auto for_each_key = [&](const scalar_t* cache, int64_t kv, auto&& fn) {
+        for_each_run(cache, kv, [&](int64_t index, const scalar_t* row, int64_t n) {
+          for (int64_t j = 0; j < n; ++j) fn(index + j, row + j * token_stride);
+        });
       };
       for (int64_t kv = kv_first; kv < kv_first + kv_count; ++kv) {
         for (int64_t g0 = 0; g0 < group; g0 += kTile) {
@@ -210,20 +216,33 @@ void attend_in_registers(const at::Tensor& q, const at::Tensor& k_cache, const a
               const scalar_t* q_row = q_data + (seq * heads + head0 + t) * kHeadDim;
               for (int c = 0; c < kChunks; ++c) rows[t][c] = load_float(q_row + c * VL) * scale_f;
             }
-            for_each_key(k_data, kv, [&](int64_t index, const scalar_t* k_row) {
-              vfloat key[kChunks];
-              for (int c = 0; c < kChunks; ++c) key[c] = load_float(k_row + c * VL);
-              for (int t = 0; t < kRows; ++t) {
-                vfloat dot = rows[t][0] * key[0];
-                for (int c = 1; c < kChunks; ++c) dot += rows[t][c] * key[c];
-                float score = hsum(dot);
-                if (capped) score = cap * std::tanh(score * inverse_cap);
-                scores[t * count + index] = score;
+            auto dot = [&](int t, const scalar_t* k_row) {
+              vfloat sum = rows[t][0] * load_float(k_row);
+              for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_float(k_row + c * VL);
+              return sum;
+            };
+            for_each_run(k_data, kv, [&](int64_t index, const scalar_t* k_rows, int64_t n) {
+              int64_t j = 0;
+#if defined(__AVX512F__)
+              // Whole runs of 16 keys: their 16 dot products summed across lanes at once.
+              for (; j + 16 <= n; j += 16) {
+                for (int t = 0; t < kRows; ++t) {
+                  vfloat dots[16];
+                  for (int i = 0; i < 16; ++i) dots[i] = dot(t, k_rows + (j + i) * token_stride);
+                  quiver_vec::vstore(scores.data() + t * count + index + j, quiver_vec::lane_sums(dots));
+                }
+              }
+#endif
+              for (; j < n; ++j) {
+                const scalar_t* k_row = k_rows + j * token_stride;
+                for (int t = 0; t < kRows; ++t) scores[t * count + index + j] = hsum(dot(t, k_row));
               }
             });
             float inverse[kRows];
             for (int t = 0; t < kRows; ++t) {
               float* sp = scores.data() + t * count;
+              if (capped)
+                for (int64_t i = 0; i < count; ++i) sp[i] = cap * std::tanh(sp[i] * inverse_cap);
               float max_score = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max_score)
               for (int64_t i = 0; i < count; ++i) max_score = std::max(max_score, sp[i]);

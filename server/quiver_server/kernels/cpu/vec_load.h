@@ -52,4 +52,31 @@ inline float hsum(vfloat v) {
   return _mm_cvtss_f32(quarter);
 }
 
+#if defined(__AVX512F__)
+// out[i] = the sum of the lanes of v[i], for 16 vectors at once: a tree of shuffles and adds
+// that halves the vectors at each level (46 instructions, where 16 hsum calls take ~110). Level
+// by level, each vector holds the partial sums of 2, 4, 8 and 16 of the inputs; the last level
+// leaves input q + 4r in lane 4q + r, which one permutation puts in order.
+inline vfloat lane_sums(const vfloat (&v)[16]) {
+  __m512 halves[8], quarters[4], eighths[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: v[2i]'s 8 partial sums, 8-15: v[2i + 1]'s
+    const __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  }
+  for (int i = 0; i < 4; ++i) {  // 128-bit quarter j: v[4i + j]'s 4 partial sums
+    const __m512 a = halves[2 * i], b = halves[2 * i + 1];
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  }
+  for (int i = 0; i < 2; ++i) {  // quarter q: 2 partial sums of v[8i + q], then of v[8i + 4 + q]
+    const __m512 a = quarters[2 * i], b = quarters[2 * i + 1];
+    eighths[i] = _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+  }
+  // Quarter q: the sums of v[q], v[4 + q], v[8 + q], v[12 + q].
+  const __m512 mixed = _mm512_add_ps(_mm512_shuffle_ps(eighths[0], eighths[1], 0x88),
+                                     _mm512_shuffle_ps(eighths[0], eighths[1], 0xDD));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return (vfloat)_mm512_permutexvar_ps(order, mixed);
+}
+#endif
+
 }  // namespace quiver_vec
