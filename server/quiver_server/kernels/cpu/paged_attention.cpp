@@ -26,40 +26,52 @@
 
 namespace {
 
-// kHeadDim > 0 fixes head_dim at compile time (the common sizes), so the per-key loops unroll
-// and vectorise fully; 0 reads it at run time.
-//
-// A work item is one sequence and a run of its KV heads, and walks the sequence's keys in
-// position order, all of the item's heads at each position: a cache block stores a position's
-// heads next to each other, so the item reads whole blocks front to back (one 32 KiB stream per
-// block for the benchmark model) instead of 256-byte pieces 2 KiB apart, which the hardware
-// prefetchers followed poorly. A sequence is split over its heads only as far as the threads
-// need work (few sequences, e.g. one long prompt's decode).
-template <typename scalar_t, int kHeadDim>
-void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-            int64_t window, double softcap, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1);
-  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
-  const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* out_data = out.data_ptr<scalar_t>();
-  const int64_t token_stride = kv_heads * head_dim;  // between offsets of one block
-  const int64_t block_stride = block_size * token_stride;
-  const float scale_f = static_cast<float>(scale);
-  const bool capped = softcap > 0;
-  const float cap = static_cast<float>(softcap), inverse_cap = capped ? 1.f / cap : 0.f;
-  // KV heads per item: all of them, unless that leaves fewer than 4 items per thread.
-  const int64_t wanted_items = 4 * at::get_num_threads();
-  const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted_items + num_seqs - 1) / num_seqs));
-  const int64_t heads_per_item = (kv_heads + splits - 1) / splits;
-  const int64_t items_per_seq = (kv_heads + heads_per_item - 1) / heads_per_item;
+// What both kernels read, and how they split the work: an item is one sequence and a run of its
+// KV heads. A sequence is split over its heads only as far as the threads need work (few
+// sequences, e.g. one long prompt's decode).
+template <typename scalar_t>
+struct DecodeAttention {
+  DecodeAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  double softcap, at::Tensor& out)
+      : num_seqs(q.size(0)), heads(q.size(1)), head_dim(q.size(2)), block_size(k_cache.size(1)),
+        kv_heads(k_cache.size(2)), group(heads / kv_heads), table_width(block_tables.size(1)), window(window),
+        q_data(q.data_ptr<scalar_t>()), k_data(k_cache.data_ptr<scalar_t>()), v_data(v_cache.data_ptr<scalar_t>()),
+        tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
+        out_data(out.data_ptr<scalar_t>()), token_stride(kv_heads * head_dim),  // between offsets of one block
+        block_stride(block_size * token_stride), scale_f(static_cast<float>(scale)), capped(softcap > 0),
+        cap(static_cast<float>(softcap)), inverse_cap(capped ? 1.f / cap : 0.f) {
+    // KV heads per item: all of them, unless that leaves fewer than 4 items per thread.
+    const int64_t wanted_items = 4 * at::get_num_threads();
+    const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted_items + num_seqs - 1) / num_seqs));
+    heads_per_item = (kv_heads + splits - 1) / splits;
+    items_per_seq = (kv_heads + heads_per_item - 1) / heads_per_item;
+  }
 
+  void attend() const;
+  template <int kHeadDim>
+  void attend_in_registers() const;
+
+  const int64_t num_seqs, heads, head_dim, block_size, kv_heads, group, table_width, window;
+  const scalar_t* q_data;
+  const scalar_t* k_data;
+  const scalar_t* v_data;
+  const int64_t* tables;
+  const int64_t* lens;
+  scalar_t* out_data;
+  const int64_t token_stride, block_stride;
+  const float scale_f;
+  const bool capped;
+  const float cap, inverse_cap;
+  int64_t heads_per_item = 1, items_per_seq = 1;
+};
+
+// Any head size and dtype (`attend_in_registers` takes 64 and 128 in 16 and 32 bits). A work item
+// walks the sequence's keys in position order, all of the item's heads at each position: a cache
+// block stores a position's heads next to each other, so the item reads whole blocks front to
+// back instead of 256-byte pieces 2 KiB apart, which the hardware prefetchers followed poorly.
+template <typename scalar_t>
+void DecodeAttention<scalar_t>::attend() const {
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, query, acc, maxima, totals;
     for (int64_t item = begin; item < end; ++item) {
@@ -136,10 +148,9 @@ void attend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
 // tile's query rows stay in registers while each key is loaded once, each score is summed as a
 // tree (hsum), the tile's outputs accumulate in registers over the values, and the next block of
 // the table is prefetched (blocks lie anywhere in the cache; the hardware does not follow).
-template <typename scalar_t, int kHeadDim>
-void attend_in_registers(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                         int64_t window, double softcap, at::Tensor& out) {
+template <typename scalar_t>
+template <int kHeadDim>
+void DecodeAttention<scalar_t>::attend_in_registers() const {
   using quiver_vec::hsum;
   using quiver_vec::load_float;
   using quiver_vec::vfloat;
@@ -148,25 +159,6 @@ void attend_in_registers(const at::Tensor& q, const at::Tensor& k_cache, const a
   constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
   // Registers: the tile's query (or output) rows, plus one key's (or value's) chunks.
   constexpr int kTile = std::max(1, std::min(4, (quiver_vec::kVecRegs - 2 * kChunks) / kChunks));
-  const int64_t num_seqs = q.size(0), heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, table_width = block_tables.size(1);
-  const scalar_t* q_data = q.data_ptr<scalar_t>();
-  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  scalar_t* out_data = out.data_ptr<scalar_t>();
-  const int64_t token_stride = kv_heads * kHeadDim;
-  const int64_t block_stride = block_size * token_stride;
-  const float scale_f = static_cast<float>(scale);
-  const bool capped = softcap > 0;
-  const float cap = static_cast<float>(softcap), inverse_cap = capped ? 1.f / cap : 0.f;
-  // Work items as in `attend`: a sequence and a run of its KV heads.
-  const int64_t wanted_items = 4 * at::get_num_threads();
-  const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted_items + num_seqs - 1) / num_seqs));
-  const int64_t heads_per_item = (kv_heads + splits - 1) / splits;
-  const int64_t items_per_seq = (kv_heads + heads_per_item - 1) / heads_per_item;
 
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -318,13 +310,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
+    const DecodeAttention<scalar_t> attention(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
     if constexpr (std::is_same_v<scalar_t, double>) {
-      attend<scalar_t, 0>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
+      attention.attend();
     } else {
       switch (q.size(2)) {
-        case 64: attend_in_registers<scalar_t, 64>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out); break;
-        case 128: attend_in_registers<scalar_t, 128>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out); break;
-        default: attend<scalar_t, 0>(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
+        case 64: attention.template attend_in_registers<64>(); break;
+        case 128: attention.template attend_in_registers<128>(); break;
+        default: attention.attend();
       }
     }
   });
