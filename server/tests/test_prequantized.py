@@ -30,10 +30,9 @@ import torch
 import transformers
 from device import TEST_DEVICE
 from safetensors.torch import save_file
+from quant_cases import prefill_every_position
 from tiny_models import build_tiny_model
 
-from quiver_server.forward_batch import build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.layers.linear import Linear
 from quiver_server.models import load_model
 from quiver_server.quant import prequantized
@@ -460,15 +459,7 @@ def test_awq_llama_served_gives_the_dequantized_models_logits(
     assert all(m.quant_weight is not None for m in model.modules() if isinstance(m, Linear))
     with pytest.raises(ValueError, match="already quantized"):
         load_model(path, config, torch.float32, TEST_DEVICE, quantize=QuantizeSpec("int8"))
-    cfg = model.config
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
     prompts = [[5, 17, 33, 2, 250, 9, 71], [100, 3, 44]]
-    blocks_each = spec.blocks_for_tokens(max(len(p) for p in prompts))
-    kv_cache = PagedKVCache(spec, blocks_each * len(prompts), TEST_DEVICE)
-    table = torch.arange(blocks_each * len(prompts)).view(len(prompts), blocks_each)
-    lens = [len(p) for p in prompts]
-    batch = build_prefill(lens, table, BLOCK_SIZE, TEST_DEVICE)
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens), device=TEST_DEVICE))
-    ours = model(torch.tensor([t for p in prompts for t in p], device=TEST_DEVICE), batch, kv_cache).cpu()
-    for prompt, logits in zip(prompts, ours.split(lens), strict=True):
+    run = prefill_every_position(model, prompts, 0, TEST_DEVICE)
+    for prompt, logits in zip(prompts, run.logits, strict=True):
         torch.testing.assert_close(logits, reference(torch.tensor([prompt])).logits[0], atol=1e-4, rtol=0)

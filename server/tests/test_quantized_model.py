@@ -12,7 +12,6 @@ copy), and the embeddings and LM head stay float.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 
@@ -20,10 +19,11 @@ import pytest
 import torch
 import transformers
 from device import TEST_DEVICE
+from quant_cases import prefill_every_position
 from tiny_models import build_tiny_model
 
-from quiver_server.forward_batch import build_decode, build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.forward_batch import build_decode
+from quiver_server.kv_cache import BLOCK_SIZE
 from quiver_server.layers.linear import Linear
 from quiver_server.models import load_model
 from quiver_server.quant.quantize import QuantizeSpec
@@ -95,23 +95,16 @@ def test_quantized_model_gives_the_dequantized_models_logits(
     path, spec, reference = case
     model = load_model(path, load_config(path), torch.float32, TEST_DEVICE, quantize=spec)
     cfg = model.config
-    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
     rng = random.Random(5)
     prompts = [[rng.randrange(3, cfg.vocab_size) for _ in range(n)] for n in (5, 19)]
-    blocks_each = spec.blocks_for_tokens(max(len(p) for p in prompts) + 3)
-    kv_cache = PagedKVCache(spec, blocks_each * len(prompts), TEST_DEVICE)
-    table = torch.arange(blocks_each * len(prompts)).view(len(prompts), blocks_each)
-    lens = [len(p) for p in prompts]
-    batch = build_prefill(lens, table, BLOCK_SIZE, TEST_DEVICE)
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens), device=TEST_DEVICE))
-    ours = model(torch.tensor([t for p in prompts for t in p], device=TEST_DEVICE), batch, kv_cache).cpu()
-    for prompt, logits in zip(prompts, ours.split(lens), strict=True):
+    run = prefill_every_position(model, prompts, 3, TEST_DEVICE)
+    for prompt, logits in zip(prompts, run.logits, strict=True):
         torch.testing.assert_close(logits, reference(torch.tensor([prompt])).logits[0], atol=ATOL, rtol=0)
     sequences = [list(p) for p in prompts]
     for step in range(3):
         fed = [(13 * step + 7 * i + 5) % cfg.vocab_size for i in range(len(sequences))]
-        batch = build_decode([len(s) for s in sequences], table.to(TEST_DEVICE), BLOCK_SIZE, TEST_DEVICE)
-        logits = model(torch.tensor(fed, device=TEST_DEVICE), batch, kv_cache).cpu()
+        batch = build_decode([len(s) for s in sequences], run.table.to(TEST_DEVICE), BLOCK_SIZE, TEST_DEVICE)
+        logits = model(torch.tensor(fed, device=TEST_DEVICE), batch, run.kv_cache).cpu()
         for i, token in enumerate(fed):
             sequences[i].append(token)
             expected = reference(torch.tensor([sequences[i]])).logits[0, -1]

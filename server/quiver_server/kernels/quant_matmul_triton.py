@@ -65,6 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quiver_server.kernels.lora_triton import _sm_count
 from quiver_server.quant.weights import QuantizedWeight
 
 K_ALIGN = 128  # K padding: a multiple of every block (2 * TILE_K <= 128) and of each iteration
@@ -301,13 +302,6 @@ def _quant_matmul_kernel(
                 total += tl.load(part_ptr, cache_modifier=".cg")  # from L2: other SMs wrote it
             _store_tile(y_ptr, total, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
             tl.atomic_xchg(counter_ptr + tile, 0)
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU: any small number keeps tests quick
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @dataclass(frozen=True)
