@@ -22,6 +22,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
 from quiver_server.kernels import quant_gemm  # noqa: E402
+from quiver_server.kernels import quant_gemv_triton  # noqa: E402
+from quiver_server.kernels.quant_gemv_triton import GemvConfig  # noqa: E402
 from quiver_server.kernels.quant_matmul_triton import (  # noqa: E402
     LaunchConfig,
     TritonQuantWeight,
@@ -51,7 +53,7 @@ def dequantized(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None,
-          packed: TritonQuantWeight, config: LaunchConfig | None = None) -> None:
+          packed: TritonQuantWeight, config: LaunchConfig | GemvConfig | None = None) -> None:
     """The bound, for any evaluation order: every term of y (x_k q_k s_g, x_k o_g, the bias) meets
     at most two roundings of a product (x * q, unless exact, then the scale; or sum(x) times the
     offset; or the per-element w = q * s + o and x * w) and fewer than 2K additions, so
@@ -71,7 +73,10 @@ def check(got: torch.Tensor, x: torch.Tensor, weight: QuantizedWeight, bias: tor
     bound = gamma(2 * weight.in_features + 2, unit) * magnitude
     if x.dtype != torch.float32:
         u_out = UNIT_ROUNDOFF[x.dtype]
-        plan = launch_plan(x.shape[0], packed, x.dtype, DEVICE, config or LaunchConfig()) if x.shape[0] else None
+        dot_config = LaunchConfig() if config is None else config
+        plan = None
+        if x.shape[0] and isinstance(dot_config, LaunchConfig):
+            plan = launch_plan(x.shape[0], packed, x.dtype, DEVICE, dot_config)
         if plan is not None and plan.weights_in_x:
             bound = bound + 2 * u_out * magnitude
         bound = bound + 2 * u_out * (exact.abs() + bound) + torch.finfo(x.dtype).tiny * 2 * u_out
@@ -131,6 +136,45 @@ def test_split_k_sums_every_split_and_resets_its_counters(bits, offsets, group, 
     assert not packed.counters.any(), "the last split of each tile resets its counter"
     again = quant_linear(x.to(DEVICE), packed, bias.to(DEVICE), config)
     assert torch.equal(got, again), "partials are summed in split order whatever the arrival order"
+
+
+GEMV_CONFIGS = [
+    GemvConfig(),
+    GemvConfig(magic=False),
+    GemvConfig(split_k=3),  # K of 384 in blocks of 32 to 128 values: uneven splits
+    GemvConfig(block_n=32, block_r=8, num_warps=8, num_stages=3),
+]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["plan", "plain-convert", "split3", "narrow"])
+@pytest.mark.parametrize("group", [32, 128, 384])
+@pytest.mark.parametrize("bits,offsets", BITS_OFFSETS)
+def test_gemv_for_one_to_four_rows(bits, offsets, group, config) -> None:
+    """The multiply-add kernel (`quant_gemv_triton`): every row count it takes, each dtype, bias,
+    N past the last tile, K split into uneven parts (the counters reset), both conversions."""
+    inp, out = 384, 70
+    weight = random_weight(out, inp, bits, group, offsets, seed=group + bits)
+    packed = pack_for_triton(weight, DEVICE)
+    gen = torch.Generator().manual_seed(group)
+    for rows in range(1, quant_gemv_triton.MAX_ROWS + 1):
+        dtype = DTYPES[rows % len(DTYPES)]
+        x = torch.randn(rows, inp, generator=gen).to(dtype)
+        bias = torch.randn(out, generator=gen).to(dtype) if rows % 2 else None
+        got = quant_linear(x.to(DEVICE), packed, None if bias is None else bias.to(DEVICE), config)
+        check(got, x, weight, bias, packed, config)
+    assert not packed.counters.any(), "the last split of each tile resets its counter"
+
+
+def test_one_to_four_rows_take_the_gemv_where_it_has_the_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = quant_gemv_triton.quant_gemv
+    monkeypatch.setattr(quant_gemv_triton, "quant_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    per_block = pack_for_triton(random_weight(20, 128, 4, 32, True, seed=9), DEVICE)
+    per_half = pack_for_triton(random_weight(20, 128, 4, 16, True, seed=9), DEVICE)
+    for rows in (1, 4, 5):
+        quant_linear(torch.randn(rows, 128, device=DEVICE), per_block)
+        quant_linear(torch.randn(rows, 128, device=DEVICE), per_half)
+    assert calls == [1, 4]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

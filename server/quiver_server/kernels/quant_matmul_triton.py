@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -67,6 +68,9 @@ import triton.language as tl
 
 from quiver_server.kernels.lora_triton import _sm_count
 from quiver_server.quant.weights import QuantizedWeight
+
+if TYPE_CHECKING:
+    from quiver_server.kernels.quant_gemv_triton import GemvConfig
 
 K_ALIGN = 128  # K padding: a multiple of every block (2 * TILE_K <= 128) and of each iteration
 N_ALIGN = 128  # N padding: the widest BLOCK_N
@@ -201,6 +205,30 @@ def _store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS:
 
 
 @triton.jit
+def _finish_tile(acc, y_ptr, bias_ptr, partial_ptr, counter_ptr, tile, num_tiles, split, offs_m, offs_n, M, N,
+                 stride_ym, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SPLIT_K: tl.constexpr):
+    """Stores output tile `tile` of this split's float32 `acc`. Split-K: partial tiles
+    [split, tile, BLOCK_M, BLOCK_N] in the workspace; the last split to arrive sums them in split
+    order (the same sum whoever arrives last), stores y and resets the tile's counter."""
+    if SPLIT_K == 1:
+        _store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+    else:
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_size = BLOCK_M * BLOCK_N
+        tl.store(partial_ptr + (split * num_tiles + tile).to(tl.int64) * tile_size + local, acc)
+        tl.debug_barrier()  # every thread's partial is written before the (releasing) arrival
+        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part_ptr = partial_ptr + (s * num_tiles + tile).to(tl.int64) * tile_size + local
+                total += tl.load(part_ptr, cache_modifier=".cg")  # from L2: other SMs wrote it
+            _store_tile(y_ptr, total, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
+            tl.atomic_xchg(counter_ptr + tile, 0)
+
+
+@triton.jit
 def _quant_matmul_kernel(
     y_ptr, x_ptr, q_ptr, scales_ptr, offsets_ptr, bias_ptr, partial_ptr, counter_ptr,
     M, N, K, n_pad, group_size, num_groups, iters_per_split, num_iters,
@@ -285,23 +313,8 @@ def _quant_matmul_kernel(
         if HAS_OFFSETS:
             acc += xsum[:, None] * _group_vector(offsets_ptr, 0, num_groups, n_pad, offs_n)[None, :]
 
-    if SPLIT_K == 1:
-        _store_tile(y_ptr, acc, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
-    else:
-        # Split-K: partial tiles [split, tile, BLOCK_M, BLOCK_N]; the last split to arrive sums them.
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        tile_size = BLOCK_M * BLOCK_N
-        num_tiles = tiles_m * tiles_n
-        tl.store(partial_ptr + (split * num_tiles + tile).to(tl.int64) * tile_size + local, acc)
-        tl.debug_barrier()  # every thread's partial is written before the (releasing) arrival
-        arrived = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # in split order: the same sum whoever arrives last
-                part_ptr = partial_ptr + (s * num_tiles + tile).to(tl.int64) * tile_size + local
-                total += tl.load(part_ptr, cache_modifier=".cg")  # from L2: other SMs wrote it
-            _store_tile(y_ptr, total, bias_ptr, offs_m, offs_n, M, N, stride_ym, HAS_BIAS)
-            tl.atomic_xchg(counter_ptr + tile, 0)
+    _finish_tile(acc, y_ptr, bias_ptr, partial_ptr, counter_ptr, tile, tiles_m * tiles_n, split, offs_m, offs_n,
+                 M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 @dataclass(frozen=True)
@@ -379,10 +392,14 @@ def launch_plan(m: int, packed: TritonQuantWeight, dtype: torch.dtype, device: t
 
 
 def quant_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor | None = None,
-                 config: LaunchConfig = LaunchConfig()) -> torch.Tensor:
+                 config: LaunchConfig | GemvConfig | None = None) -> torch.Tensor:
     """x [..., K] @ dequant(W)^T + bias -> [..., N] in x's dtype, float32 accumulation. Exact
     products (the dequantized weight in float32) except on prefill tiles of 16-bit x, where each
-    weight is rounded to x's dtype once (`Plan.weights_in_x`), as a 16-bit model's weights are."""
+    weight is rounded to x's dtype once (`Plan.weights_in_x`), as a 16-bit model's weights are.
+    1 to 4 rows run the multiply-add kernel (`quant_gemv_triton`) where it takes the weight's
+    scales; a `LaunchConfig` pins the dot kernel, a `GemvConfig` the multiply-add one."""
+    from quiver_server.kernels import quant_gemv_triton  # it imports this module's pieces
+
     k, n = packed.in_features, packed.out_features
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
@@ -395,6 +412,12 @@ def quant_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor 
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*x.shape[:-1], n)
+    bias_arg = None if bias is None else bias.contiguous()
+    if isinstance(config, quant_gemv_triton.GemvConfig) or (
+            config is None and quant_gemv_triton.supports(packed, m)):
+        quant_gemv_triton.quant_gemv(rows, packed, bias_arg, y, config or quant_gemv_triton.GemvConfig())
+        return y.reshape(*x.shape[:-1], n)
+    config = config or LaunchConfig()
     n_pad = int(packed.q.shape[1])
     num_iters = _round_up(k, K_ALIGN) // ITER_K
     plan = launch_plan(m, packed, x.dtype, x.device, config)
@@ -403,7 +426,6 @@ def quant_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor 
     if plan.split_k > 1:
         partial = torch.empty(plan.split_k * grid[0] * plan.block_m * plan.block_n, dtype=torch.float32,
                               device=x.device)
-    bias_arg = None if bias is None else bias.contiguous()
     # The interpreter multiplies bfloat16 dot operands as raw bits: float32 operands there.
     upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
     precision = "ieee" if x.dtype == torch.float32 or upcast else "tf32"  # 16-bit dots ignore it
