@@ -12,9 +12,10 @@ costs only itself, and each writes its report file as it ends:
 
     env          env.json                          device, versions, commit, what was prepared
     kernels      kernels.json                      LoRA SGMV/BGMV and paged decode attention vs copy bandwidth
+    quant        quant.json                        quantized projections (int8, int4) vs the dense F.linear
     model        (work dir)                        random model + adapters, transformers/peft greedy reference
     stack        parity.json, serve.json, stack.log   served greedy vs the reference; load at each stream count
-    shard-tests  shard-tests.json, shard-tests.log    the shard tests on the device
+    shard-tests  shard-tests.json                  the shard tests on the device (counts, failures, log tail)
 
 summary.json is rewritten after every phase. The run stays inside `--budget-s` (each phase gets
 the smaller of its own limit and what is left); a phase that times out is stopped (SIGTERM, so the
@@ -52,9 +53,11 @@ from gpu_check_common import (  # noqa: E402
 
 # The report files each phase writes; the model phase writes none of its own (its result is
 # parity's input), so its failure is reported in the stack phase's files.
-PHASE_FILES = {"env": ("env.json",), "kernels": ("kernels.json",), "model": ("parity.json", "serve.json"),
+PHASE_FILES = {"env": ("env.json",), "kernels": ("kernels.json",), "quant": ("quant.json",),
+               "model": ("parity.json", "serve.json"),
                "stack": ("parity.json", "serve.json"), "shard-tests": ("shard-tests.json",)}
-PHASE_SCRIPTS = {"env": "gpu_check_env.py", "kernels": "gpu_check_kernels.py", "model": "gpu_check_model.py",
+PHASE_SCRIPTS = {"env": "gpu_check_env.py", "kernels": "gpu_check_kernels.py", "quant": "gpu_check_quant.py",
+                 "model": "gpu_check_model.py",
                  "stack": "gpu_check_stack.py", "shard-tests": "gpu_check_shard_tests.py"}
 # Bytes the model phase writes into the work directory (model + adapters), with room to spare:
 # tmpfs is used when it holds that much (no disk in the way of an 8B save and load).
@@ -70,7 +73,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--bundle", type=Path, help="make gpu-bundle's directory (default: none, this checkout's .venv)")
     p.add_argument("--shape", choices=sorted(PROFILES), default="llama3-8b")
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--budget-s", type=float, help="the whole run's seconds (default: 440 on cuda, 300 on cpu)")
+    p.add_argument("--budget-s", type=float, help="the whole run's seconds (default: 480 on cuda, 300 on cpu)")
     p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset, run in the fixed order")
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=SECONDS",
                    help="a phase's own limit (repeatable)")
@@ -208,10 +211,20 @@ def _read(report_dir: Path, name: str) -> dict[str, Any]:
         return {}
 
 
+def _quant_speedups(quant: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for row in quant.get("projections", []):
+        for fmt, result in row.get("formats", {}).items():
+            out.setdefault(fmt, {})[row["projection"]] = {
+                rows: timed["speedup_vs_dense"] for rows, timed in result.get("rows", {}).items()}
+    return out
+
+
 def headline(report_dir: Path) -> dict[str, Any]:
     """The numbers a reader wants first, taken from the phase files."""
     env, kernels = _read(report_dir, "env.json"), _read(report_dir, "kernels.json")
     parity, serve, tests = (_read(report_dir, n) for n in ("parity.json", "serve.json", "shard-tests.json"))
+    quant = _read(report_dir, "quant.json")
     device = env.get("device", {})
     attention = {
         f"b{row['sequences']} ctx{row['context']}": {name: r.get("share_of_copy_bandwidth", r.get("error"))
@@ -227,6 +240,8 @@ def headline(report_dir: Path) -> dict[str, Any]:
         "copy_bandwidth_gbs": kernels.get("copy_bandwidth_gbs"),
         "paged_decode_attention_share": attention,
         "lora_triton_share": lora,
+        # per format: projection -> {rows: the quantized product's speed-up over the dense one}
+        "quant_speedup_vs_dense": _quant_speedups(quant),
         "parity": {k: parity.get(k) for k in ("status", "exact", "near_tie", "diverged")},
         "serve": [{k: row.get(k) for k in ("scenario", "streams", "throughput_tok_s")}
                   | {"ttft_p50_s": row.get("ttft_s", {}).get("p50"),
@@ -250,7 +265,7 @@ def main() -> int:
             raise SystemExit(f"--timeout {item}: unknown phase {phase!r}")
         timeouts[phase] = float(seconds)
     profile = dataclasses.replace(profile, timeouts=timeouts)
-    budget = args.budget_s or (440.0 if args.device == "cuda" else 300.0)
+    budget = args.budget_s or (480.0 if args.device == "cuda" else 300.0)
     selected = [p for p in args.phases.split(",") if p]
     unknown = set(selected) - set(PHASES)
     if unknown:

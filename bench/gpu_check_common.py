@@ -21,7 +21,7 @@ REPO_ROOT = BENCH_DIR.parent
 SERVED_NAME = "gpu-check"
 
 # Every file a run writes into the report directory (the device machine returns at most 8).
-REPORT_FILES = ("env.json", "kernels.json", "parity.json", "serve.json", "shard-tests.json", "shard-tests.log",
+REPORT_FILES = ("env.json", "kernels.json", "quant.json", "parity.json", "serve.json", "shard-tests.json",
                 "stack.log", "summary.json")
 
 
@@ -78,7 +78,7 @@ PROFILES = {
         max_tokens=128,
         requests_per_client=1,
         max_total_tokens=512,
-        timeouts={"env": 60, "kernels": 75, "model": 150, "stack": 240, "shard-tests": 180},
+        timeouts={"env": 60, "kernels": 75, "quant": 100, "model": 150, "stack": 240, "shard-tests": 180},
         shard_tests=GPU_SHARD_TESTS,
         attention_cases=((32, 1024), (32, 4096), (128, 1024), (8, 16384)),
         lora_cases="llama3-8b",
@@ -95,7 +95,7 @@ PROFILES = {
         max_tokens=8,
         requests_per_client=1,
         max_total_tokens=64,
-        timeouts={"env": 60, "kernels": 90, "model": 90, "stack": 120, "shard-tests": 90},
+        timeouts={"env": 60, "kernels": 90, "quant": 90, "model": 90, "stack": 120, "shard-tests": 90},
         # Fast and device-honouring: the CI smoke run proves the phase's plumbing, not the suite.
         shard_tests=("server/tests/test_engine_device.py", "server/tests/test_model_parity.py", "-k",
                      "engine_device or (llama and not 16)"),
@@ -104,7 +104,9 @@ PROFILES = {
         stack_start_s=90,
     ),
 }
-PHASES = ("env", "kernels", "model", "stack", "shard-tests")
+# The stack first: the whole server on the device is what a run must not miss; the kernel figures
+# and the shard tests after it, the shard tests last with what the budget leaves.
+PHASES = ("env", "model", "stack", "kernels", "quant", "shard-tests")
 
 
 @dataclass

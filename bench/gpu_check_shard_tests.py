@@ -1,9 +1,10 @@
-"""`make gpu-check` phase `shard-tests` -> shard-tests.json, shard-tests.log: the shard tests on the
+"""`make gpu-check` phase `shard-tests` -> shard-tests.json: the shard tests on the
 check's device (`QUIVER_TEST_DEVICE`, server/tests/device.py), the C++ CPU-kernel tests deselected
 (nothing builds them on a GPU machine). On CUDA the default files are the ones that honour the
 switch plus the Triton kernels' tests, and any test file of a newer kernel (the globs of
 `SHARD_TEST_GLOBS`). When the phase's time runs out pytest gets SIGINT, so it still writes its
-JUnit XML of the tests that ran, which the counts come from."""
+JUnit XML of the tests that ran, which the counts come from. The end of pytest's output goes into
+the same file (`log`): the device tool returns at most 8 report files."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from gpu_check_common import REPO_ROOT, SHARD_TEST_GLOBS, log, phase_options, wr
 
 # Of the phase's time, kept for pytest's exit after SIGINT and for writing the report.
 MARGIN_S = 20.0
-LOG_LINES = 400
+LOG_LINES = 150
 
 
 def test_args(listed: tuple[str, ...], device: str) -> list[str]:
@@ -86,9 +87,9 @@ def main() -> None:
                 proc.kill()
                 code = proc.wait()
     lines = output.read_text(errors="replace").splitlines()
-    write_report(options, "shard-tests.log", "\n".join([" ".join(command), *lines[-LOG_LINES:]]) + "\n")
     report: dict[str, Any] = {"device": options.device, "args": args, "exit_code": code, "interrupted": interrupted,
-                              "wall_s": round(time.perf_counter() - started, 1)}
+                              "wall_s": round(time.perf_counter() - started, 1),
+                              "log": [" ".join(command), *lines[-LOG_LINES:]]}
     if junit.exists():
         report |= junit_counts(junit)
     else:  # interrupted before pytest wrote anything (still collecting): no test ran

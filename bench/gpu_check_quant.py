@@ -1,0 +1,232 @@
+"""`make gpu-check` phase `quant` -> quant.json: the Triton quantized projections
+(`kernels/quant_matmul_triton.py`, `kernels/quant_gemv_triton.py`) on the check model's projection
+shapes, against the dense product (`F.linear`) of the same shape in the activation dtype
+(bfloat16 on the device, the tiny shape's float32 on CPU).
+
+Per projection (q/k/v fused, o, gate/up fused, down) and weight format (`--quantize int8`, per
+output channel; `--quantize int4` in groups of 128, AWQ/GPTQ's group; 4 bits in groups of 32,
+GGUF's Q4_0/Q4_1 group), from a random weight quantized as the shard quantizes at load:
+
+- the error against float64 math on the dequantized weight, at 1, 4 and 32 rows;
+- the time per product at each row count (decode 1 to 32 rows, prefill chunks), as a CUDA graph of
+  many launches over rotating copies of the weight (past the L2 cache together, so each launch
+  reads its weight from DRAM, as a model's layers do), and what that is in GB/s of the weight's
+  bytes and as a share of the device's copy bandwidth; 1 to 4 rows also on the dot kernel, the
+  path they took before the multiply-add kernel;
+- a sweep of the multiply-add kernel's launch choices at 1 and 4 rows on two shapes, so the
+  plan's defaults can be checked against the best the sweep finds.
+
+On CPU (the smoke run) the same runs at the tiny shape under Triton's interpreter, eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import lora_kernels
+from gpu_check_common import log, phase_options, write_report
+from gpu_check_model import check_shape
+
+from quiver_server.kernels.quant_gemv_triton import GemvConfig, gemv_plan
+from quiver_server.kernels.quant_matmul_triton import LaunchConfig, TritonQuantWeight, pack_for_triton, quant_linear
+from quiver_server.quant.quantize import quantize_int4, quantize_int8
+from quiver_server.quant.weights import QuantizedWeight
+
+FORMATS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {
+    "int8": quantize_int8,
+    "int4-g128": lambda w: quantize_int4(w, 128),
+    "int4-g32": lambda w: quantize_int4(w, 32),
+}
+ROWS = {"full": (1, 2, 4, 8, 16, 32, 128, 1024), "quick": (1, 4, 8)}
+ERROR_ROWS = (1, 4, 32)
+SWEEP = [
+    GemvConfig(),
+    GemvConfig(magic=False),
+    GemvConfig(block_r=32),
+    GemvConfig(block_r=8),
+    GemvConfig(block_n=64),
+    GemvConfig(num_warps=8, block_r=32),
+    GemvConfig(num_stages=3),
+    GemvConfig(num_stages=1),
+]
+ROTATION_BYTES = 256 << 20  # copies of a weight together exceed the 50 MB L2 several times over
+
+
+def projections(shape_name: str) -> list[tuple[str, int, int]]:
+    """(name, in features, out features) of the model's fused projections."""
+    shape = check_shape(shape_name)
+    h, i = shape.hidden_size, shape.intermediate_size
+    kv = h * shape.num_key_value_heads // shape.num_attention_heads
+    return [("qkv", h, h + 2 * kv), ("o", h, h), ("gate_up", h, 2 * i), ("down", i, h)]
+
+
+def _copy_count(nbytes: int, device: str) -> int:
+    """Copies of a weight to rotate through: past the L2 cache together on the device; one under
+    the CPU interpreter, where only the plumbing is measured."""
+    return min(16, max(1, ROTATION_BYTES // nbytes)) if device == "cuda" else 1
+
+
+def _copies(packed: TritonQuantWeight, count: int) -> list[TritonQuantWeight]:
+    """`count` independent copies (their own bytes and split-K counters)."""
+    out = [packed]
+    for _ in range(count - 1):
+        out.append(dataclasses.replace(
+            packed, q=packed.q.clone(), scales=packed.scales.clone(),
+            offsets=None if packed.offsets is None else packed.offsets.clone(), counters=packed.counters.clone()))
+    return out
+
+
+def packed_bytes(packed: TritonQuantWeight) -> int:
+    return sum(t.nbytes for t in (packed.q, packed.scales, packed.offsets) if t is not None)
+
+
+def time_rotating(calls: list[Callable[[], Any]], device: str, repeats: int) -> float:
+    """Median seconds per call over `calls` in turn: a CUDA graph of 10 rounds on the device (the
+    launches' host cost is not what is measured), plain calls on the CPU."""
+    if device != "cuda":
+        started = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - started) / len(calls)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:  # compiles, plans and caches before the capture
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    rounds = 10
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(rounds):
+            for call in calls:
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(begin.elapsed_time(end) / 1e3 / (rounds * len(calls)))
+    return statistics.median(samples)
+
+
+def _rate(seconds: float, weight_bytes: int, bandwidth_gbs: float) -> dict[str, float]:
+    gbs = weight_bytes / seconds / 1e9
+    return {"us": round(seconds * 1e6, 2), "weight_gbs": round(gbs, 1),
+            "share_of_copy_bandwidth": round(gbs / bandwidth_gbs, 3)}
+
+
+def relative_error(weight: QuantizedWeight, packed: TritonQuantWeight, x: torch.Tensor,
+                   config: LaunchConfig | GemvConfig | None = None) -> float:
+    w = weight.q.double() * weight.scales.double().repeat_interleave(weight.group_size, dim=1)
+    if weight.offsets is not None:
+        w += weight.offsets.double().repeat_interleave(weight.group_size, dim=1)
+    want = x.double() @ w.T
+    got = quant_linear(x, packed, None, config).double()
+    return ((got - want).norm() / want.norm().clamp(min=1e-30)).item()
+
+
+def projection_case(name: str, k: int, n: int, rows: tuple[int, ...], device: str, dtype: torch.dtype,
+                    bandwidth_gbs: float, repeats: int) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(k * 31 + n)
+    dense = torch.randn(n, k, generator=gen, device=device, dtype=torch.float32) * 0.02
+    base = dense.to(dtype)
+    dense_bytes = base.nbytes
+    bases = [base] + [base.clone() for _ in range(_copy_count(dense_bytes, device) - 1)]
+    row: dict[str, Any] = {"projection": name, "in": k, "out": n, "dense_bytes": dense_bytes, "formats": {}}
+    xs = {m: torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype) for m in rows}
+    row["dense"] = {str(m): _rate(time_rotating([lambda w=w, x=xs[m]: F.linear(x, w) for w in bases], device, repeats),
+                                 dense_bytes, bandwidth_gbs) for m in rows}
+    del bases
+    for fmt, quantize in FORMATS.items():
+        weight = quantize(base)
+        packed = pack_for_triton(weight, device)
+        weight_bytes = packed_bytes(packed)
+        copies = _copies(packed, _copy_count(weight_bytes, device))
+        errors = {}
+        for m in ERROR_ROWS:
+            x = torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype)
+            errors[str(m)] = round(relative_error(weight, packed, x), 8)
+        result: dict[str, Any] = {"bytes": weight_bytes, "bytes_vs_dense": round(weight_bytes / dense_bytes, 3),
+                                  "rel_error_vs_float64": errors, "rows": {}}
+        for m in rows:
+            x = xs[m]
+            default = [lambda p=p, x=x: quant_linear(x, p) for p in copies]
+            timed = {"default": _rate(time_rotating(default, device, repeats), weight_bytes, bandwidth_gbs)}
+            if m <= 4:
+                dot = [lambda p=p, x=x: quant_linear(x, p, None, LaunchConfig()) for p in copies]
+                timed["dot_kernel"] = _rate(time_rotating(dot, device, repeats), weight_bytes, bandwidth_gbs)
+                timed["gemv_plan"] = dataclasses.asdict(gemv_plan(m, packed, torch.device(device)))
+            timed["speedup_vs_dense"] = float(f"{row['dense'][str(m)]['us'] / timed['default']['us']:.4g}")
+            result["rows"][str(m)] = timed
+        row["formats"][fmt] = result
+        log(f"quant {name} {fmt}: " + ", ".join(f"{m} rows {r['default']['us']} us ({r['speedup_vs_dense']}x dense)"
+                                                for m, r in result["rows"].items()))
+        del copies, packed
+    return row
+
+
+def sweep_case(name: str, k: int, n: int, fmt: str, rows: int, configs: list[GemvConfig], device: str,
+               dtype: torch.dtype, bandwidth_gbs: float, repeats: int) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(k + n + rows)
+    weight = FORMATS[fmt]((torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype))
+    packed = pack_for_triton(weight, device)
+    weight_bytes = packed_bytes(packed)
+    copies = _copies(packed, _copy_count(weight_bytes, device))
+    x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+    results = []
+    for config in configs:
+        entry: dict[str, Any] = {"config": {f: v for f, v in dataclasses.asdict(config).items() if v is not None}}
+        try:
+            calls = [lambda p=p, c=config: quant_linear(x, p, None, c) for p in copies]
+            entry |= _rate(time_rotating(calls, device, repeats), weight_bytes, bandwidth_gbs)
+        except Exception as exc:  # noqa: BLE001 - a launch choice that does not compile is reported
+            entry["error"] = repr(exc)[:300]
+        results.append(entry)
+    timed = [r for r in results if "us" in r]
+    best = min(timed, key=lambda r: r["us"]) if timed else None
+    plan = results[0]  # SWEEP[0]: the plan's own choices
+    return {"projection": name, "format": fmt, "rows": rows, "results": results, "best": best,
+            "plan_within_5pct_of_best": bool(best and "us" in plan and plan["us"] <= 1.05 * best["us"])}
+
+
+def main() -> None:
+    options = phase_options()
+    device = options.device
+    shape = check_shape(options.profile.shape)
+    dtype = torch.bfloat16 if device == "cuda" else getattr(torch, shape.dtype)
+    quick = options.profile.lora_cases == "quick"
+    repeats = 1 if quick else 5
+    rows = ROWS["quick" if quick else "full"]
+    bandwidth = lora_kernels.peak_bandwidth_gbs(device)
+    report: dict[str, Any] = {"status": "partial", "dtype": str(dtype).removeprefix("torch."),
+                              "device": torch.cuda.get_device_name(0) if device == "cuda" else device,
+                              "copy_bandwidth_gbs": round(bandwidth, 1), "projections": [], "gemv_sweep": []}
+    shapes = projections(options.profile.shape)
+    for name, k, n in shapes:
+        report["projections"].append(projection_case(name, k, n, rows, device, dtype, bandwidth, repeats))
+        write_report(options, "quant.json", report)
+    configs = SWEEP[:2] if quick else SWEEP
+    for name, k, n in [shapes[1], shapes[3]]:  # o (square) and down (long K)
+        for fmt in ("int8", "int4-g128"):
+            for m in (1, 4):
+                case = sweep_case(name, k, n, fmt, m, configs, device, dtype, bandwidth, repeats)
+                report["gemv_sweep"].append(case)
+                log(f"sweep {name} {fmt} {m} rows: best {case['best']}")
+                write_report(options, "quant.json", report)
+    report["status"] = "ok"
+    write_report(options, "quant.json", report)
+
+
+if __name__ == "__main__":
+    main()
