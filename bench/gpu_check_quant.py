@@ -46,16 +46,28 @@ FORMATS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {
 }
 ROWS = {"full": (1, 2, 4, 8, 16, 32, 128, 1024), "quick": (1, 4, 8)}
 ERROR_ROWS = (1, 4, 32)
-SWEEP = [
-    GemvConfig(),
-    GemvConfig(magic=False),
-    GemvConfig(block_r=32),
-    GemvConfig(block_r=8),
-    GemvConfig(block_n=64),
-    GemvConfig(num_warps=8, block_r=32),
-    GemvConfig(num_stages=3),
-    GemvConfig(num_stages=1),
-]
+
+
+def sweep_configs(plan_split: int, quick: bool) -> list[GemvConfig]:
+    """The multiply-add kernel's launch choices tried against its plan (the first entry)."""
+    if quick:
+        return [GemvConfig(), GemvConfig(magic=False)]
+    after = GemvConfig(scale_after=True)
+    return [
+        GemvConfig(),
+        after,
+        dataclasses.replace(after, split_k=2 * plan_split),
+        dataclasses.replace(after, split_k=max(1, plan_split // 2)),
+        dataclasses.replace(after, block_r=32),
+        dataclasses.replace(after, block_n=64),
+        dataclasses.replace(after, block_n=64, split_k=2 * plan_split),
+        dataclasses.replace(after, num_warps=8, block_r=32),
+        dataclasses.replace(after, num_stages=3),
+        dataclasses.replace(after, num_stages=4, block_r=32),
+        dataclasses.replace(after, magic=False),
+    ]
+
+
 ROTATION_BYTES = 256 << 20  # copies of a weight together exceed the 50 MB L2 several times over
 
 
@@ -176,18 +188,20 @@ def projection_case(name: str, k: int, n: int, rows: tuple[int, ...], device: st
     return row
 
 
-def sweep_case(name: str, k: int, n: int, fmt: str, rows: int, configs: list[GemvConfig], device: str,
-               dtype: torch.dtype, bandwidth_gbs: float, repeats: int) -> dict[str, Any]:
+def sweep_case(name: str, k: int, n: int, fmt: str, rows: int, device: str, dtype: torch.dtype,
+               bandwidth_gbs: float, repeats: int, quick: bool) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(k + n + rows)
     weight = FORMATS[fmt]((torch.randn(n, k, generator=gen, device=device) * 0.02).to(dtype))
     packed = pack_for_triton(weight, device)
     weight_bytes = packed_bytes(packed)
     copies = _copies(packed, _copy_count(weight_bytes, device))
     x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
+    plan = gemv_plan(rows, packed, torch.device(device))
     results = []
-    for config in configs:
+    for config in sweep_configs(plan.split_k, quick):
         entry: dict[str, Any] = {"config": {f: v for f, v in dataclasses.asdict(config).items() if v is not None}}
         try:
+            entry["rel_error_vs_float64"] = round(relative_error(weight, packed, x, config), 8)
             calls = [lambda p=p, c=config: quant_linear(x, p, None, c) for p in copies]
             entry |= _rate(time_rotating(calls, device, repeats), weight_bytes, bandwidth_gbs)
         except Exception as exc:  # noqa: BLE001 - a launch choice that does not compile is reported
@@ -195,9 +209,9 @@ def sweep_case(name: str, k: int, n: int, fmt: str, rows: int, configs: list[Gem
         results.append(entry)
     timed = [r for r in results if "us" in r]
     best = min(timed, key=lambda r: r["us"]) if timed else None
-    plan = results[0]  # SWEEP[0]: the plan's own choices
-    return {"projection": name, "format": fmt, "rows": rows, "results": results, "best": best,
-            "plan_within_5pct_of_best": bool(best and "us" in plan and plan["us"] <= 1.05 * best["us"])}
+    first = results[0]  # the plan's own choices
+    return {"projection": name, "format": fmt, "rows": rows, "plan": dataclasses.asdict(plan), "results": results,
+            "best": best, "plan_within_5pct_of_best": bool(best and "us" in first and first["us"] <= 1.05 * best["us"])}
 
 
 def main() -> None:
@@ -216,11 +230,10 @@ def main() -> None:
     for name, k, n in shapes:
         report["projections"].append(projection_case(name, k, n, rows, device, dtype, bandwidth, repeats))
         write_report(options, "quant.json", report)
-    configs = SWEEP[:2] if quick else SWEEP
     for name, k, n in [shapes[1], shapes[3]]:  # o (square) and down (long K)
         for fmt in ("int8", "int4-g128"):
             for m in (1, 4):
-                case = sweep_case(name, k, n, fmt, m, configs, device, dtype, bandwidth, repeats)
+                case = sweep_case(name, k, n, fmt, m, device, dtype, bandwidth, repeats, quick)
                 report["gemv_sweep"].append(case)
                 log(f"sweep {name} {fmt} {m} rows: best {case['best']}")
                 write_report(options, "quant.json", report)

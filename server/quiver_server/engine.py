@@ -55,6 +55,7 @@ from quiver_server.grammar import Grammars
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
 from quiver_server.grammar.grammars import validate_grammar
 from quiver_server.kernels.ops import select_ops
+from quiver_server.layers.grouped_linear import host_sync_free
 from quiver_server.sampling import SamplingBatch
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import family_for, load_model
@@ -161,6 +162,10 @@ class Engine:
         )
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
+        if self.use_cuda_graphs and not host_sync_free(self.model, self.device, self.dtype):
+            log.info("CUDA graphs off: the %s experts have no grouped kernel on this device in %s (a per-expert "
+                     "loop reads the group sizes on the host)", config["model_type"], self.dtype)
+            self.use_cuda_graphs = False
         self.graphs: DecodeGraphs | None = None
         self.overlap_steps = self.device.type == "cuda" if overlap_steps is None else overlap_steps
         self._ahead: _StepAhead | None = None  # the next decode step's forward, launched early
@@ -209,7 +214,11 @@ class Engine:
         log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, BLOCK_SIZE,
                  num_blocks * self.kv_spec.bytes_per_block() / 2**30)
         if self.use_cuda_graphs:
-            self._capture_decode_graphs(num_blocks, max_batch_size, max_total_tokens)
+            try:
+                self._capture_decode_graphs(num_blocks, max_batch_size, max_total_tokens)
+            except BaseException:
+                self.kv_cache = self.graphs = None  # a failed warmup holds no device memory
+                raise
         return BLOCK_SIZE, num_blocks
 
     def _capture_decode_graphs(self, scratch_block: int, max_batch_size: int, max_total_tokens: int) -> None:

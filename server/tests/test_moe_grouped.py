@@ -9,10 +9,12 @@ import pytest
 import torch
 import transformers
 from device import TEST_DEVICE
+from tiny_models import build_tiny_model
 
+from quiver_server.engine import Engine
 from quiver_server.kernels.ops import select_ops
 from quiver_server.models.mixture import MixtralForCausalLM, Qwen3MoeForCausalLM
-from quiver_server.layers.grouped_linear import grouped_linear
+from quiver_server.layers.grouped_linear import grouped_linear, has_grouped_mm, host_sync_free
 from quiver_server.models.moe import SparseMoe
 
 DTYPES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -61,3 +63,23 @@ def test_sparse_moe_block_equals_transformers(arch: str) -> None:
     expected = expected[0] if isinstance(expected, tuple) else expected
     got = ours(x[0].to(TEST_DEVICE), SimpleNamespace(lora=None)).cpu()  # type: ignore[arg-type]
     torch.testing.assert_close(got, expected[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_graphs_only_where_the_experts_never_read_the_device(dtype: str, tmp_path) -> None:
+    """The per-expert fallback reads the group sizes on the host, which a CUDA graph capture
+    refuses: an engine captures decode graphs for a sparse model only where the grouped kernel
+    runs (on CUDA, 16-bit), and its warmup succeeds either way."""
+    model_dir = build_tiny_model(tmp_path / "moe", "qwen3_moe", seed=3)
+    engine = Engine(str(model_dir), "moe", dtype=dtype, device=str(TEST_DEVICE), cpu_kv_cache_gib=0.01,
+                    gpu_memory_fraction=0.2)
+    try:
+        grouped = has_grouped_mm(engine.device, engine.dtype)
+        assert host_sync_free(engine.model, engine.device, engine.dtype) == grouped
+        assert engine.use_cuda_graphs == (TEST_DEVICE.type == "cuda" and grouped)
+        engine.warmup(64, 64, 4)
+        assert (engine.graphs is not None) == engine.use_cuda_graphs
+    finally:
+        engine.kv_cache = engine.graphs = None
+        if TEST_DEVICE.type == "cuda":
+            torch.cuda.empty_cache()

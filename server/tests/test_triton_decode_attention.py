@@ -222,10 +222,10 @@ def test_strided_inputs_int32_metadata_and_a_given_workspace() -> None:
     # q as the query part of a fused qkv projection (rows strided), caches as halves of one KV
     # tensor, int32 tables and lengths, and a workspace reused from the caller.
     case = Case([9, 50, 130], 8, 2, 64, 16, torch.bfloat16, seed=7)
-    qkv = torch.randn(3, 8 + 4, 64).to(torch.bfloat16)
-    qkv[:, :8] = case.q
-    kv = torch.stack([case.k, case.v], dim=1)  # [blocks, 2, block_size, kv_heads, d]
-    q, k, v = (t.to(DEVICE) for t in (qkv[:, :8], kv[:, 0], kv[:, 1]))
+    qkv = torch.randn(3, 8 + 4, 64).to(torch.bfloat16).to(DEVICE)
+    qkv[:, :8] = case.q.to(DEVICE)
+    kv = torch.stack([case.k, case.v], dim=1).to(DEVICE)  # [blocks, 2, block_size, kv_heads, d]
+    q, k, v = qkv[:, :8], kv[:, 0], kv[:, 1]  # views on the device: a copy there would be contiguous
     assert not q.is_contiguous() and not k.is_contiguous()
     table, lens = case.table.to(DEVICE, torch.int32), case.seq_lens.to(DEVICE, torch.int32)
     workspace = torch.full((workspace_numel(3, 8, 64, 3) + 10,), float("nan"), device=DEVICE)

@@ -1,4 +1,5 @@
-"""The Triton ops as a whole model runs them (here in Triton's CPU interpreter): paged prefill
+"""The Triton ops as a whole model runs them (compiled on a GPU when there is one, else in Triton's
+CPU interpreter): paged prefill
 and decode attention, fresh and cached prompts, windows and soft-caps, the row ops (RMSNorm,
 rotary with the KV write, partial rotary, the gated activation), against transformers on the
 same weights, as the model parity tests hold the CPU and torch ops."""
@@ -20,7 +21,7 @@ from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import load_model
 from quiver_server.weights import load_config
 
-CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ATOL = 1e-4
 CASES = {
     "llama": ("llama", {}),
@@ -41,36 +42,36 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 def test_prefill_cached_prefill_and_decode_equal_transformers(case: Path) -> None:
     reference = transformers.AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32,
                                                                   attn_implementation="eager").eval()
-    model = load_model(case, load_config(case), torch.float32, CPU, TritonKernelOps(CPU, "torch", None))
+    model = load_model(case, load_config(case), torch.float32, DEVICE, TritonKernelOps(DEVICE, "torch", None))
     cfg = model.config
     spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (5, 21, 34)]
     blocks_each = spec.blocks_for_tokens(max(map(len, prompts)) + 2)
-    cache = PagedKVCache(spec, blocks_each * len(prompts), CPU)
-    table = torch.randperm(blocks_each * len(prompts), generator=torch.Generator().manual_seed(1))
+    cache = PagedKVCache(spec, blocks_each * len(prompts), DEVICE)
+    table = torch.randperm(blocks_each * len(prompts), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     table = table.view(len(prompts), blocks_each)
 
     # The first two prompts whole, the third's first 20 tokens as a chunk (no logits wanted).
     first = [prompts[0], prompts[1], prompts[2][:20]]
     lens = [len(p) for p in first]
-    batch = build_prefill(lens, table, BLOCK_SIZE, CPU, sampled=[True, True, False])
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(lens[0] + lens[1]))
-    logits = model(torch.tensor([t for p in first for t in p]), batch, cache).split(lens[:2])
+    batch = build_prefill(lens, table, BLOCK_SIZE, DEVICE, sampled=[True, True, False])
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(lens[0] + lens[1], device=DEVICE))
+    logits = model(torch.tensor([t for p in first for t in p], device=DEVICE), batch, cache).cpu().split(lens[:2])
     for prompt, ours in zip(prompts[:2], logits, strict=True):
         torch.testing.assert_close(ours, reference(torch.tensor([prompt])).logits[0], atol=ATOL, rtol=0)
     # The rest of the third prompt over its cached first 20 tokens.
     rest = prompts[2][20:]
-    batch = build_prefill([len(rest)], table[2:], BLOCK_SIZE, CPU, context_lens=[20])
-    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(rest)))
-    ours = model(torch.tensor(rest), batch, cache)
+    batch = build_prefill([len(rest)], table[2:], BLOCK_SIZE, DEVICE, context_lens=[20])
+    batch = dataclasses.replace(batch, logits_indices=torch.arange(len(rest), device=DEVICE))
+    ours = model(torch.tensor(rest, device=DEVICE), batch, cache).cpu()
     torch.testing.assert_close(ours, reference(torch.tensor([prompts[2]])).logits[0, 20:], atol=ATOL, rtol=0)
 
     sequences = [list(p) for p in prompts]
     for step in range(2):
         fed = [(5 * step + 7 * i + 3) % cfg.vocab_size for i in range(len(sequences))]
-        batch = build_decode([len(s) for s in sequences], table, BLOCK_SIZE, CPU)
-        logits = model(torch.tensor(fed), batch, cache)
+        batch = build_decode([len(s) for s in sequences], table, BLOCK_SIZE, DEVICE)
+        logits = model(torch.tensor(fed, device=DEVICE), batch, cache).cpu()
         for i, token in enumerate(fed):
             sequences[i].append(token)
             expected = reference(torch.tensor([sequences[i]])).logits[0, -1]

@@ -143,10 +143,11 @@ GEMV_CONFIGS = [
     GemvConfig(magic=False),
     GemvConfig(split_k=3),  # K of 384 in blocks of 32 to 128 values: uneven splits
     GemvConfig(block_n=32, block_r=8, num_warps=8, num_stages=3),
+    GemvConfig(scale_after=True, split_k=2),  # block scales on the block's sums
 ]
 
 
-@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["plan", "plain-convert", "split3", "narrow"])
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=["plan", "plain-convert", "split3", "narrow", "scale-after"])
 @pytest.mark.parametrize("group", [32, 128, 384])
 @pytest.mark.parametrize("bits,offsets", BITS_OFFSETS)
 def test_gemv_for_one_to_four_rows(bits, offsets, group, config) -> None:

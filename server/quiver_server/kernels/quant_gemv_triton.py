@@ -72,6 +72,15 @@ def _row_terms(acc, xsum, x_ptr, row, M, K, k_lo, k_hi, stride_xm, stride_xk, w_
 
 
 @triton.jit
+def _scaled_block(acc, blk, bxs, scale, offset, HAS_OFFSETS: tl.constexpr):
+    """acc + a block's sums x * q times its scales, plus its sums of x times its offsets."""
+    acc += blk * scale[None, :]
+    if HAS_OFFSETS:
+        acc += bxs[:, None] * offset[None, :]
+    return acc
+
+
+@triton.jit
 def _row_out(out, acc, xsum, row, offs_m, scale, offset, PER_CHANNEL_SCALE: tl.constexpr, XSUM: tl.constexpr):
     """out [BLOCK_M, BLOCK_N] with row `row` set to acc summed over K, times the per-channel
     scale, plus sum(x) * the per-channel offset, where the weight has them."""
@@ -90,7 +99,7 @@ def _quant_gemv_kernel(
     stride_xm, stride_xk, stride_ym,
     BITS: tl.constexpr, TILE_K: tl.constexpr, SCALES: tl.constexpr, HAS_OFFSETS: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_K: tl.constexpr, MAGIC: tl.constexpr,
+    SPLIT_K: tl.constexpr, MAGIC: tl.constexpr, SCALE_AFTER: tl.constexpr,
 ):
     # One [BLOCK_R, BLOCK_N] accumulator per row (up to 4, unrolled by BLOCK_M): the weight tile
     # is loaded, converted and multiplied in one register layout, with no shared-memory shuffle
@@ -111,12 +120,28 @@ def _quant_gemv_kernel(
     xsum3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, num_blocks)
+    # Block scales on each weight (w = q * s + o, then x * w) or, SCALE_AFTER, on the block's
+    # sums (x * q summed over the block, times s, plus sum(x) * o): one multiply-add per weight
+    # instead of three.
+    PER_WEIGHT: tl.constexpr = SCALES == 1 and not SCALE_AFTER
+    PER_SUM: tl.constexpr = SCALES == 1 and SCALE_AFTER
     for block in range(first, last):
         k = block * (2 * TILE_K)  # a block: TILE_K low values and TILE_K high ones (the layout)
         if SCALES == 1:  # PER_BLOCK: one group holds the whole block
             scale = _group_vector(scales_ptr, k // group_size, num_groups, n_pad, offs_n)
             if HAS_OFFSETS:
                 offset = _group_vector(offsets_ptr, k // group_size, num_groups, n_pad, offs_n)
+            else:
+                offset = scale  # never read: no offsets
+        if PER_SUM:
+            blk0 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            blk1 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            blk2 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            blk3 = tl.zeros((BLOCK_R, BLOCK_N), dtype=tl.float32)
+            bxs0 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            bxs1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            bxs2 = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            bxs3 = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for r in tl.static_range(0, TILE_K, BLOCK_R):
             k_lo = k + r + offs_r
             k_hi = k_lo + TILE_K
@@ -127,21 +152,41 @@ def _quant_gemv_kernel(
             else:
                 w_lo = _weights_as_float(tl.load(q_cols + (k + r).to(tl.int64) * n_pad), BITS, MAGIC)
                 w_hi = _weights_as_float(tl.load(q_cols + (k + TILE_K + r).to(tl.int64) * n_pad), BITS, MAGIC)
-            if SCALES == 1:
+            if PER_WEIGHT:
                 w_lo = w_lo * scale[None, :]
                 w_hi = w_hi * scale[None, :]
                 if HAS_OFFSETS:
                     w_lo += offset[None, :]
                     w_hi += offset[None, :]
-            acc0, xsum0 = _row_terms(acc0, xsum0, x_ptr, 0, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi, XSUM)
+            if PER_SUM:
+                blk0, bxs0 = _row_terms(blk0, bxs0, x_ptr, 0, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
+                                        HAS_OFFSETS)
+                if BLOCK_M > 1:
+                    blk1, bxs1 = _row_terms(blk1, bxs1, x_ptr, 1, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
+                                            HAS_OFFSETS)
+                if BLOCK_M > 2:
+                    blk2, bxs2 = _row_terms(blk2, bxs2, x_ptr, 2, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
+                                            HAS_OFFSETS)
+                    blk3, bxs3 = _row_terms(blk3, bxs3, x_ptr, 3, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
+                                            HAS_OFFSETS)
+            else:
+                acc0, xsum0 = _row_terms(acc0, xsum0, x_ptr, 0, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
+                                         XSUM)
+                if BLOCK_M > 1:
+                    acc1, xsum1 = _row_terms(acc1, xsum1, x_ptr, 1, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo,
+                                             w_hi, XSUM)
+                if BLOCK_M > 2:
+                    acc2, xsum2 = _row_terms(acc2, xsum2, x_ptr, 2, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo,
+                                             w_hi, XSUM)
+                    acc3, xsum3 = _row_terms(acc3, xsum3, x_ptr, 3, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo,
+                                             w_hi, XSUM)
+        if PER_SUM:
+            acc0 = _scaled_block(acc0, blk0, bxs0, scale, offset, HAS_OFFSETS)
             if BLOCK_M > 1:
-                acc1, xsum1 = _row_terms(acc1, xsum1, x_ptr, 1, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
-                                         XSUM)
+                acc1 = _scaled_block(acc1, blk1, bxs1, scale, offset, HAS_OFFSETS)
             if BLOCK_M > 2:
-                acc2, xsum2 = _row_terms(acc2, xsum2, x_ptr, 2, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
-                                         XSUM)
-                acc3, xsum3 = _row_terms(acc3, xsum3, x_ptr, 3, M, K, k_lo, k_hi, stride_xm, stride_xk, w_lo, w_hi,
-                                         XSUM)
+                acc2 = _scaled_block(acc2, blk2, bxs2, scale, offset, HAS_OFFSETS)
+                acc3 = _scaled_block(acc3, blk3, bxs3, scale, offset, HAS_OFFSETS)
     offs_m = tl.arange(0, BLOCK_M)
     scale0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     offset0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -171,6 +216,7 @@ class GemvConfig:
     num_warps: int | None = None
     num_stages: int | None = None
     magic: bool | None = None
+    scale_after: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -183,6 +229,7 @@ class GemvPlan:
     num_warps: int
     num_stages: int
     magic: bool
+    scale_after: bool
 
 
 @functools.lru_cache(maxsize=4096)
@@ -206,7 +253,7 @@ def _plan(m: int, n: int, k: int, tile_k: int, sm_count: int, config: GemvConfig
     blocks_per_split = triton.cdiv(num_blocks, split_k)
     magic = True if config.magic is None else config.magic
     return GemvPlan(block_m, block_r, block_n, triton.cdiv(num_blocks, blocks_per_split), blocks_per_split,
-                    config.num_warps or 4, config.num_stages or 2, magic)
+                    config.num_warps or 4, config.num_stages or 2, magic, bool(config.scale_after))
 
 
 def gemv_plan(m: int, packed: TritonQuantWeight, device: torch.device, config: GemvConfig = GemvConfig()) -> GemvPlan:
@@ -231,5 +278,5 @@ def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor
         rows.stride(0), rows.stride(1), y.stride(0),
         BITS=packed.bits, TILE_K=packed.tile_k, SCALES=packed.scale_mode, HAS_OFFSETS=packed.offsets is not None,
         HAS_BIAS=bias is not None, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n,
-        SPLIT_K=plan.split_k, MAGIC=plan.magic, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SPLIT_K=plan.split_k, MAGIC=plan.magic, SCALE_AFTER=plan.scale_after, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )

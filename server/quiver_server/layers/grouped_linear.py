@@ -54,6 +54,15 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return per_expert_linear(x, weight, offsets)
 
 
+def host_sync_free(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the model's forward pass runs without reading device values on the host, as a CUDA
+    graph capture needs: not where a grouped (MoE) matmul falls back to its per-expert loop, which
+    reads the group sizes (float32 experts on CUDA: torch's grouped kernel is 16-bit only)."""
+    if not any(isinstance(module, GroupedLinear) for module in model.modules()):
+        return True
+    return has_grouped_mm(device, dtype)
+
+
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
     key = (device.type, dtype)
     if key not in _grouped_works:
