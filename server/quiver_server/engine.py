@@ -25,6 +25,7 @@ import logging
 from dataclasses import dataclass
 import os
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -216,8 +217,11 @@ class Engine:
         if self.use_cuda_graphs:
             try:
                 self._capture_decode_graphs(num_blocks, max_batch_size, max_total_tokens)
-            except BaseException:
-                self.kv_cache = self.graphs = None  # a failed warmup holds no device memory
+            except BaseException as exc:
+                # A failed warmup holds no device memory: neither the cache nor the graphs'
+                # buffers, which the traceback's frames would keep alive for whoever reports it.
+                self.kv_cache = self.graphs = None
+                traceback.clear_frames(exc.__traceback__)
                 raise
         return BLOCK_SIZE, num_blocks
 

@@ -56,11 +56,13 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
 
 def host_sync_free(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the model's forward pass runs without reading device values on the host, as a CUDA
-    graph capture needs: not where a grouped (MoE) matmul falls back to its per-expert loop, which
-    reads the group sizes (float32 experts on CUDA: torch's grouped kernel is 16-bit only)."""
-    if not any(isinstance(module, GroupedLinear) for module in model.modules()):
+    graph capture needs. A grouped (MoE) matmul does so only on torch's CUTLASS kernel (bfloat16
+    on compute capability 9 or 10); elsewhere torch's fallback, like `per_expert_linear`, copies
+    the group offsets to the host and loops over the experts."""
+    if device.type != "cuda" or not any(isinstance(module, GroupedLinear) for module in model.modules()):
         return True
-    return has_grouped_mm(device, dtype)
+    return (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+            and has_grouped_mm(device, dtype))
 
 
 def has_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
