@@ -13,8 +13,8 @@ GGUF's Q4_0/Q4_1 group), from a random weight quantized as the shard quantizes a
   reads its weight from DRAM, as a model's layers do), and what that is in GB/s of the weight's
   bytes and as a share of the device's copy bandwidth; 1 to 4 rows also on the dot kernel, the
   path they took before the multiply-add kernel;
-- a sweep of the multiply-add kernel's launch choices at 1 and 4 rows on two shapes, so the
-  plan's defaults can be checked against the best the sweep finds.
+- a sweep of the multiply-add kernel's launch choices on the o projection at the row counts it
+  serves, each choice of the plan changed in turn, so the plan can be checked against the best.
 
 On CPU (the smoke run) the same runs at the tiny shape under Triton's interpreter, eagerly.
 """
@@ -24,7 +24,8 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,7 +35,7 @@ import lora_kernels
 from gpu_check_common import log, phase_options, write_report
 from gpu_check_model import check_shape
 
-from quiver_server.kernels.quant_gemv_triton import GemvConfig, gemv_plan
+from quiver_server.kernels.quant_gemv_triton import GemvConfig, GemvPlan, gemv_plan
 from quiver_server.kernels.quant_matmul_triton import LaunchConfig, TritonQuantWeight, pack_for_triton, quant_linear
 from quiver_server.quant.quantize import quantize_int4, quantize_int8
 from quiver_server.quant.weights import QuantizedWeight
@@ -46,25 +47,22 @@ FORMATS: dict[str, Callable[[torch.Tensor], QuantizedWeight]] = {
 }
 ROWS = {"full": (1, 2, 4, 8, 16, 32, 128, 1024), "quick": (1, 4, 8)}
 ERROR_ROWS = (1, 4, 32)
+SWEEP_CASES = (("int8", 1), ("int4-g128", 1), ("int4-g128", 2), ("int4-g32", 4))  # (format, rows)
 
 
-def sweep_configs(plan_split: int, quick: bool) -> list[GemvConfig]:
-    """The multiply-add kernel's launch choices tried against its plan (the first entry)."""
+def sweep_configs(plan: GemvPlan, quick: bool) -> list[GemvConfig]:
+    """The multiply-add kernel's plan (the first entry) and one change of each of its choices."""
     if quick:
         return [GemvConfig(), GemvConfig(magic=False)]
-    after = GemvConfig(scale_after=True)
     return [
         GemvConfig(),
-        after,
-        dataclasses.replace(after, split_k=2 * plan_split),
-        dataclasses.replace(after, split_k=max(1, plan_split // 2)),
-        dataclasses.replace(after, block_r=32),
-        dataclasses.replace(after, block_n=64),
-        dataclasses.replace(after, block_n=64, split_k=2 * plan_split),
-        dataclasses.replace(after, num_warps=8, block_r=32),
-        dataclasses.replace(after, num_stages=3),
-        dataclasses.replace(after, num_stages=4, block_r=32),
-        dataclasses.replace(after, magic=False),
+        GemvConfig(split_k=2 * plan.split_k),
+        GemvConfig(split_k=max(1, plan.split_k // 2)),
+        GemvConfig(block_n=192 - plan.block_n),  # 64 <-> 128
+        GemvConfig(scale_after=not plan.scale_after),
+        GemvConfig(magic=not plan.magic),
+        GemvConfig(num_stages=plan.num_stages + 1),
+        GemvConfig(block_r=2 * plan.block_r),
     ]
 
 
@@ -99,7 +97,7 @@ def packed_bytes(packed: TritonQuantWeight) -> int:
     return sum(t.nbytes for t in (packed.q, packed.scales, packed.offsets) if t is not None)
 
 
-def time_rotating(calls: list[Callable[[], Any]], device: str, repeats: int) -> float:
+def time_rotating(calls: Sequence[Callable[[], Any]], device: str, repeats: int) -> float:
     """Median seconds per call over `calls` in turn: a CUDA graph of 10 rounds on the device (the
     launches' host cost is not what is measured), plain calls on the CPU."""
     if device != "cuda":
@@ -157,8 +155,8 @@ def projection_case(name: str, k: int, n: int, rows: tuple[int, ...], device: st
     bases = [base] + [base.clone() for _ in range(_copy_count(dense_bytes, device) - 1)]
     row: dict[str, Any] = {"projection": name, "in": k, "out": n, "dense_bytes": dense_bytes, "formats": {}}
     xs = {m: torch.randn(m, k, generator=gen, device=device, dtype=torch.float32).to(dtype) for m in rows}
-    row["dense"] = {str(m): _rate(time_rotating([lambda w=w, x=xs[m]: F.linear(x, w) for w in bases], device, repeats),
-                                 dense_bytes, bandwidth_gbs) for m in rows}
+    row["dense"] = {str(m): _rate(time_rotating([partial(F.linear, xs[m], w) for w in bases], device, repeats),
+                                  dense_bytes, bandwidth_gbs) for m in rows}
     del bases
     for fmt, quantize in FORMATS.items():
         weight = quantize(base)
@@ -173,10 +171,11 @@ def projection_case(name: str, k: int, n: int, rows: tuple[int, ...], device: st
                                   "rel_error_vs_float64": errors, "rows": {}}
         for m in rows:
             x = xs[m]
-            default = [lambda p=p, x=x: quant_linear(x, p) for p in copies]
-            timed = {"default": _rate(time_rotating(default, device, repeats), weight_bytes, bandwidth_gbs)}
+            default = [partial(quant_linear, x, p) for p in copies]
+            timed: dict[str, Any] = {"default": _rate(time_rotating(default, device, repeats), weight_bytes,
+                                                      bandwidth_gbs)}
             if m <= 4:
-                dot = [lambda p=p, x=x: quant_linear(x, p, None, LaunchConfig()) for p in copies]
+                dot = [partial(quant_linear, x, p, None, LaunchConfig()) for p in copies]
                 timed["dot_kernel"] = _rate(time_rotating(dot, device, repeats), weight_bytes, bandwidth_gbs)
                 timed["gemv_plan"] = dataclasses.asdict(gemv_plan(m, packed, torch.device(device)))
             timed["speedup_vs_dense"] = float(f"{row['dense'][str(m)]['us'] / timed['default']['us']:.4g}")
@@ -198,11 +197,11 @@ def sweep_case(name: str, k: int, n: int, fmt: str, rows: int, device: str, dtyp
     x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
     plan = gemv_plan(rows, packed, torch.device(device))
     results = []
-    for config in sweep_configs(plan.split_k, quick):
+    for config in sweep_configs(plan, quick):
         entry: dict[str, Any] = {"config": {f: v for f, v in dataclasses.asdict(config).items() if v is not None}}
         try:
             entry["rel_error_vs_float64"] = round(relative_error(weight, packed, x, config), 8)
-            calls = [lambda p=p, c=config: quant_linear(x, p, None, c) for p in copies]
+            calls = [partial(quant_linear, x, p, None, config) for p in copies]
             entry |= _rate(time_rotating(calls, device, repeats), weight_bytes, bandwidth_gbs)
         except Exception as exc:  # noqa: BLE001 - a launch choice that does not compile is reported
             entry["error"] = repr(exc)[:300]
@@ -230,13 +229,12 @@ def main() -> None:
     for name, k, n in shapes:
         report["projections"].append(projection_case(name, k, n, rows, device, dtype, bandwidth, repeats))
         write_report(options, "quant.json", report)
-    for name, k, n in [shapes[1], shapes[3]]:  # o (square) and down (long K)
-        for fmt in ("int8", "int4-g128"):
-            for m in (1, 4):
-                case = sweep_case(name, k, n, fmt, m, device, dtype, bandwidth, repeats, quick)
-                report["gemv_sweep"].append(case)
-                log(f"sweep {name} {fmt} {m} rows: best {case['best']}")
-                write_report(options, "quant.json", report)
+    name, k, n = shapes[1]  # o: square, the shape the plan was swept on
+    for fmt, m in SWEEP_CASES:
+        case = sweep_case(name, k, n, fmt, m, device, dtype, bandwidth, repeats, quick)
+        report["gemv_sweep"].append(case)
+        log(f"sweep {name} {fmt} {m} rows: plan {case['results'][0].get('us')} us, best {case['best']}")
+        write_report(options, "quant.json", report)
     report["status"] = "ok"
     write_report(options, "quant.json", report)
 

@@ -163,7 +163,8 @@ class Engine:
         )
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
-        if self.use_cuda_graphs and not host_sync_free(self.model, self.device, self.dtype):
+        modules = (module for _, module in self.model.named_modules())
+        if self.use_cuda_graphs and not host_sync_free(modules, self.device, self.dtype):
             log.info("CUDA graphs off: the %s experts have no grouped kernel on this device in %s (a per-expert "
                      "loop reads the group sizes on the host)", config["model_type"], self.dtype)
             self.use_cuda_graphs = False

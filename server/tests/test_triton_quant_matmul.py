@@ -166,16 +166,21 @@ def test_gemv_for_one_to_four_rows(bits, offsets, group, config) -> None:
     assert not packed.counters.any(), "the last split of each tile resets its counter"
 
 
-def test_one_to_four_rows_take_the_gemv_where_it_has_the_scales(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_few_rows_take_the_gemv_where_it_is_faster(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-channel int8 at 1 row, groups of 128 up to 2 rows, groups of 32 up to 4; groups of 16
+    (per-half scales) never: the dot kernel serves the rest."""
     calls = []
     real = quant_gemv_triton.quant_gemv
     monkeypatch.setattr(quant_gemv_triton, "quant_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    per_block = pack_for_triton(random_weight(20, 128, 4, 32, True, seed=9), DEVICE)
-    per_half = pack_for_triton(random_weight(20, 128, 4, 16, True, seed=9), DEVICE)
-    for rows in (1, 4, 5):
-        quant_linear(torch.randn(rows, 128, device=DEVICE), per_block)
-        quant_linear(torch.randn(rows, 128, device=DEVICE), per_half)
-    assert calls == [1, 4]
+    weights = {name: pack_for_triton(random_weight(20, 256, bits, group, True, seed=9), DEVICE)
+               for name, bits, group in [("channel", 8, 256), ("g128", 4, 128), ("g32", 4, 32), ("g16", 4, 16)]}
+    taken = {}
+    for name, packed in weights.items():
+        calls.clear()
+        for rows in (1, 2, 3, 4, 5):
+            quant_linear(torch.randn(rows, 256, device=DEVICE), packed)
+        taken[name] = list(calls)
+    assert taken == {"channel": [1], "g128": [1, 2], "g32": [1, 2, 3, 4], "g16": []}
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -40,11 +40,23 @@ from quiver_server.kernels.quant_matmul_triton import (
     _group_vector,
 )
 
-MAX_ROWS = 4  # more rows: the dot kernel's tiles are no longer mostly padding
+MAX_ROWS = 4  # what the kernel takes (one accumulator set per row, unrolled)
 
 
 def supports(packed: TritonQuantWeight, rows: int) -> bool:
+    """Whether the kernel can run these rows of this weight (a `GemvConfig` forces it)."""
     return 0 < rows <= MAX_ROWS and packed.scale_mode in (PER_CHANNEL, PER_BLOCK)
+
+
+def preferred(packed: TritonQuantWeight, rows: int) -> bool:
+    """Whether `quant_linear` picks it over the dot kernel, from an H100 sweep (docs/quantization.md):
+    per-channel 8 bits at 1 row; groups of 128 or more up to 2 rows; smaller groups, whose block
+    scales slow the dot kernel's small tiles, up to 4."""
+    if packed.scale_mode == PER_CHANNEL:
+        return rows == 1
+    if packed.scale_mode == PER_BLOCK:
+        return 0 < rows <= (2 if packed.tile_k >= 64 else MAX_ROWS)
+    return False
 
 
 @triton.jit
@@ -233,12 +245,14 @@ class GemvPlan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, n: int, k: int, tile_k: int, sm_count: int, config: GemvConfig) -> GemvPlan:
-    """Rows padded to a power of two (1, 2 or 4 accumulators); steps of 16 x 128 weights (one
-    16-byte load a thread at 4 warps for 8 bits); K split until about 4 programs per SM, each
-    keeping at least 2 blocks."""
+def _plan(m: int, n: int, k: int, bits: int, tile_k: int, sm_count: int, config: GemvConfig) -> GemvPlan:
+    """Rows padded to a power of two (1, 2 or 4 accumulator sets); steps of 16 x BLOCK_N
+    weights, BLOCK_N 128 for one row of 8-bit weights (16-byte loads) and 64 otherwise (twice
+    the programs, fewer registers a row); block scales on the block sums; K split until about 16
+    programs per SM, each keeping at least 2 blocks. Chosen from a sweep on an H100 of the 8B
+    shapes' o (4096 x 4096) and gate/up (28672 x 4096) projections at 1, 2 and 4 rows."""
     block_m = triton.next_power_of_2(m)
-    block_n = config.block_n or 128
+    block_n = config.block_n or (128 if bits == 8 and m == 1 else 64)
     block_r = config.block_r or min(tile_k, 16)
     if N_ALIGN % block_n or block_r > tile_k or tile_k % block_r:
         raise ValueError(f"BLOCK_N must divide {N_ALIGN} and BLOCK_R divide TILE_K ({tile_k})")
@@ -246,18 +260,20 @@ def _plan(m: int, n: int, k: int, tile_k: int, sm_count: int, config: GemvConfig
     tiles = triton.cdiv(n, block_n)
     split_k = config.split_k
     if split_k is None:
-        split_k = 1 if tiles >= 2 * sm_count else min(triton.cdiv(4 * sm_count, tiles), num_blocks // 2, 32)
+        wanted = 16 * sm_count
+        split_k = 1 if tiles >= wanted or tiles > COUNTERS else min(triton.cdiv(wanted, tiles), num_blocks // 2, 32)
     split_k = max(1, min(split_k, num_blocks))
     if split_k > 1 and tiles > COUNTERS:
         raise ValueError(f"split-K needs at most {COUNTERS} output tiles, got {tiles}")
     blocks_per_split = triton.cdiv(num_blocks, split_k)
     magic = True if config.magic is None else config.magic
+    scale_after = True if config.scale_after is None else config.scale_after
     return GemvPlan(block_m, block_r, block_n, triton.cdiv(num_blocks, blocks_per_split), blocks_per_split,
-                    config.num_warps or 4, config.num_stages or 2, magic, bool(config.scale_after))
+                    config.num_warps or 4, config.num_stages or 2, magic, scale_after)
 
 
 def gemv_plan(m: int, packed: TritonQuantWeight, device: torch.device, config: GemvConfig = GemvConfig()) -> GemvPlan:
-    return _plan(m, packed.out_features, packed.in_features, packed.tile_k, _sm_count(device), config)
+    return _plan(m, packed.out_features, packed.in_features, packed.bits, packed.tile_k, _sm_count(device), config)
 
 
 def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor | None, y: torch.Tensor,
@@ -278,5 +294,6 @@ def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor
         rows.stride(0), rows.stride(1), y.stride(0),
         BITS=packed.bits, TILE_K=packed.tile_k, SCALES=packed.scale_mode, HAS_OFFSETS=packed.offsets is not None,
         HAS_BIAS=bias is not None, BLOCK_M=plan.block_m, BLOCK_R=plan.block_r, BLOCK_N=plan.block_n,
-        SPLIT_K=plan.split_k, MAGIC=plan.magic, SCALE_AFTER=plan.scale_after, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        SPLIT_K=plan.split_k, MAGIC=plan.magic, SCALE_AFTER=plan.scale_after,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )

@@ -396,8 +396,8 @@ def quant_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor 
     """x [..., K] @ dequant(W)^T + bias -> [..., N] in x's dtype, float32 accumulation. Exact
     products (the dequantized weight in float32) except on prefill tiles of 16-bit x, where each
     weight is rounded to x's dtype once (`Plan.weights_in_x`), as a 16-bit model's weights are.
-    1 to 4 rows run the multiply-add kernel (`quant_gemv_triton`) where it takes the weight's
-    scales; a `LaunchConfig` pins the dot kernel, a `GemvConfig` the multiply-add one."""
+    A few rows run the multiply-add kernel (`quant_gemv_triton.preferred`: 1 to 4 by the weight's
+    scales); a `LaunchConfig` pins the dot kernel, a `GemvConfig` the multiply-add one."""
     from quiver_server.kernels import quant_gemv_triton  # it imports this module's pieces
 
     k, n = packed.in_features, packed.out_features
@@ -414,7 +414,7 @@ def quant_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor 
         return y.reshape(*x.shape[:-1], n)
     bias_arg = None if bias is None else bias.contiguous()
     if isinstance(config, quant_gemv_triton.GemvConfig) or (
-            config is None and quant_gemv_triton.supports(packed, m)):
+            config is None and quant_gemv_triton.preferred(packed, m)):
         quant_gemv_triton.quant_gemv(rows, packed, bias_arg, y, config or quant_gemv_triton.GemvConfig())
         return y.reshape(*x.shape[:-1], n)
     config = config or LaunchConfig()

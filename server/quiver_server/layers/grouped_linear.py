@@ -12,6 +12,8 @@ and dtype, else one matmul per expert; which one is probed once per (device type
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,12 +56,12 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     return per_expert_linear(x, weight, offsets)
 
 
-def host_sync_free(model: nn.Module, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the model's forward pass runs without reading device values on the host, as a CUDA
-    graph capture needs. A grouped (MoE) matmul does so only on torch's CUTLASS kernel (bfloat16
-    on compute capability 9 or 10); elsewhere torch's fallback, like `per_expert_linear`, copies
-    the group offsets to the host and loops over the experts."""
-    if device.type != "cuda" or not any(isinstance(module, GroupedLinear) for module in model.modules()):
+def host_sync_free(modules: Iterable[nn.Module], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a model of these modules runs its forward pass without reading device values on
+    the host, as a CUDA graph capture needs. A grouped (MoE) matmul does so only on torch's
+    CUTLASS kernel (bfloat16 on compute capability 9 or 10); elsewhere torch's fallback, like
+    `per_expert_linear`, copies the group offsets to the host and loops over the experts."""
+    if device.type != "cuda" or not any(isinstance(module, GroupedLinear) for module in modules):
         return True
     return (dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
             and has_grouped_mm(device, dtype))
