@@ -44,10 +44,11 @@ One kernel, grid (output tiles, K splits), tiles of BLOCK_M rows x BLOCK_N featu
   as a 16-bit checkpoint's weights are). Measured on an H100 (bench: 2048 x 4096 x 4096,
   bfloat16): groups of 32 went from 80 to 167 TFLOP/s; groups of 128 keep the exact path (228
   against 171 dequantized); per-channel int8 runs at 365.
-Decode is not yet DRAM-bound: one row of 4096 x 4096 takes 11.5 us (per-channel int8) to 21 us
-(4-bit, groups of 32) on an H100 against 10.9 us for a bfloat16 F.linear of the same shape (500
-to 1460 GB/s of weights and scales): unpacking, converting and the layout change into the mma
-operand cost more per weight than its bytes. A multiply-add GEMV path for 1-4 rows is the next step.
+At 1 to 4 rows this kernel pads the rows to a 16-row MMA tile and converts every weight into the
+MMA operand layout, which cost more than the weight's bytes on an H100 (4096 x 4096, one row:
+11.5 us per-channel int8, 21 us 4-bit groups of 32, against 10.9 us for bfloat16 `F.linear`):
+`quant_linear` sends the row counts where that loses to the multiply-add kernel
+(`quant_gemv_triton`, same layout).
 Grids and block sizes come from shapes, never from device values: launches can be captured in
 CUDA graphs. The counters belong to the packed weight, so launches of one weight must not
 overlap (one stream, as the model runs).
