@@ -335,8 +335,7 @@ def test_no_quantization_config_is_none() -> None:
 # quantization_config -> what the refusal must say
 REFUSED: dict[str, tuple[dict[str, Any], str]] = {
     "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method 'bitsandbytes'"),
-    "fp8": ({"quant_method": "fp8"}, "quant_method 'fp8'"),
-    "compressed-tensors": ({"quant_method": "compressed-tensors"}, "quant_method 'compressed-tensors'"),
+    "hqq": ({"quant_method": "hqq"}, "quant_method 'hqq'"),
     "awq-gemv": ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "AWQ version 'gemv'"),
     "awq-exllama": ({"quant_method": "awq", "bits": 4, "version": "exllama"}, "AWQ version 'exllama'"),
     "awq-marlin": ({"quant_method": "awq", "bits": 4, "version": "marlin"}, "AWQ version 'marlin'"),

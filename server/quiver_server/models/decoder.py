@@ -32,7 +32,8 @@ from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
 from quiver_server.gguf_source import source_of
-from quiver_server.quant.prequantized import checkpoint_quantization, group_quantized_tensors
+from quiver_server.quant.fp8_checkpoint import Fp8Format, dequantized_fp8_tensors
+from quiver_server.quant.prequantized import PrequantizedFormat, checkpoint_quantization, group_quantized_tensors
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight
 from quiver_server.weights import iter_tensors
@@ -232,9 +233,10 @@ class DecoderForCausalLM(nn.Module):
         device = ops.device
         # Before any weight is read: an unsupported quantization_config fails here, by name.
         prequantized = checkpoint_quantization(config)
-        if quantize is not None and (prequantized is not None or source_of(model_dir) is not None):
+        packed = prequantized if isinstance(prequantized, PrequantizedFormat) else None
+        if quantize is not None and (packed is not None or source_of(model_dir) is not None):
             raise ValueError("--quantize quantizes a float checkpoint; this one is already quantized "
-                             f"({prequantized.method if prequantized else 'GGUF'}) and serves in its own format")
+                             f"({packed.method if packed else 'GGUF'}) and serves in its own format")
         with torch.device("meta"):
             model = cls(cfg, ops)
         # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
@@ -243,7 +245,11 @@ class DecoderForCausalLM(nn.Module):
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
         tensors = iter_tensors(model_dir, device)
-        model.load_weights(tensors if prequantized is None else group_quantized_tensors(tensors, prequantized))
+        if isinstance(prequantized, Fp8Format):  # dense after load: --quantize may requantize it
+            tensors = dequantized_fp8_tensors(tensors, prequantized)
+        elif packed is not None:
+            tensors = group_quantized_tensors(tensors, packed)
+        model.load_weights(tensors)
         model.pack_weights(quantize)
         return model.eval()
 

@@ -32,9 +32,12 @@ from typing import Any
 
 import torch
 
+from quiver_server.quant import fp8_checkpoint
+from quiver_server.quant.fp8_checkpoint import Fp8Format
 from quiver_server.quant.weights import QuantizedWeight
 
-SUPPORTED = "AWQ (4-bit, version gemm, with zero points) and GPTQ (4- or 8-bit, checkpoint_format gptq or gptq_v2)"
+SUPPORTED = ("AWQ (4-bit, version gemm, with zero points), GPTQ (4- or 8-bit, checkpoint_format gptq or gptq_v2) "
+             f"and {fp8_checkpoint.SUPPORTED}")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # field j of an AWQ word holds column AWQ_ORDER[j] of its 8
 _AWQ_FIELDS = tuple(AWQ_ORDER.index(column) for column in range(8))  # column c sits in field _AWQ_FIELDS[c]
 _PIECES = ("qweight", "qzeros", "scales", "g_idx")
@@ -53,9 +56,10 @@ class PrequantizedFormat:
         return frozenset(pieces | {"g_idx"} if self.act_order else pieces)
 
 
-def checkpoint_quantization(config: Mapping[str, Any]) -> PrequantizedFormat | None:
+def checkpoint_quantization(config: Mapping[str, Any]) -> PrequantizedFormat | Fp8Format | None:
     """The pre-quantized format config.json declares, None where it has no quantization_config;
-    a ValueError saying what is served for any other method or variant."""
+    a ValueError saying what is served for any other method or variant. FP8 checkpoints are
+    dequantized at load (`fp8_checkpoint`)."""
     qc = config.get("quantization_config")
     if qc is None:
         return None
@@ -66,6 +70,8 @@ def checkpoint_quantization(config: Mapping[str, Any]) -> PrequantizedFormat | N
         return _awq_format(qc)
     if method == "gptq":
         return _gptq_format(qc)
+    if method in ("compressed-tensors", "fp8"):
+        return fp8_checkpoint.fp8_format(qc, method)
     raise ValueError(f"pre-quantized checkpoints with quant_method {method!r} are not supported; "
                      f"quiver serves {SUPPORTED}")
 
