@@ -28,14 +28,14 @@ def test_rotary_rows_are_transformers_reverse_permutation(heads, kv_heads, head_
 
 
 def test_architectures_not_served_are_named(tmp_path: Path) -> None:
-    path = tmp_path / "qwen.gguf"
-    writer = GGUFWriter(str(path), "qwen2")
+    path = tmp_path / "gemma.gguf"
+    writer = GGUFWriter(str(path), "gemma2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match="'qwen2' is not served yet"):
+    with pytest.raises(ValueError, match="'gemma2' is not served yet"):
         gguf_config(path)
-    with pytest.raises(ValueError, match="'qwen2' is not served yet"):
+    with pytest.raises(ValueError, match="'gemma2' is not served yet"):
         next(iter_gguf_tensors(path))

@@ -1,9 +1,12 @@
-"""A llama-architecture GGUF file (Llama, Mistral, SmolLM2... as llama.cpp writes them) as a
-transformers checkpoint: its config, and its tensors under transformers' names, quantized
-projections left quantized (`gguf_blocks`).
+"""A GGUF file of the llama, qwen2 or qwen3 architecture (Llama, Mistral, SmolLM2, Qwen2.5,
+Qwen3... as llama.cpp writes them) as a transformers checkpoint: its config, and its tensors
+under transformers' names, quantized projections left quantized (`gguf_blocks`). Qwen2's q/k/v
+biases and Qwen3's per-head q/k norms map like the rest.
 
-llama.cpp's converter reorders the rows of q_proj and k_proj for its rotary layout (each
-head's two halves interleaved); the rows are put back here as transformers' GGUF loader does.
+For the llama architecture, llama.cpp's converter reorders the rows of q_proj and k_proj for its
+rotary layout (each head's two halves interleaved); the rows are put back here as transformers'
+GGUF loader does. Qwen's rotary already is llama.cpp's NEOX layout: its rows are stored as they
+are.
 A quantized weight's groups run along the input dimension, so reordering its rows reorders its
 values, scales and offsets alike and stays exact.
 """
@@ -22,12 +25,14 @@ from gguf import GGUFReader
 from quiver_server.quant.gguf_blocks import FLOAT_TYPES, float_tensor, quantized_weight
 from quiver_server.quant.weights import QuantizedWeight
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_ROTARY_ROWS_PERMUTED = ("llama",)
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
 _LAYER = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+          "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+          "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Kept float even when the file quantized them: the lookup table and norms (`load_weights`
 # dequantizes whatever is not a projection).
@@ -55,9 +60,15 @@ def gguf_config(path: Path) -> dict[str, Any]:
     """config.json's contents for the model in GGUF file `path`, as transformers derives them."""
     from transformers import AutoConfig
 
-    architecture(GGUFReader(str(path)))
+    reader = GGUFReader(str(path))
+    arch = architecture(reader)
     config = AutoConfig.from_pretrained(Path(path).parent, gguf_file=Path(path).name)
     data: dict[str, Any] = config.to_dict()
+    # transformers' GGUF config reads no head size: Qwen3's default (128) holds for its releases,
+    # but the file's own key length is the truth where it says otherwise.
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None and "head_dim" in data and int(key_length) != data["head_dim"]:
+        data["head_dim"] = int(key_length)
     return data
 
 
@@ -111,6 +122,6 @@ def iter_gguf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor | Quantize
                 value = value.dequantize()
         else:
             raise ValueError(f"{tensor.name}: a quantized tensor of {len(shape)} dimensions")
-        if kind in ("attn_q", "attn_k"):
+        if arch in _ROTARY_ROWS_PERMUTED and kind in ("attn_q", "attn_k"):
             value = _reorder(value, rotary_rows(shape[0], heads if kind == "attn_q" else kv_heads))
         yield name, value
