@@ -35,9 +35,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("QUIVER_CACHE_DIR", "~/.cache/quiver")).expanduser() / "gguf"
 
 
+# Bumped when the companion's contents change meaning (2: Llama 3.1+ rope scaling read from the
+# file's rope_freqs into config.json), so a companion an older quiver wrote is not reused.
+COMPANION_VERSION = 2
+
+
 def _key(gguf: Path) -> str:
     stat = gguf.stat()
-    digest = hashlib.sha256(f"{gguf}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    identity = f"{gguf}\n{stat.st_size}\n{stat.st_mtime_ns}\n{COMPANION_VERSION}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
     return f"{gguf.stem}-{digest}"
 
 
