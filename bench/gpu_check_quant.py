@@ -22,7 +22,6 @@ On CPU (the smoke run) the same runs at the tiny shape under Triton's interprete
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -100,34 +99,12 @@ def packed_bytes(packed: TritonQuantWeight) -> int:
 def time_rotating(calls: Sequence[Callable[[], Any]], device: str, repeats: int) -> float:
     """Median seconds per call over `calls` in turn: a CUDA graph of 10 rounds on the device (the
     launches' host cost is not what is measured), plain calls on the CPU."""
-    if device != "cuda":
-        started = time.perf_counter()
-        for call in calls:
-            call()
-        return (time.perf_counter() - started) / len(calls)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:  # compiles, plans and caches before the capture
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    rounds = 10
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(rounds):
-            for call in calls:
-                call()
-    graph.replay()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(begin.elapsed_time(end) / 1e3 / (rounds * len(calls)))
-    return statistics.median(samples)
+    if device == "cuda":
+        return lora_kernels.time_calls_in_graph(calls, 10, repeats)
+    started = time.perf_counter()
+    for call in calls:
+        call()
+    return (time.perf_counter() - started) / len(calls)
 
 
 def _rate(seconds: float, weight_bytes: int, bandwidth_gbs: float) -> dict[str, float]:

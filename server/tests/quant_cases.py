@@ -5,14 +5,29 @@ position that the quantized-model tests hold to transformers."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from quiver_server.forward_batch import build_prefill
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models.decoder import DecoderForCausalLM
 from quiver_server.quant.weights import QuantizedWeight
+
+
+def write_checkpoint(out: Path, config: dict[str, Any], files: dict[str, dict[str, torch.Tensor]]) -> None:
+    """A safetensors checkpoint in several files with its index, under config.json `config`."""
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    weight_map = {}
+    for file, tensors in files.items():
+        save_file(tensors, str(out / file))
+        weight_map.update(dict.fromkeys(tensors, file))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
 def random_weight(out: int, inp: int, bits: int, group: int, offsets: bool, seed: int) -> QuantizedWeight:

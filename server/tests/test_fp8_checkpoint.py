@@ -13,8 +13,7 @@ import pytest
 import torch
 import transformers
 from device import TEST_DEVICE
-from quant_cases import prefill_every_position
-from safetensors.torch import save_file
+from quant_cases import prefill_every_position, write_checkpoint
 from tiny_models import build_tiny_model
 
 from quiver_server.layers.linear import Linear
@@ -111,15 +110,8 @@ def fp8_llama(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                 files["model-00001-of-00002.safetensors"][f"{module}.input_scale"] = torch.ones(1)
             param.copy_(dequantized_by_hand(pieces))
     quant_dir = root / "fp8"
-    quant_dir.mkdir()
     config = json.loads((float_dir / "config.json").read_text())
-    config["quantization_config"] = quantization
-    (quant_dir / "config.json").write_text(json.dumps(config))
-    weight_map = {}
-    for file, tensors in files.items():
-        save_file(tensors, str(quant_dir / file))
-        weight_map.update(dict.fromkeys(tensors, file))
-    (quant_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_checkpoint(quant_dir, {**config, "quantization_config": quantization}, files)
     return quant_dir, reference
 
 

@@ -18,7 +18,8 @@ from device import TEST_DEVICE
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter
 from quant_cases import prefill_every_position
-from test_gguf_tiny_llama import CONFIG, add, llama_cpp_rows
+from gguf_files import add, add_shape, finish, llama_cpp_rows
+from test_gguf_tiny_llama import CONFIG
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quiver_server.gguf_source import SOURCE_FILE
@@ -67,16 +68,8 @@ def write_float_gguf(path: Path, model: LlamaForCausalLM, rope_freqs: np.ndarray
     """Every tensor in F32 (the served model is then the original's weights exactly)."""
     weights = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     writer = GGUFWriter(str(path), "llama")
-    writer.add_context_length(model.config.max_position_embeddings)
-    writer.add_embedding_length(CONFIG["hidden_size"])
-    writer.add_feed_forward_length(CONFIG["intermediate_size"])
-    writer.add_block_count(CONFIG["num_hidden_layers"])
-    writer.add_head_count(CONFIG["num_attention_heads"])
-    writer.add_head_count_kv(CONFIG["num_key_value_heads"])
+    add_shape(writer, CONFIG, model.config.max_position_embeddings)
     writer.add_rope_dimension_count(HEAD_DIM)
-    writer.add_rope_freq_base(CONFIG["rope_theta"])
-    writer.add_layer_norm_rms_eps(CONFIG["rms_norm_eps"])
-    writer.add_vocab_size(CONFIG["vocab_size"])
     if rope_freqs is not None:
         add(writer, "rope_freqs.weight", rope_freqs, GGMLType.F32)
     for name, value in weights.items():
@@ -91,10 +84,7 @@ def write_float_gguf(path: Path, model: LlamaForCausalLM, rope_freqs: np.ndarray
                      .replace("mlp.down_proj", "ffn_down").replace("post_attention_layernorm", "ffn_norm")
                      .replace("input_layernorm", "attn_norm"))
         add(writer, gguf_name, value, GGMLType.F32)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def served(path: Path, companion: Path, prompts: list[list[int]]) -> list[torch.Tensor]:

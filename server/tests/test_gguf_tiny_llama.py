@@ -17,6 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter, quants
+from gguf_files import add, add_shape, assert_tensors_equal, finish, llama_cpp_rows
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from quiver_server.quant.gguf_model import gguf_config, iter_gguf_tensors
@@ -34,40 +35,12 @@ PROJECTIONS = {"self_attn.q_proj": ("attn_q", GGMLType.Q8_0), "self_attn.k_proj"
 NORMS = {"input_layernorm": ("attn_norm", GGMLType.F32), "post_attention_layernorm": ("ffn_norm", GGMLType.F16)}
 
 
-def llama_cpp_rows(weight: np.ndarray, heads: int) -> np.ndarray:
-    """llama.cpp's converter's q/k order, written out here: within each head, row 2 i + j of the
-    file is row j * D/2 + i of the checkpoint (the rotary halves interleaved)."""
-    rows = weight.shape[0]
-    return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
-def add(writer: GGUFWriter, name: str, value: np.ndarray, kind: GGMLType) -> None:
-    if kind == GGMLType.F32:
-        writer.add_tensor(name, value.astype(np.float32))
-    elif kind == GGMLType.F16:
-        writer.add_tensor(name, value.astype(np.float16))
-    elif kind == GGMLType.BF16:
-        raw = torch.from_numpy(value).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
-    else:
-        raw = quants.quantize(value.astype(np.float32), kind)
-        writer.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=kind)
-
-
 def write_gguf(path: Path, model: LlamaForCausalLM, tied: bool) -> None:
     weights = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     writer = GGUFWriter(str(path), "llama")
     writer.add_name("tiny-llama")
-    writer.add_context_length(CONFIG["max_position_embeddings"])
-    writer.add_embedding_length(CONFIG["hidden_size"])
-    writer.add_feed_forward_length(CONFIG["intermediate_size"])
-    writer.add_block_count(CONFIG["num_hidden_layers"])
-    writer.add_head_count(CONFIG["num_attention_heads"])
-    writer.add_head_count_kv(CONFIG["num_key_value_heads"])
+    add_shape(writer, CONFIG, CONFIG["max_position_embeddings"])
     writer.add_rope_dimension_count(CONFIG["head_dim"])
-    writer.add_rope_freq_base(CONFIG["rope_theta"])
-    writer.add_layer_norm_rms_eps(CONFIG["rms_norm_eps"])
-    writer.add_vocab_size(CONFIG["vocab_size"])  # transformers' config needs no tokenizer then
     add(writer, "token_embd.weight", weights["model.embed_tokens.weight"], GGMLType.Q8_0)
     for layer in range(CONFIG["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
@@ -83,10 +56,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tied: bool) -> None:
     add(writer, "output_norm.weight", weights["model.norm.weight"], GGMLType.F32)
     if not tied:
         add(writer, "output.weight", weights["lm_head.weight"], GGMLType.BF16)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def random_llama(tied: bool) -> LlamaForCausalLM:
@@ -107,17 +77,7 @@ def test_every_tensor_equals_transformers_gguf_loader(tmp_path: Path, tied: bool
     expected = {name: t.detach() for name, t in loaded.state_dict().items()}
     if tied:
         expected.pop("lm_head.weight")  # the embedding's own tensor, which the file stores once
-    source = original.state_dict()
-
-    quantized = {}
-    for name, value in iter_gguf_tensors(path):
-        if isinstance(value, QuantizedWeight):
-            quantized[name] = value.bits
-            value = value.dequantize()
-        torch.testing.assert_close(value, expected.pop(name), atol=0, rtol=0, msg=name)
-        # Within Q4_0's error of the float weights it came from: a wrong row order is not.
-        assert (value - source[name]).abs().max() < 0.2 * source[name].abs().max(), name
-    assert not expected, f"tensors transformers has that were not read: {sorted(expected)}"
+    quantized = assert_tensors_equal(path, expected, original.state_dict())
 
     projections = {f"model.layers.{n}.{hf}.weight": 8 if kind == GGMLType.Q8_0 else 4
                    for n in range(CONFIG["num_hidden_layers"]) for hf, (_, kind) in PROJECTIONS.items()}
@@ -151,10 +111,7 @@ def test_rotary_order_is_put_back_for_quantized_rows_exactly(tmp_path: Path) -> 
     writer.add_head_count(heads)
     writer.add_head_count_kv(heads)
     writer.add_tensor("blk.0.attn_q.weight", raw, raw_shape=raw.shape, raw_dtype=GGMLType.Q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
     [(name, value)] = list(iter_gguf_tensors(path))
     assert name == "model.layers.0.self_attn.q_proj.weight"
     assert isinstance(value, QuantizedWeight) and value.offsets is not None

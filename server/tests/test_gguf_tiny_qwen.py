@@ -18,13 +18,12 @@ from device import TEST_DEVICE
 from gguf import GGMLQuantizationType as GGMLType
 from gguf import GGUFWriter
 from quant_cases import prefill_every_position
-from test_gguf_tiny_llama import add
+from gguf_files import add, add_shape, assert_tensors_equal, finish
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from quiver_server.gguf_source import SOURCE_FILE
 from quiver_server.models import load_model
-from quiver_server.quant.gguf_model import gguf_config, iter_gguf_tensors
-from quiver_server.quant.weights import QuantizedWeight
+from quiver_server.quant.gguf_model import gguf_config
 
 CONFIG: dict[str, Any] = {
     "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -58,17 +57,9 @@ def write_gguf(path: Path, arch: str, model: torch.nn.Module) -> None:
     weights = {name: t.detach().numpy() for name, t in model.state_dict().items()}
     writer = GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    writer.add_context_length(CONFIG["max_position_embeddings"])
-    writer.add_embedding_length(CONFIG["hidden_size"])
-    writer.add_feed_forward_length(CONFIG["intermediate_size"])
-    writer.add_block_count(CONFIG["num_hidden_layers"])
-    writer.add_head_count(CONFIG["num_attention_heads"])
-    writer.add_head_count_kv(CONFIG["num_key_value_heads"])
+    add_shape(writer, CONFIG, CONFIG["max_position_embeddings"])
     writer.add_key_length(HEAD_DIM)
     writer.add_value_length(HEAD_DIM)
-    writer.add_rope_freq_base(CONFIG["rope_theta"])
-    writer.add_layer_norm_rms_eps(CONFIG["rms_norm_eps"])
-    writer.add_vocab_size(CONFIG["vocab_size"])
     add(writer, "token_embd.weight", weights["model.embed_tokens.weight"], GGMLType.Q8_0)
     for layer in range(CONFIG["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
@@ -80,10 +71,7 @@ def write_gguf(path: Path, arch: str, model: torch.nn.Module) -> None:
     add(writer, "output_norm.weight", weights["model.norm.weight"], GGMLType.F32)
     if not ARCHS[arch][2]:
         add(writer, "output.weight", weights["lm_head.weight"], GGMLType.F16)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
@@ -102,16 +90,7 @@ def test_every_tensor_equals_transformers_gguf_loader(qwen_gguf) -> None:
     expected = {name: t.detach() for name, t in loaded.state_dict().items()}
     if ARCHS[arch][2]:
         expected.pop("lm_head.weight")  # the embedding's own tensor, stored once
-    source = original.state_dict()
-    quantized = {}
-    for name, value in iter_gguf_tensors(path):
-        if isinstance(value, QuantizedWeight):
-            quantized[name] = value.bits
-            value = value.dequantize()
-        torch.testing.assert_close(value, expected.pop(name), atol=0, rtol=0, msg=name)
-        # Within Q4_0's error of the float weights it came from: permuted q/k rows are not.
-        assert (value - source[name]).abs().max() < 0.2 * source[name].abs().max(), name
-    assert not expected, f"tensors transformers has that were not read: {sorted(expected)}"
+    quantized = assert_tensors_equal(path, expected, original.state_dict())  # permuted q/k rows are not
     assert len(quantized) == CONFIG["num_hidden_layers"] * len(PROJECTIONS)
 
 

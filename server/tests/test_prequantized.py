@@ -29,8 +29,7 @@ import pytest
 import torch
 import transformers
 from device import TEST_DEVICE
-from safetensors.torch import save_file
-from quant_cases import prefill_every_position
+from quant_cases import prefill_every_position, write_checkpoint
 from tiny_models import build_tiny_model
 
 from quiver_server.layers.linear import Linear
@@ -406,16 +405,10 @@ def awq_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, transform
                 originals[name] = param.data.clone()
                 files["model-00001-of-00002.safetensors"][name] = param.data.clone()
     quant_dir = root / "awq"
-    quant_dir.mkdir()
     config = json.loads((float_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True,
                                      "version": "gemm"}
-    (quant_dir / "config.json").write_text(json.dumps(config))
-    weight_map = {}
-    for file, tensors in files.items():
-        save_file(tensors, str(quant_dir / file))
-        weight_map.update(dict.fromkeys(tensors, file))
-    (quant_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_checkpoint(quant_dir, config, files)
     return quant_dir, reference, originals
 
 
