@@ -183,3 +183,6 @@ def test_fp8_pieces_missing_or_misplaced_are_named() -> None:
         list(dequantized_fp8_tensors([("p.weight", q), ("p.weight_scale", torch.ones(3, 1))], fmt))
     with pytest.raises(ValueError, match="no quantized projection's weight"):
         list(dequantized_fp8_tensors([("embed.table", q)], fmt))
+    e5m2 = torch.ones(4, 8).to(torch.float8_e5m2)  # not what the config declares: never loaded unscaled
+    with pytest.raises(ValueError, match="served in e4m3"):
+        list(dequantized_fp8_tensors([("p.weight", e5m2), ("p.weight_scale", torch.ones(4, 1))], fmt))

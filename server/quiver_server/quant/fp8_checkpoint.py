@@ -32,7 +32,9 @@ from quiver_server.quant.weights import QuantizedWeight
 
 SUPPORTED = ("FP8 e4m3 weights with per-channel, per-tensor or block scales (compressed-tensors "
              "float-quantized, or quant_method fp8)")
-FP8_DTYPES = (torch.float8_e4m3fn,)
+# Every float8 torch reads from safetensors: a weight in any of them is a quantized projection's
+# (served only as e4m3fn, what the configs above declare), never a float tensor to load as it is.
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
 _SCALES = ("weight_scale", "weight_scale_inv")
 _DROPPED = ("input_scale", "input_scale_inv")  # static activation scales: activations stay unquantized
 
@@ -96,6 +98,8 @@ def dequantize(module: str, q: torch.Tensor, scale: torch.Tensor, fmt: Fp8Format
     """w = q * scale in float32, scale spread over its row, the whole tensor or its tile."""
     if q.dim() != 2:
         raise ValueError(f"{module}.weight must be 2-D, got shape {tuple(q.shape)}")
+    if q.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{module}.weight is {q.dtype}; FP8 checkpoints are served in e4m3 (float8_e4m3fn)")
     out, inp = q.shape
     s = scale.to(torch.float32)
     if fmt.strategy == "tensor":
