@@ -69,7 +69,10 @@ def main() -> None:
         "python_executable": sys.executable,
         "platform": platform.platform(),
         "versions": _versions(),
-        "commit": _run(["git", "rev-parse", "HEAD"]),
+        # The bundle's commit is the code's: a copied tree's .git can be older than its files (the
+        # first H100 run's said 1f6efc1 for a tree at cc500f6). Git's own HEAD is kept beside it.
+        "commit": manifest.get("commit") or _run(["git", "rev-parse", "HEAD"]),
+        "git_head": _run(["git", "rev-parse", "HEAD"]),
         "bundle_commit": manifest.get("commit"),
         "bundle_dirty": manifest.get("dirty"),
         "shape": options.profile.shape,
