@@ -7,16 +7,17 @@ every weight into the MMA operand layout; on an H100 that cost more than the wei
 (4096 x 4096, one row: 11.5 us per-channel int8 and 21 us 4-bit groups of 32, against 10.9 us for
 bfloat16 `F.linear`, which reads 2 to 3.5 times the bytes). Here each program owns BLOCK_N
 output features and a range of K blocks (split-K as in the dot kernel, the same counters and
-ordered sum), keeps a [rows, BLOCK_R, BLOCK_N] float32 accumulator of x * w terms in registers,
-and reduces it over K once at the end: the inner loop is loads, an integer-to-float conversion
-and fused multiply-adds, all elementwise.
+ordered sum), keeps one [BLOCK_R, BLOCK_N] float32 accumulator of x * w terms per row in
+registers (up to 4, unrolled), and reduces them over K once at the end: the inner loop is loads,
+an integer-to-float conversion and fused multiply-adds, all elementwise.
 
 Weights become float32 either by a plain conversion or (MAGIC) by adding the integer to the bit
 pattern of 2^23 (+ 128 for signed 8-bit values) and subtracting that float: exact for these
-ranges, and integer adds run at full rate where conversions run at a quarter. The per-block
-scale (and offset) is applied to each weight in float32 (w = q * s + o, as the definition
-reads); per-channel scales are applied once after the loop. Groups of 16 (per-half scales) and
-groups that are no multiple of 16 stay on the dot kernel (`supports`).
+ranges, and integer adds run at full rate where conversions run at a quarter. A block's scale
+and offset are applied to its sums (SCALE_AFTER, the plan's choice: x * q summed over the
+block, times s, plus sum(x) * o) or to each weight (w = q * s + o); per-channel scales are
+applied once after the loop. Groups of 16 (per-half scales) and groups that are no multiple of
+16 stay on the dot kernel (`supports`).
 """
 
 from __future__ import annotations
