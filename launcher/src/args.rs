@@ -58,6 +58,11 @@ pub struct LauncherArgs {
           value_parser = clap::builder::BoolishValueParser::new())]
     pub quantize_lm_head: bool,
 
+    /// The KV cache's storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2;
+    /// values stored unscaled, float8 clamped to its range (shard default: auto).
+    #[arg(long, env = "QUIVER_KV_CACHE_DTYPE", value_enum)]
+    pub kv_cache_dtype: Option<KvCacheDtype>,
+
     /// Device the shards run on; auto = CUDA if available, else CPU.
     #[arg(long, env = "QUIVER_DEVICE", value_enum, default_value_t = Device::Auto)]
     pub device: Device,
@@ -143,6 +148,18 @@ pub enum Dtype {
 pub enum Quantize {
     Int8,
     Int4,
+}
+
+/// vLLM's spellings, underscores included.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KvCacheDtype {
+    Auto,
+    Bfloat16,
+    Fp8,
+    #[value(name = "fp8_e4m3")]
+    Fp8E4m3,
+    #[value(name = "fp8_e5m2")]
+    Fp8E5m2,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

@@ -74,6 +74,7 @@ pub fn shard_command(
         .flag("--device", flag_value(args.device))
         .flag_if_set("--quantize", args.quantize.map(flag_value))
         .flag_if_set("--quantize-group-size", args.quantize_group_size)
+        .flag_if_set("--kv-cache-dtype", args.kv_cache_dtype.map(flag_value))
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
@@ -300,6 +301,23 @@ mod tests {
         let shard = shard_command(&head, Path::new("s"), &model, 0, Path::new("/s"), None);
         assert!(strings(&shard).contains(&"--quantize-lm-head".to_owned()));
         assert!(LauncherArgs::try_parse_from(["quiver-launcher", "--quantize", "int3"]).is_err());
+    }
+
+    #[test]
+    fn shards_store_the_kv_cache_as_asked_in_vllms_spellings() {
+        let model = ModelSource::User("m".into());
+        let plain = shard_command(&parse(&[]), Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert!(value_of(&plain, "--kv-cache-dtype").is_none());
+        for value in ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] {
+            let args = parse(&["--kv-cache-dtype", value]);
+            let shard = shard_command(&args, Path::new("s"), &model, 0, Path::new("/s"), None);
+            assert_eq!(value_of(&shard, "--kv-cache-dtype").as_deref(), Some(value));
+        }
+        for wrong in ["fp8-e4m3", "int8", "float16"] {
+            assert!(
+                LauncherArgs::try_parse_from(["quiver-launcher", "--kv-cache-dtype", wrong]).is_err()
+            );
+        }
     }
 
     #[test]

@@ -25,6 +25,9 @@ from typing import TYPE_CHECKING
 
 from quiver_server.logging_setup import adopt_transformers_logging, setup_logging
 
+# kv_cache_dtype.CHOICES, written out: that module imports torch, which `--help` should not wait for.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
+
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -61,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="inputs per scale and offset of --quantize int4 (a power of two, 16 or more)"),
     serve.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantize, the LM head too (a quantized copy where it is tied to the embeddings)"),
+    serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="the KV cache's storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "
+                            "fp8_e5m2; values stored unscaled, float8 clamped to its range")
     serve.add_argument("--rank", type=int, default=0, help="this shard's rank among --world-size shards")
     serve.add_argument("--world-size", type=int, default=1, help="number of shards serving this model")
     serve.add_argument("--cpu-kv-cache-gib", type=float, default=1.0,
@@ -195,6 +201,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             quantize=args.quantize,
             quantize_group_size=args.quantize_group_size,
             quantize_lm_head=args.quantize_lm_head,
+            kv_cache_dtype=args.kv_cache_dtype,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
             grammar_budget_s=args.grammar_compile_timeout,

@@ -59,6 +59,7 @@ from quiver_server.kernels.ops import select_ops
 from quiver_server.layers.grouped_linear import host_sync_free
 from quiver_server.sampling import SamplingBatch
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
 from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
@@ -125,6 +126,7 @@ class Engine:
         quantize: str | None = None,
         quantize_group_size: int = DEFAULT_INT4_GROUP,
         quantize_lm_head: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
         ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
@@ -132,7 +134,8 @@ class Engine:
         sampled tokens back for the router (None: on CUDA, where the device then works while the
         host waits; on the CPU the two would only take turns).
         quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
-        groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too."""
+        groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too.
+        kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype)."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -150,7 +153,8 @@ class Engine:
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings
-        self.kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, self.dtype, BLOCK_SIZE)
+        self.kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                   resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device), BLOCK_SIZE)
         self.info = ModelInfo(
             model_id=model_id,
             model_type=str(config["model_type"]),
@@ -213,8 +217,8 @@ class Engine:
         # With CUDA graphs one block more than the router is told of: the padded rows' scratch.
         scratch = 1 if self.use_cuda_graphs else 0
         self.kv_cache = PagedKVCache(self.kv_spec, num_blocks + scratch, self.device)
-        log.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, BLOCK_SIZE,
-                 num_blocks * self.kv_spec.bytes_per_block() / 2**30)
+        log.info("KV cache: %d blocks of %d tokens in %s (%.2f GiB)", num_blocks, BLOCK_SIZE,
+                 str(self.kv_spec.dtype).removeprefix("torch."), num_blocks * self.kv_spec.bytes_per_block() / 2**30)
         if self.use_cuda_graphs:
             try:
                 self._capture_decode_graphs(num_blocks, max_batch_size, max_total_tokens)

@@ -100,6 +100,51 @@ def test_matches_the_torch_path(dtype, heads, kv_heads, head_dim, window) -> Non
         assert (error <= bound).all(), f"max error over bound {(error / bound).max():.3g}"
 
 
+NARROW_CACHES = [torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (dtype, cache) for dtype in (torch.float32, torch.bfloat16, torch.float16) for cache in NARROW_CACHES
+    if cache != dtype  # a cache in q's own dtype: test_matches_the_torch_path
+])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(8, 2, 64, None), (6, 3, 128, 20), (6, 3, 48, None)])
+def test_a_narrower_cache_is_read_as_torch_widens_it(dtype, cache_dtype, heads, kv_heads, head_dim, window) -> None:
+    """`--kv-cache-dtype`: a bfloat16 or float8 cache under float32 or 16-bit queries, against
+    float64 attention of the cache's values as torch converts them (the register kernel for head
+    sizes 64 and 128, the general one for 48)."""
+    lengths = [1, 15, 16, 17, 100, 257]
+    q, k, v, batch = _case(lengths, heads, kv_heads, head_dim, torch.float32, seed=head_dim + heads)
+    q, k, v = q.to(dtype), k.to(cache_dtype), v.to(cache_dtype)
+    scale = head_dim**-0.5
+    exact, bound = _exact_and_bound(q, k, v, batch, lengths, scale, window)
+    got = cpu_ops.paged_decode_attention(q, k, v, batch.block_tables, batch.seq_lens, scale, window)
+    assert got.dtype == dtype
+    assert ((got.double() - exact).abs() <= bound).all()
+    # The torch path widens the gathered blocks; both read the same values.
+    torch_path = decode_attention_torch(q.float(), k, v, batch, scale, window)
+    assert ((torch_path.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [64, 128, 32])
+def test_every_float8_pattern_widens_to_its_value(cache_dtype, head_dim) -> None:
+    """One key per sequence: attention returns its value row exactly (weight 1, float32 queries).
+    The rows hold every byte pattern but NaN's (0x7F, 0xFF; e5m2's NaNs and infinities, which a
+    clamped writer never stores), against torch's own conversion of the same bytes."""
+    patterns = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(patterns.view(cache_dtype).float())
+    values = patterns[finite]
+    rows = -(-values.numel() // head_dim)
+    padded = torch.cat((values, torch.zeros(rows * head_dim - values.numel(), dtype=torch.uint8)))
+    v = padded.view(cache_dtype).view(rows, 1, 1, head_dim).expand(rows, BLOCK, 1, head_dim).contiguous()
+    k = torch.zeros_like(v)
+    q = torch.ones(rows, 1, head_dim)
+    tables = torch.arange(rows, dtype=torch.long)[:, None]
+    lens = torch.ones(rows, dtype=torch.long)
+    got = cpu_ops.paged_decode_attention(q, k, v, tables, lens, 1.0, None)
+    assert torch.equal(got[:, 0].flatten(), padded.view(cache_dtype).float())
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, 2.0), (20, 0.5), (None, 50.0)])
 def test_soft_capped_scores_match_the_torch_path(dtype, window, softcap) -> None:
@@ -163,5 +208,9 @@ def test_bad_input_raises_instead_of_reading_out_of_bounds() -> None:
         cpu_ops.paged_decode_attention(q, k, v, batch.block_tables + k.shape[0], batch.seq_lens, 0.2, None)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         cpu_ops.paged_decode_attention(q[:, :3], k, v, batch.block_tables, batch.seq_lens, 0.2, None)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="the cache must be in q's dtype"):
         cpu_ops.paged_decode_attention(q.double(), k, v, batch.block_tables, batch.seq_lens, 0.2, None)
+    with pytest.raises(RuntimeError, match="the cache must be in q's dtype"):
+        cpu_ops.paged_decode_attention(q, k.half(), v.half(), batch.block_tables, batch.seq_lens, 0.2, None)
+    with pytest.raises(RuntimeError, match="K and V caches must share a dtype"):
+        cpu_ops.paged_decode_attention(q, k, v.bfloat16(), batch.block_tables, batch.seq_lens, 0.2, None)

@@ -72,8 +72,9 @@ def _attend_gathered(
     """qg [n, kv_heads, g, d] over the K/V of `block_tables` [n, nb] -> [n, kv_heads, g, d]."""
     num_seqs, kv_heads, _, head_dim = qg.shape
     flat_blocks = block_tables.reshape(-1)
-    k = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2)
+    # A narrower cache (`--kv-cache-dtype`) widens to q's dtype, exactly, after the gather.
+    k = k_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2).to(qg.dtype)
+    v = v_cache.index_select(0, flat_blocks).view(num_seqs, -1, kv_heads, head_dim).transpose(1, 2).to(qg.dtype)
     return sdpa(qg, k, v, mask, scale, softcap)
 
 

@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from quiver_server.kernels.lora_triton import _sm_count
+from quiver_server.kv_cache_dtype import cache_fits
 
 # A window so wide that max(0, n - window) is always 0: "no sliding window" without a branch.
 NO_WINDOW = 2**31 - 1
@@ -122,6 +123,8 @@ def _attend_split_kernel(
         )
         if UPCAST:
             kt = kt.to(tl.float32)
+        else:
+            kt = kt.to(q.dtype)  # a narrower cache (`--kv-cache-dtype`) widens exactly to q's dtype
         scores = tl.dot(q, kt, input_precision=QK_PRECISION) * scale
         if SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
@@ -234,7 +237,7 @@ def paged_decode_attention(
     """Decode attention of q [B, heads, d] over the paged cache (see the module docstring).
 
     k_cache, v_cache [num_blocks, block_size, kv_heads, d] in q's dtype (float32, bfloat16 or
-    float16); block_tables [B, >= blocks needed] and seq_lens [B] (lengths with the new token)
+    float16) or a narrower one (`kv_cache_dtype.CACHE_DTYPES`: bfloat16, float8), widened as read; block_tables [B, >= blocks needed] and seq_lens [B] (lengths with the new token)
     int32 or int64 on q's device; any strides. Returns a new contiguous [B, heads, d] tensor.
     max_seq_len: host bound on seq_lens that only steers the split count (default: table width
     times block size; results never depend on it); num_splits forces the split count, block_n
@@ -246,8 +249,8 @@ def paged_decode_attention(
         raise ValueError(f"cache shapes {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
     if heads % kv_heads != 0:
         raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"q, k_cache and v_cache must share a float32/bfloat16/float16 dtype, got "
+    if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or not cache_fits(q.dtype, k_cache, v_cache):
+        raise ValueError(f"q must be float32/bfloat16/float16 and the caches in its dtype, bfloat16 or float8, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs or seq_lens.shape != (num_seqs,):
         raise ValueError(f"block_tables {tuple(block_tables.shape)} / seq_lens {tuple(seq_lens.shape)} "

@@ -28,8 +28,10 @@ Design (FlashAttention-2 with the cache read in place, as vLLM's unified Triton 
   never read, nor anything past the tile's last position (so never a block outside the table).
   The span is cut into a masked head (keys some row's window excludes), an unmasked middle (keys
   every row sees: <= p_first and > p_last - window) and a masked tail (the causal diagonal).
-- Online softmax in float32 with exp2; P is rounded to V's dtype for the P @ V dot (tensor cores
-  for 16-bit caches), accumulation in float32, output in q's dtype. Rows whose keys in a step are
+- Online softmax in float32 with exp2; P is rounded to q's dtype for the P @ V dot (tensor cores
+  for 16-bit models), accumulation in float32, output in q's dtype. A cache narrower than q
+  (`--kv-cache-dtype`: bfloat16 under float32, float8) is widened to q's dtype as it is read,
+  which is exact. Rows whose keys in a step are
   all masked keep their state: the running max starts at a large finite negative, not -inf.
 - head_dim that is not a power of two is padded to one with masked (zero) lanes.
 
@@ -48,6 +50,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from quiver_server.kv_cache_dtype import cache_fits
 
 LOG2E = 1.4426950408889634
 
@@ -69,11 +73,12 @@ def _attend_keys(
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     MASKED: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, MODEL_DTYPE: tl.constexpr,
 ):
     """Online-softmax update of one tile's rows with keys start, start + BLOCK_N, ... < end.
     MASKED: per-row causal/window masks and keys >= key_limit neither read nor counted;
-    unmasked steps must lie wholly inside every row's window."""
+    unmasked steps must lie wholly inside every row's window. MODEL_DTYPE: q's dtype, which a
+    narrower cache's K and V widen to exactly and P is rounded to for the P @ V dot."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -100,6 +105,8 @@ def _attend_keys(
             v = tl.load(v_ptrs)
         if UPCAST:
             kt = kt.to(tl.float32)
+        else:
+            kt = kt.to(MODEL_DTYPE)
         scores = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:
             scores = _soft_cap(scores, softcap)
@@ -113,10 +120,12 @@ def _attend_keys(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p_v = p.to(v_ptr.dtype.element_ty)
+        p_v = p.to(MODEL_DTYPE)
         if UPCAST:
             p_v = p_v.to(tl.float32)
             v = v.to(tl.float32)
+        else:
+            v = v.to(MODEL_DTYPE)
         acc = tl.dot(p_v, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
@@ -181,18 +190,21 @@ def _paged_prefill_kernel(
         lo, mid_start, hi, scale, softcap, window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST,
+        q_ptr.dtype.element_ty,
     )
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table_row, kv_off_k, kv_off_v,
         mid_start, mid_end, hi, scale, softcap, window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, False, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST,
+        q_ptr.dtype.element_ty,
     )
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, k_ptr, v_ptr, table_row, kv_off_k, kv_off_v,
         mid_end, hi, hi, scale, softcap, window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_SIZE, True, USE_WINDOW, USE_SOFTCAP, DOT_PRECISION, UPCAST,
+        q_ptr.dtype.element_ty,
     )
 
     # Every real row sees at least its own position, so l > 0 there; padding rows are not stored.
@@ -360,8 +372,9 @@ def _check(
         problems.append(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ or are not 4-D")
     elif k_cache.shape[3] != head_dim or heads != tiles.plan.group * k_cache.shape[2]:
         problems.append(f"q {tuple(q.shape)} does not fit the cache's {tuple(k_cache.shape)} (or the tiles' plan)")
-    if not q.dtype == k_cache.dtype == v_cache.dtype:
-        problems.append(f"q, k_cache, v_cache must share a dtype: {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if not cache_fits(q.dtype, k_cache, v_cache):
+        problems.append(f"k_cache and v_cache must be in q's dtype, bfloat16 or float8: {q.dtype}, {k_cache.dtype}, "
+                        f"{v_cache.dtype}")
     if block_tables.dim() != 2 or block_tables.shape[0] < len(seq_lens_host):
         problems.append(f"block_tables {tuple(block_tables.shape)} for {len(seq_lens_host)} sequences")
     if block_tables.dtype not in (torch.int32, torch.int64):

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from quiver_server.kernels.paged_decode_triton import _tanh
+from quiver_server.kv_cache_dtype import cache_fits, float8_limit
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -71,6 +72,20 @@ def _rounded(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
     else:
         rounded = x.to(dtype)
     return rounded
+
+
+@triton.jit
+def _stored(x, cache_dtype: tl.constexpr, CONVERT: tl.constexpr, FP8_MAX: tl.constexpr, BF16_BY_BITS: tl.constexpr):
+    """x (the model's dtype) as the KV cache stores it: itself, or rounded to a narrower cache
+    dtype, clamped to FP8_MAX first for float8 (`kv_cache_dtype.to_cache`)."""
+    if CONVERT:
+        f = x.to(tl.float32)
+        if FP8_MAX > 0:
+            f = tl.minimum(tl.maximum(f, -FP8_MAX), FP8_MAX)
+        stored = _rounded(f, cache_dtype, BF16_BY_BITS)
+    else:
+        stored = x
+    return stored
 
 
 @triton.jit
@@ -112,6 +127,7 @@ def _rotary_kernel(
     stride_wb, stride_ws, stride_wh, stride_wd,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
     WRITE_KV: tl.constexpr, PASS_THROUGH: tl.constexpr, BF16_BY_BITS: tl.constexpr,
+    CONVERT: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -150,14 +166,18 @@ def _rotary_kernel(
         k_rows = h_mask & (h >= heads) & written
         k_base = k_cache_ptr + page * stride_kb + offset * stride_ks + k_head[:, None] * stride_kh
         k_mask = k_rows[:, None] & i_mask[None, :]
-        tl.store(k_base + i[None, :] * stride_kd, out1, mask=k_mask)
-        tl.store(k_base + (i[None, :] + half) * stride_kd, out2, mask=k_mask)
+        cache_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
+        tl.store(k_base + i[None, :] * stride_kd, _stored(out1, cache_dtype, CONVERT, FP8_MAX, BF16_BY_BITS),
+                 mask=k_mask)
+        tl.store(k_base + (i[None, :] + half) * stride_kd,
+                 _stored(out2, cache_dtype, CONVERT, FP8_MAX, BF16_BY_BITS), mask=k_mask)
         if PASS_THROUGH:
             p = 2 * half + tl.arange(0, BLOCK_P)
             p_mask = k_rows[:, None] & (p < head_dim)[None, :]
             tail = tl.load(x_ptr + token * stride_xt + h[:, None].to(tl.int64) * stride_xh + p[None, :] * stride_xd,
                            mask=p_mask, other=0.0)
-            tl.store(k_base + p[None, :] * stride_kd, tail, mask=p_mask)
+            tl.store(k_base + p[None, :] * stride_kd, _stored(tail, cache_dtype, CONVERT, FP8_MAX, BF16_BY_BITS),
+                     mask=p_mask)
         # v heads with the tile's indices (there are fewer v heads than q + k heads: all covered).
         v_head = h.to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
@@ -165,7 +185,8 @@ def _rotary_kernel(
         values = tl.load(v_ptr + token * stride_vt + v_head[:, None] * stride_vh + cols[None, :] * stride_vd,
                          mask=v_mask, other=0.0)
         tl.store(v_cache_ptr + page * stride_wb + offset * stride_ws + v_head[:, None] * stride_wh
-                 + cols[None, :] * stride_wd, values, mask=v_mask)
+                 + cols[None, :] * stride_wd, _stored(values, cache_dtype, CONVERT, FP8_MAX, BF16_BY_BITS),
+                 mask=v_mask)
 
 
 @triton.jit
@@ -311,6 +332,7 @@ def _rotate(
         v, k_cache, v_cache, slots = kv
         block_size = k_cache.shape[1]
         cache_strides = (*k_cache.stride(), *v_cache.stride())
+    convert = k_cache.dtype != x.dtype
     _rotary_kernel[(tokens, triton.cdiv(all_heads, block_h))](
         x, cos, sin, v, k_cache, v_cache, slots,
         all_heads - kv_heads, kv_heads, head_dim, half, block_size,
@@ -319,7 +341,7 @@ def _rotate(
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=triton.next_power_of_2(max(pass_through, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), WRITE_KV=kv is not None,
         PASS_THROUGH=kv is not None and pass_through > 0, BF16_BY_BITS=_bf16_by_bits(x),
-        num_warps=4, enable_fp_fusion=False,
+        CONVERT=convert, FP8_MAX=float8_limit(k_cache.dtype), num_warps=4, enable_fp_fusion=False,
     )
 
 
@@ -345,8 +367,9 @@ def rotary_and_write_kv(
     """One launch for `Attention.store_kv` after the projection: qk [T, heads + kv_heads, D]
     (q heads, then k heads; any strides) rotated in place as `rotary_` does, and the rotated k
     heads and v [T, kv_heads, D] stored into k_cache / v_cache [num_blocks, block_size, kv_heads,
-    D] (any strides, qk's dtype) at slot_mapping [T] (int32 or int64, flat slots as
-    `write_kv`; < 0: not written). Returns qk; q = qk[:, :heads], k = qk[:, heads:]."""
+    D] (any strides; qk's dtype, or a narrower one that `kv_cache_dtype.to_cache` rounds to) at
+    slot_mapping [T] (int32 or int64, flat slots as `write_kv`; < 0: not written). Returns qk;
+    q = qk[:, :heads], k = qk[:, heads:]."""
     if qk.dim() != 3 or v.dim() != 3:
         raise ValueError(f"qk and v must be [T, heads, D], got {tuple(qk.shape)} and {tuple(v.shape)}")
     tokens, all_heads, head_dim = qk.shape
@@ -357,9 +380,9 @@ def rotary_and_write_kv(
     if (k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != expected_cache):
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} must be [blocks, block_size, "
                          f"{kv_heads}, {head_dim}]")
-    if not (qk.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
-        raise ValueError(f"qk, v and the caches must share a dtype, got {qk.dtype}, {v.dtype}, {k_cache.dtype}, "
-                         f"{v_cache.dtype}")
+    if qk.dtype != v.dtype or not cache_fits(qk.dtype, k_cache, v_cache):
+        raise ValueError(f"qk and v must share a dtype, and the caches be in it, bfloat16 or float8; got {qk.dtype}, "
+                         f"{v.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if slot_mapping.shape != (tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"slot_mapping must be int32/int64 [{tokens}], got {slot_mapping.dtype} "
                          f"{tuple(slot_mapping.shape)}")

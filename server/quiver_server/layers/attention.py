@@ -19,15 +19,20 @@ import torch
 
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels.attention_torch import sdpa
+from quiver_server.kv_cache_dtype import FLOAT8_DTYPES, as_stored, to_cache
 
 
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Stores k, v [T, kv_heads, head_dim] at the flat slots `slot_mapping` [T]."""
+    """Stores k, v [T, kv_heads, head_dim] at the flat slots `slot_mapping` [T], rounded to the
+    cache's dtype (`kv_cache_dtype.to_cache`)."""
     _, _, kv_heads, head_dim = k_cache.shape
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    for cache, x in ((k_cache, k), (v_cache, v)):
+        stored = to_cache(x, cache.dtype)
+        if cache.dtype in FLOAT8_DTYPES:  # torch has no float8 index_copy_ on CPU: copy the bytes
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+        cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, stored)
 
 
 def prefill_attention(
@@ -45,7 +50,11 @@ def prefill_attention(
     [T, heads, d], k/v [T, kv_heads, d] are the flattened new tokens (no padding). A sequence
     without a cached context attends to exactly k/v; one with a context (`batch.context_of`)
     reads its keys back from k_cache/v_cache, where `write_kv` has just stored the new ones
-    beside the prefix (so a prefix that another sequence of this pass writes is there too)."""
+    beside the prefix (so a prefix that another sequence of this pass writes is there too).
+    Every key and value is read as the cache holds it: with a narrower cache (`--kv-cache-dtype`)
+    the new tokens' k/v are rounded as stored, so chunking and prefix caching change nothing."""
+    if k_cache is not None and v_cache is not None:
+        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
     out = torch.empty_like(q)
     start = 0
     lengths = batch.seq_lens_host
@@ -100,8 +109,8 @@ def _attend_with_context(
     first_block = begin // block_size
     blocks = block_table[first_block : -(-end // block_size)]
     skip = begin - first_block * block_size
-    ks = k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin]
-    vs = v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin]
+    ks = k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin].to(qs.dtype)
+    vs = v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin].to(qs.dtype)
     # SDPA's is_causal aligns the diagonal top-left when L < S; the queries sit at the end.
     q_pos = torch.arange(context, end, device=qs.device)[:, None]
     k_pos = torch.arange(begin, end, device=qs.device)[None, :]

@@ -8,6 +8,8 @@
 // over the keys 0 .. seq_lens[s] - 1 (the newest one included), restricted to the last `window`
 // keys when window > 0; cap(x) = softcap * tanh(x / softcap) when softcap > 0 (Gemma 2's
 // attention logit soft-capping), else x. Arithmetic is float32 whatever the cache dtype.
+// The cache may be narrower than q (`--kv-cache-dtype`): bfloat16 under a float32 model, or
+// float8 (e4m3 or e5m2) under any; its elements are widened to float32 as they are read.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -29,14 +31,15 @@ namespace {
 // What both kernels read, and how they split the work: an item is one sequence and a run of its
 // KV heads. A sequence is split over its heads only as far as the threads need work (few
 // sequences, e.g. one long prompt's decode).
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 struct DecodeAttention {
   DecodeAttention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                   double softcap, at::Tensor& out)
       : num_seqs(q.size(0)), heads(q.size(1)), head_dim(q.size(2)), block_size(k_cache.size(1)),
         kv_heads(k_cache.size(2)), group(heads / kv_heads), table_width(block_tables.size(1)), window(window),
-        q_data(q.data_ptr<scalar_t>()), k_data(k_cache.data_ptr<scalar_t>()), v_data(v_cache.data_ptr<scalar_t>()),
+        q_data(q.data_ptr<scalar_t>()),
+        k_data(static_cast<const cache_t*>(k_cache.data_ptr())), v_data(static_cast<const cache_t*>(v_cache.data_ptr())),
         tables(block_tables.data_ptr<int64_t>()), lens(seq_lens.data_ptr<int64_t>()),
         out_data(out.data_ptr<scalar_t>()), token_stride(kv_heads * head_dim),  // between offsets of one block
         block_stride(block_size * token_stride), scale_f(static_cast<float>(scale)), capped(softcap > 0),
@@ -54,8 +57,8 @@ struct DecodeAttention {
 
   const int64_t num_seqs, heads, head_dim, block_size, kv_heads, group, table_width, window;
   const scalar_t* q_data;
-  const scalar_t* k_data;
-  const scalar_t* v_data;
+  const cache_t* k_data;
+  const cache_t* v_data;
   const int64_t* tables;
   const int64_t* lens;
   scalar_t* out_data;
@@ -70,8 +73,8 @@ struct DecodeAttention {
 // walks the sequence's keys in position order, all of the item's heads at each position: a cache
 // block stores a position's heads next to each other, so the item reads whole blocks front to
 // back instead of 256-byte pieces 2 KiB apart, which the hardware prefetchers followed poorly.
-template <typename scalar_t>
-void DecodeAttention<scalar_t>::attend() const {
+template <typename scalar_t, typename cache_t>
+void DecodeAttention<scalar_t, cache_t>::attend() const {
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, query, acc, maxima, totals;
     for (int64_t item = begin; item < end; ++item) {
@@ -92,17 +95,17 @@ void DecodeAttention<scalar_t>::attend() const {
       for (int64_t i = 0; i < rows * head_dim; ++i) query[i] = static_cast<float>(q_rows[i]) * scale_f;
       // Visits the keys first .. len - 1 block by block: fn(index from first, the position's
       // row of the item's first KV head).
-      auto for_each_key = [&](const scalar_t* cache, auto&& fn) {
+      auto for_each_key = [&](const cache_t* cache, auto&& fn) {
         for (int64_t block_start = first - first % block_size; block_start < len; block_start += block_size) {
-          const scalar_t* base = cache + table[block_start / block_size] * block_stride + kv_first * head_dim;
+          const cache_t* base = cache + table[block_start / block_size] * block_stride + kv_first * head_dim;
           const int64_t lo = std::max(first, block_start), hi = std::min(len, block_start + block_size);
           for (int64_t pos = lo; pos < hi; ++pos) fn(pos - first, base + (pos - block_start) * token_stride);
         }
       };
-      for_each_key(k_data, [&](int64_t index, const scalar_t* k_rows) {
+      for_each_key(k_data, [&](int64_t index, const cache_t* k_rows) {
         for (int64_t r = 0; r < rows; ++r) {
           const float* qf = query.data() + r * head_dim;
-          const scalar_t* k_row = k_rows + (r / group) * head_dim;
+          const cache_t* k_row = k_rows + (r / group) * head_dim;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qf[d] * static_cast<float>(k_row[d]);
@@ -122,10 +125,10 @@ void DecodeAttention<scalar_t>::attend() const {
         }
         totals[r] = total;
       }
-      for_each_key(v_data, [&](int64_t index, const scalar_t* v_rows) {
+      for_each_key(v_data, [&](int64_t index, const cache_t* v_rows) {
         for (int64_t r = 0; r < rows; ++r) {
           const float weight = scores[r * count + index];
-          const scalar_t* v_row = v_rows + (r / group) * head_dim;
+          const cache_t* v_row = v_rows + (r / group) * head_dim;
           float* af = acc.data() + r * head_dim;
 #pragma omp simd
           for (int64_t d = 0; d < head_dim; ++d) af[d] += weight * static_cast<float>(v_row[d]);
@@ -148,15 +151,15 @@ void DecodeAttention<scalar_t>::attend() const {
 // tile's query rows stay in registers while each key is loaded once, each score is summed as a
 // tree (hsum), the tile's outputs accumulate in registers over the values, and the next block of
 // the table is prefetched (blocks lie anywhere in the cache; the hardware does not follow).
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t>
 template <int kHeadDim>
-void DecodeAttention<scalar_t>::attend_in_registers() const {
+void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
   using quiver_vec::hsum;
   using quiver_vec::load_float;
   using quiver_vec::vfloat;
   using quiver_vec::VL;
   constexpr int kChunks = kHeadDim / VL;
-  constexpr int64_t kRowBytes = kHeadDim * sizeof(scalar_t);
+  constexpr int64_t kRowBytes = kHeadDim * sizeof(cache_t);
   // Registers: the tile's query (or output) rows, plus one key's (or value's) chunks.
   constexpr int kTile = std::max(1, std::min(4, (quiver_vec::kVecRegs - 2 * kChunks) / kChunks));
 
@@ -173,27 +176,27 @@ void DecodeAttention<scalar_t>::attend_in_registers() const {
       scores.resize(kTile * count);
       const int64_t* table = tables + seq * table_width;
       // Asks for a block's rows of KV head `kv` ahead of their use.
-      auto prefetch_block = [&](const scalar_t* cache, int64_t block_index, int64_t kv) {
+      auto prefetch_block = [&](const cache_t* cache, int64_t block_index, int64_t kv) {
         const char* rows = reinterpret_cast<const char*>(cache + table[block_index] * block_stride + kv * kHeadDim);
         for (int64_t pos = 0; pos < block_size; ++pos)
           for (int64_t line = 0; line < kRowBytes; line += 64)
-            __builtin_prefetch(rows + pos * token_stride * sizeof(scalar_t) + line);
+            __builtin_prefetch(rows + pos * token_stride * sizeof(cache_t) + line);
       };
       // fn(index from first, the row of KV head `kv` at that position, n) for runs of n consecutive
       // keys (rows token_stride apart) covering first .. len - 1, one run per block, with the
       // next block on its way while one is read.
-      auto for_each_run = [&](const scalar_t* cache, int64_t kv, auto&& fn) {
+      auto for_each_run = [&](const cache_t* cache, int64_t kv, auto&& fn) {
         const int64_t last_block = (len - 1) / block_size;
         for (int64_t block_start = first - first % block_size; block_start < len; block_start += block_size) {
           const int64_t block_index = block_start / block_size;
-          const scalar_t* base = cache + table[block_index] * block_stride + kv * kHeadDim;
+          const cache_t* base = cache + table[block_index] * block_stride + kv * kHeadDim;
           const int64_t lo = std::max(first, block_start), hi = std::min(len, block_start + block_size);
           if (block_index < last_block) prefetch_block(cache, block_index + 1, kv);
           fn(lo - first, base + (lo - block_start) * token_stride, hi - lo);
         }
       };
-      auto for_each_key = [&](const scalar_t* cache, int64_t kv, auto&& fn) {
-        for_each_run(cache, kv, [&](int64_t index, const scalar_t* row, int64_t n) {
+      auto for_each_key = [&](const cache_t* cache, int64_t kv, auto&& fn) {
+        for_each_run(cache, kv, [&](int64_t index, const cache_t* row, int64_t n) {
           for (int64_t j = 0; j < n; ++j) fn(index + j, row + j * token_stride);
         });
       };
@@ -208,12 +211,12 @@ void DecodeAttention<scalar_t>::attend_in_registers() const {
               const scalar_t* q_row = q_data + (seq * heads + head0 + t) * kHeadDim;
               for (int c = 0; c < kChunks; ++c) rows[t][c] = load_float(q_row + c * VL) * scale_f;
             }
-            auto dot = [&](int t, const scalar_t* k_row) {
+            auto dot = [&](int t, const cache_t* k_row) {
               vfloat sum = rows[t][0] * load_float(k_row);
               for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_float(k_row + c * VL);
               return sum;
             };
-            for_each_run(k_data, kv, [&](int64_t index, const scalar_t* k_rows, int64_t n) {
+            for_each_run(k_data, kv, [&](int64_t index, const cache_t* k_rows, int64_t n) {
               int64_t j = 0;
 #if defined(__AVX512F__)
               // Whole runs of 16 keys: their 16 dot products summed across lanes at once.
@@ -226,7 +229,7 @@ void DecodeAttention<scalar_t>::attend_in_registers() const {
               }
 #endif
               for (; j < n; ++j) {
-                const scalar_t* k_row = k_rows + j * token_stride;
+                const cache_t* k_row = k_rows + j * token_stride;
                 for (int t = 0; t < kRows; ++t) scores[t * count + index + j] = hsum(dot(t, k_row));
               }
             });
@@ -248,7 +251,7 @@ void DecodeAttention<scalar_t>::attend_in_registers() const {
             }
             for (int t = 0; t < kRows; ++t)
               for (int c = 0; c < kChunks; ++c) rows[t][c] = vfloat{};
-            for_each_key(v_data, kv, [&](int64_t index, const scalar_t* v_row) {
+            for_each_key(v_data, kv, [&](int64_t index, const cache_t* v_row) {
               vfloat value[kChunks];
               for (int c = 0; c < kChunks; ++c) value[c] = load_float(v_row + c * VL);
               for (int t = 0; t < kRows; ++t) {
@@ -284,8 +287,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q must be [B, heads, d] and the caches [blocks, block_size, kv_heads, d]");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q and the caches must be contiguous");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
+  const auto cache_type = k_cache.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == cache_type, "the K and V caches must share a dtype");
+  TORCH_CHECK(cache_type == q.scalar_type() ||
+                  (q.scalar_type() != at::kDouble &&
+                   (cache_type == at::kBFloat16 || cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2)),
+              "the cache must be in q's dtype, bfloat16 or float8 (e4m3fn, e5m2), got ", cache_type, " under ",
+              q.scalar_type());
   TORCH_CHECK(softcap >= 0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
               "head_dim differs, or heads is not a multiple of kv_heads");
@@ -310,14 +318,27 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   }
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode_attention", [&] {
-    const DecodeAttention<scalar_t> attention(q, k_cache, v_cache, tables, lens, scale, window, softcap, out);
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      attention.attend();
-    } else {
-      switch (q.size(2)) {
-        case 64: attention.template attend_in_registers<64>(); break;
-        case 128: attention.template attend_in_registers<128>(); break;
-        default: attention.attend();
+    auto run = [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      const DecodeAttention<scalar_t, cache_t> attention(q, k_cache, v_cache, tables, lens, scale, window, softcap,
+                                                         out);
+      if constexpr (std::is_same_v<scalar_t, double>) {
+        attention.attend();
+      } else {
+        switch (q.size(2)) {
+          case 64: attention.template attend_in_registers<64>(); break;
+          case 128: attention.template attend_in_registers<128>(); break;
+          default: attention.attend();
+        }
+      }
+    };
+    if (cache_type == q.scalar_type()) {
+      run(scalar_t{});
+    } else if constexpr (!std::is_same_v<scalar_t, double>) {
+      switch (cache_type) {
+        case at::kBFloat16: run(c10::BFloat16{}); break;
+        case at::kFloat8_e4m3fn: run(c10::Float8_e4m3fn{}); break;
+        default: run(c10::Float8_e5m2{});
       }
     }
   });

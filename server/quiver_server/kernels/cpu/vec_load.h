@@ -1,11 +1,14 @@
-// Loads of one vector of float32 from float32, bfloat16 or float16 storage, and its horizontal
-// sum, for kernels that read 16-bit caches or weights into float32 arithmetic (vec_f32.h).
+// Loads of one vector of float32 from float32, bfloat16, float16 or float8 (e4m3fn, e5m2)
+// storage, and its horizontal sum, for kernels that read 16- or 8-bit caches or weights into
+// float32 arithmetic (vec_f32.h).
 // Intrinsics rather than GCC's vector conversions, which it scalarised.
 #pragma once
 
 #include <immintrin.h>
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include "vec_f32.h"
@@ -29,6 +32,53 @@ inline vfloat load_float(const c10::Half* p) {
   return (vfloat)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
   return (vfloat)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  float lanes[VL];
+  for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]);
+  return vload(lanes);
+#endif
+}
+
+// float8 goes through float16, whose conversion to float32 is one instruction (F16C). e5m2 is
+// float16's upper byte. e4m3fn's sign, exponent and mantissa bits, moved into float16's fields
+// (the exponent's top bit left clear), make a float16 of the same bits under a bias 8 larger,
+// normal and subnormal values alike: the float32 of that, times 2^8, is the value. (The NaN
+// pattern 0x7F reads as 480; the writers never store NaN: `kv_cache_dtype.to_cache` clamps.)
+#if defined(__AVX512F__)
+inline __m256i float8_lanes(const void* p) {  // VL bytes -> VL 16-bit lanes
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat half_lanes_to_float(__m256i h) { return (vfloat)_mm512_cvtph_ps(h); }
+inline __m256i e4m3_to_half(__m256i w) {
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
+}
+inline __m256i e5m2_to_half(__m256i w) { return _mm256_slli_epi16(w, 8); }
+#elif defined(__F16C__)
+inline __m128i float8_lanes(const void* p) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vfloat half_lanes_to_float(__m128i h) { return (vfloat)_mm256_cvtph_ps(h); }
+inline __m128i e4m3_to_half(__m128i w) {
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
+}
+inline __m128i e5m2_to_half(__m128i w) { return _mm_slli_epi16(w, 8); }
+#endif
+
+inline vfloat load_float(const c10::Float8_e4m3fn* p) {
+#if defined(__AVX512F__) || defined(__F16C__)
+  return half_lanes_to_float(e4m3_to_half(float8_lanes(p))) * 256.f;
+#else
+  float lanes[VL];
+  for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]);
+  return vload(lanes);
+#endif
+}
+
+inline vfloat load_float(const c10::Float8_e5m2* p) {
+#if defined(__AVX512F__) || defined(__F16C__)
+  return half_lanes_to_float(e5m2_to_half(float8_lanes(p)));
 #else
   float lanes[VL];
   for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]);
