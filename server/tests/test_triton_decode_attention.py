@@ -159,6 +159,22 @@ def test_matches_float64_and_the_torch_path(dtype, heads, kv_heads, head_dim, bl
         assert_within(result, exact, bound)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.float16, torch.float8_e5m2),
+])
+@pytest.mark.parametrize("head_dim,window", [(64, None), (80, 20)])
+def test_a_narrower_cache_is_read_as_torch_widens_it(dtype, cache_dtype, head_dim, window) -> None:
+    """`--kv-cache-dtype`: bfloat16 or float8 caches under float32 or 16-bit queries, against
+    float64 attention of the cache's values as torch converts them, whole and split."""
+    case = Case(LENGTHS, 8, 2, head_dim, 16, dtype, seed=head_dim + 3)
+    case.k, case.v = case.k.to(cache_dtype), case.v.to(cache_dtype)
+    scale = head_dim**-0.5
+    exact, bound = case.exact_and_bound(scale, window, splits=3)
+    for splits in (1, 3):
+        assert_within(case.triton(scale, window, num_splits=splits), exact, bound)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,softcap", [(None, 2.0), (20, 0.5), (None, 50.0)])
 def test_soft_capped_scores(dtype, window, softcap) -> None:
@@ -255,8 +271,12 @@ def test_bad_input_raises() -> None:
     q, k, v, table, lens = case.q, case.k, case.v, case.table, case.seq_lens
     with pytest.raises(ValueError, match="multiple of kv_heads"):
         paged_decode_attention(q[:, :3], k, v, table, lens, 0.2)
-    with pytest.raises(ValueError, match="share a"):
+    with pytest.raises(ValueError, match="caches in its dtype, bfloat16 or float8"):
         paged_decode_attention(q.double(), k, v, table, lens, 0.2)
+    with pytest.raises(ValueError, match="caches in its dtype, bfloat16 or float8"):
+        paged_decode_attention(q, k.half(), v.half(), table, lens, 0.2)
+    with pytest.raises(ValueError, match="caches in its dtype, bfloat16 or float8"):
+        paged_decode_attention(q, k, v.bfloat16(), table, lens, 0.2)
     with pytest.raises(ValueError, match="cache shapes"):
         paged_decode_attention(q[..., :16], k, v, table, lens, 0.2)
     with pytest.raises(ValueError, match="sequences"):

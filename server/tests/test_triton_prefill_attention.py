@@ -72,10 +72,12 @@ class Case:
 def make_case(
     lens: list[int], contexts: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
     block_size: int, seed: int, fused_q: bool = False, nan_outside: int | None = None,
+    cache_dtype: torch.dtype | None = None,
 ) -> Case:
     """nan_outside: NaN in every cache slot no sequence may read (blocks outside the tables, the
     unwritten tail of each last block, and the prefix before the earliest key a window of that
-    size lets the sequence's first new token see); 0 = no window."""
+    size lets the sequence's first new token see); 0 = no window. cache_dtype: caches narrower
+    than q (`--kv-cache-dtype`); the new tokens' K/V are written into them rounded."""
     gen = torch.Generator().manual_seed(seed)
     totals = [c + n for c, n in zip(contexts, lens, strict=True)]
     owned = [-(-t // block_size) for t in totals]
@@ -88,8 +90,8 @@ def make_case(
     for s, count in enumerate(owned):
         table[s, :count] = order[used : used + count]
         used += count
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype or dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype or dtype)
     if nan_outside is not None:
         readable = torch.zeros(num_blocks, block_size, dtype=torch.bool)
         for s, total in enumerate(totals):
@@ -207,6 +209,24 @@ def test_ragged_batch_matches_float64_and_the_torch_path(
     check(torch_path(case, scale, None), exact, bound)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.float16, torch.float8_e5m2),
+])
+@pytest.mark.parametrize("window", [None, 8])
+def test_a_narrower_cache_is_read_as_torch_widens_it(dtype, cache_dtype, window) -> None:
+    """`--kv-cache-dtype`: every key, the new tokens' included, is read as the cache holds it
+    (float64 attention of the cache's values as torch converts them), on the kernel and on the
+    torch path, which rounds the new tokens' k/v as stored."""
+    case = make_case(LENS, CONTEXTS, 4, 2, 64, dtype, 16, seed=11, cache_dtype=cache_dtype)
+    assert case.k_cache.dtype == cache_dtype
+    scale = 64**-0.5
+    exact, bound = exact_and_bound(case, scale, window)
+    check(run_kernel(case, scale, window, config=SMALL_TILES), exact, bound)
+    check(prefill_attention(case.q.float(), case.new_k.float(), case.new_v.float(), case.batch, scale, window,
+                            case.k_cache, case.v_cache), exact, bound)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,config", [(8, SMALL_TILES), (17, DEFAULT_TILES), (20, SMALL_TILES)])
 def test_sliding_window_shorter_than_the_sequences(dtype, window, config) -> None:
@@ -296,8 +316,10 @@ def test_bad_input_raises() -> None:
     case = make_case([4, 9], [0, 5], 4, 2, 32, torch.float32, 16, seed=3)
     with pytest.raises(ValueError, match="rows"):
         paged_prefill_attention(case.q, case.k_cache, case.v_cache, case.table, [4, 8], [0, 5], 0.2)
-    with pytest.raises(ValueError, match="share a dtype"):
+    with pytest.raises(ValueError, match="in q's dtype, bfloat16 or float8"):
         paged_prefill_attention(case.q.double(), case.k_cache, case.v_cache, case.table, [4, 9], [0, 5], 0.2)
+    with pytest.raises(ValueError, match="in q's dtype, bfloat16 or float8"):
+        paged_prefill_attention(case.q, case.k_cache.half(), case.v_cache.half(), case.table, [4, 9], [0, 5], 0.2)
     with pytest.raises(ValueError, match="not a multiple"):
         paged_prefill_attention(case.q[:, :3], case.k_cache, case.v_cache, case.table, [4, 9], [0, 5], 0.2)
     with pytest.raises(ValueError, match="context lengths"):

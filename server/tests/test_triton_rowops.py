@@ -188,8 +188,12 @@ class RotaryCase:
         split = self.heads + self.kv_heads
         return qkv[:, :split], qkv[:, split:], kv[:, 0], kv[:, 1]
 
-    def triton(self, slot_dtype: torch.dtype = torch.long) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, kv = self.qkv.clone().to(DEVICE), self.kv.clone().to(DEVICE)
+    def triton(self, slot_dtype: torch.dtype = torch.long,
+               cache_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cache_dtype: caches narrower than the model's (`--kv-cache-dtype`), holding the
+        initial values as rounded (`rounded_to`)."""
+        kv = self.kv if cache_dtype is None else rounded_to(self.kv, cache_dtype)
+        qkv, kv = self.qkv.clone().to(DEVICE), kv.clone().to(DEVICE)
         qk, v, k_cache, v_cache = self.parts(qkv, kv)
         assert qk.numel() == 0 or not (qk.is_contiguous() or k_cache.is_contiguous())
         returned = rotary_and_write_kv(qk, v, self.cos.to(DEVICE), self.sin.to(DEVICE), k_cache, v_cache,
@@ -208,6 +212,31 @@ class RotaryCase:
         k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()  # write_kv views them flat
         write_kv(k_cache, v_cache, qk[real, self.heads :], v[real], self.slots[real])
         return qkv, torch.stack((k_cache, v_cache), dim=1)
+
+
+def rounded_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache in `dtype` holds it: rounded to nearest, float8 saturated at its largest value."""
+    limit = torch.finfo(dtype).max
+    return x.clamp(-limit, limit).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float8_e4m3fn), (torch.bfloat16, torch.float8_e4m3fn),
+    (torch.float16, torch.float8_e5m2),
+])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (80, 48)])
+def test_rotary_and_kv_write_round_into_a_narrower_cache(dtype, cache_dtype, head_dim, rotary_dim) -> None:
+    """`--kv-cache-dtype`: q and k turn as in the model's own dtype; the cache receives the
+    turned k and v rounded to its dtype, clamped where they pass float8's range."""
+    case = RotaryCase(9, 4, 2, head_dim, rotary_dim, 16, dtype, seed=head_dim + rotary_dim)
+    case.qkv *= 150  # values past e4m3's 448 (and e5m2's range is not reached in float16)
+    qkv, kv = case.triton(cache_dtype=cache_dtype)
+    want_qkv, want_kv = case.torch_path()
+    assert torch.equal(qkv, want_qkv)
+    assert kv.dtype == cache_dtype
+    assert torch.equal(kv.float(), rounded_to(want_kv, cache_dtype).float())
+    if cache_dtype == torch.float8_e4m3fn:
+        assert (want_kv.abs() > 448).any() and kv.float().abs().max() == 448
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -20,6 +20,7 @@ rd(v) below is v rounded to the input dtype (to nearest, ties to even: a no-op i
       x[R/2:R] = rd(rd(x2 * cos[R/2:]) + rd(x1 * sin[R/2:]))
       k_cache[slot // B, slot % B] = rotated k (all D columns), v_cache[...] = v, slot =
       slot_mapping[t]; a token with slot < 0 (a padding row of a CUDA-graph batch) writes nothing.
+      A narrower cache (`--kv-cache-dtype`) gets both rounded to its dtype, float8 clamped first.
   `rotary_(x, cos, sin)` is the same rotation without the cache write.
 - `gated_activation(gate_up, kind)`, grid (T, column tiles): [T, 2I] = [gate | up] ->
   rd(rd(act(gate)) * up) [T, I], act = silu: g / (1 + exp(-g)), or gelu_tanh:
@@ -37,7 +38,7 @@ the residual add give torch's bits in float32 as well; divisions and square root
 ones (`div_rn`, `sqrt_rn`), not the approximate defaults. Sums (of squares, of exps) run in
 another order than torch's and exp/tanh are other approximations: there the tests hold both to a
 float64 bound. Under Triton's CPU interpreter a float32 -> bfloat16 conversion truncates
-(3.9.0), so there rd rounds by hand (`BF16_BY_BITS`).
+(3.9.0) and a float8 one drops a rounding's carry, so there rd rounds by hand (`BF16_BY_BITS`).
 """
 
 from __future__ import annotations
@@ -62,13 +63,32 @@ GREEDY_BLOCK_V = 4096
 
 
 @triton.jit
+def _float8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: tl.constexpr):
+    """float32 x (within the format's range) rounded to nearest even on a float8 format's grid,
+    in float32: MANTISSA bits above MIN_NORMAL, steps of QUANTUM below it (its subnormals)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    drop: tl.constexpr = 23 - MANTISSA
+    normal = (((bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) >> drop) << drop).to(tl.float32, bitcast=True)
+    # 1.5 * 2^23 added and taken away rounds a float32 below 2^22 to an integer, ties to even.
+    subnormal = ((x * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
+    return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal)
+
+
+@triton.jit
 def _rounded(x, dtype: tl.constexpr, BF16_BY_BITS: tl.constexpr):
-    """float32 x rounded to `dtype` to nearest even, as a tensor of `dtype`."""
+    """float32 x rounded to `dtype` to nearest even, as a tensor of `dtype` (float8: x within
+    its range)."""
     if BF16_BY_BITS and dtype == tl.bfloat16:
         # The interpreter's conversion truncates: round the float32 bits, then convert exactly.
         bits = x.to(tl.uint32, bitcast=True)
         bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
         rounded = tl.where(x != x, x, bits.to(tl.float32, bitcast=True)).to(dtype)
+    elif BF16_BY_BITS and dtype == tl.float8e4nv:
+        # The interpreter's float8 conversion loses a rounding's carry into the exponent (1.95
+        # becomes 1) and rounds ties away: round on the grid first, then convert exactly.
+        rounded = _float8_grid(x, 3, 2.0**-6, 2.0**-9).to(dtype)
+    elif BF16_BY_BITS and dtype == tl.float8e5:
+        rounded = _float8_grid(x, 2, 2.0**-14, 2.0**-16).to(dtype)
     else:
         rounded = x.to(dtype)
     return rounded
