@@ -155,13 +155,19 @@ template <typename scalar_t, typename cache_t>
 template <int kHeadDim>
 void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
   using quiver_vec::hsum;
+  using quiver_vec::kLoadScale;
   using quiver_vec::load_float;
+  using quiver_vec::load_scaled;
   using quiver_vec::vfloat;
   using quiver_vec::VL;
   constexpr int kChunks = kHeadDim / VL;
   constexpr int64_t kRowBytes = kHeadDim * sizeof(cache_t);
   // Registers: the tile's query (or output) rows, plus one key's (or value's) chunks.
   constexpr int kTile = std::max(1, std::min(4, (quiver_vec::kVecRegs - 2 * kChunks) / kChunks));
+  // Keys and values are read as `load_scaled` gives them (float8 e4m3 at 2^-8 of its value): the
+  // queries carry the factor into the scores, the normaliser takes it out of the outputs. Both
+  // are powers of two, so every rounding stays where it was.
+  const float query_scale = scale_f * kLoadScale<cache_t>;
 
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -209,11 +215,11 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
             vfloat rows[kRows][kChunks];
             for (int t = 0; t < kRows; ++t) {
               const scalar_t* q_row = q_data + (seq * heads + head0 + t) * kHeadDim;
-              for (int c = 0; c < kChunks; ++c) rows[t][c] = load_float(q_row + c * VL) * scale_f;
+              for (int c = 0; c < kChunks; ++c) rows[t][c] = load_float(q_row + c * VL) * query_scale;
             }
             auto dot = [&](int t, const cache_t* k_row) {
-              vfloat sum = rows[t][0] * load_float(k_row);
-              for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_float(k_row + c * VL);
+              vfloat sum = rows[t][0] * load_scaled(k_row);
+              for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_scaled(k_row + c * VL);
               return sum;
             };
             for_each_run(k_data, kv, [&](int64_t index, const cache_t* k_rows, int64_t n) {
@@ -247,13 +253,13 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
                 sp[i] = quiver::fast_exp(sp[i] - max_score);
                 total += sp[i];
               }
-              inverse[t] = 1.f / total;
+              inverse[t] = kLoadScale<cache_t> / total;
             }
             for (int t = 0; t < kRows; ++t)
               for (int c = 0; c < kChunks; ++c) rows[t][c] = vfloat{};
             for_each_key(v_data, kv, [&](int64_t index, const cache_t* v_row) {
               vfloat value[kChunks];
-              for (int c = 0; c < kChunks; ++c) value[c] = load_float(v_row + c * VL);
+              for (int c = 0; c < kChunks; ++c) value[c] = load_scaled(v_row + c * VL);
               for (int t = 0; t < kRows; ++t) {
                 const float weight = scores[t * count + index];
                 for (int c = 0; c < kChunks; ++c) rows[t][c] += weight * value[c];

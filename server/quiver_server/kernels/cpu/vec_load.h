@@ -40,50 +40,65 @@ inline vfloat load_float(const c10::Half* p) {
 }
 
 // float8 goes through float16, whose conversion to float32 is one instruction (F16C). e5m2 is
-// float16's upper byte. e4m3fn's sign, exponent and mantissa bits, moved into float16's fields
-// (the exponent's top bit left clear), make a float16 of the same bits under a bias 8 larger,
-// normal and subnormal values alike: the float32 of that, times 2^8, is the value. (The NaN
-// pattern 0x7F reads as 480; the writers never store NaN: `kv_cache_dtype.to_cache` clamps.)
+// float16's upper byte. e4m3fn's byte, sign-extended to 16 bits and shifted left by 7, has its
+// sign, exponent and mantissa in float16's fields but for a copy of the sign in the exponent's top
+// bit, which one AND clears: a float16 of the same bits under a bias 8 larger, normal and
+// subnormal values alike, i.e. the value times 2^-8. `load_scaled` returns that; `load_float`
+// multiplies by kLoadScale = 2^8, and kernels that can fold the factor into a scale they apply
+// anyway skip the product. (The NaN pattern 0x7F reads as 480; the writers never store NaN:
+// `kv_cache_dtype.to_cache` clamps.)
 #if defined(__AVX512F__)
-inline __m256i float8_lanes(const void* p) {  // VL bytes -> VL 16-bit lanes
-  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+inline __m256i e4m3_to_half(const void* p) {  // VL bytes -> VL float16 lanes, times 2^-8
+  const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(static_cast<short>(0xBF80)));
+}
+inline __m256i e5m2_to_half(const void* p) {
+  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
 }
 inline vfloat half_lanes_to_float(__m256i h) { return (vfloat)_mm512_cvtph_ps(h); }
-inline __m256i e4m3_to_half(__m256i w) {
-  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                         _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7F)), 7));
-}
-inline __m256i e5m2_to_half(__m256i w) { return _mm256_slli_epi16(w, 8); }
 #elif defined(__F16C__)
-inline __m128i float8_lanes(const void* p) {
-  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+inline __m128i e4m3_to_half(const void* p) {
+  const __m128i w = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(static_cast<short>(0xBF80)));
+}
+inline __m128i e5m2_to_half(const void* p) {
+  return _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))), 8);
 }
 inline vfloat half_lanes_to_float(__m128i h) { return (vfloat)_mm256_cvtph_ps(h); }
-inline __m128i e4m3_to_half(__m128i w) {
-  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                      _mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x7F)), 7));
-}
-inline __m128i e5m2_to_half(__m128i w) { return _mm_slli_epi16(w, 8); }
 #endif
 
-inline vfloat load_float(const c10::Float8_e4m3fn* p) {
+// The factor between a stored element and what `load_scaled` returns of it.
+template <typename T>
+inline constexpr float kLoadScale = 1.f;
+template <>
+inline constexpr float kLoadScale<c10::Float8_e4m3fn> = 256.f;
+
+inline vfloat load_scaled(const c10::Float8_e4m3fn* p) {
 #if defined(__AVX512F__) || defined(__F16C__)
-  return half_lanes_to_float(e4m3_to_half(float8_lanes(p))) * 256.f;
+  return half_lanes_to_float(e4m3_to_half(p));
 #else
   float lanes[VL];
-  for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]);
+  for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]) * (1.f / 256.f);
   return vload(lanes);
 #endif
 }
+
+inline vfloat load_float(const c10::Float8_e4m3fn* p) { return load_scaled(p) * kLoadScale<c10::Float8_e4m3fn>; }
 
 inline vfloat load_float(const c10::Float8_e5m2* p) {
 #if defined(__AVX512F__) || defined(__F16C__)
-  return half_lanes_to_float(e5m2_to_half(float8_lanes(p)));
+  return half_lanes_to_float(e5m2_to_half(p));
 #else
   float lanes[VL];
   for (int i = 0; i < VL; ++i) lanes[i] = static_cast<float>(p[i]);
   return vload(lanes);
 #endif
+}
+
+// Every other storage type: load_float itself (kLoadScale 1).
+template <typename T>
+inline vfloat load_scaled(const T* p) {
+  return load_float(p);
 }
 
 // The sum of the lanes, halving the vector each step (a tree: a dependent chain of log2(VL)
