@@ -61,6 +61,7 @@ GPU_SHARD_TESTS = (
     "server/tests/test_moe_grouped.py",
     "server/tests/test_lora_kernels.py",
     "server/tests/test_engine_device.py",
+    "server/tests/test_kv_cache_dtype.py",
     "-k", "not cpu",
 )
 SHARD_TEST_GLOBS = ("test_*triton*.py", "test_*paged*.py", "test_*attention*.py", "test_*graph*.py",

@@ -1,7 +1,8 @@
 """`make bench`'s quantization block (issue 28): the demo model (SmolLM2-135M-Instruct) served by
 quiver with its projections in float32, bfloat16, int8 and int4 (`--quantize`, with float32 and
 bfloat16 activations; int4 also in groups of 32), and from the wheel's own Q4_1 GGUF file
-(`--model-id file.gguf`), each stack up side by side, repeats alternating between them.
+(`--model-id file.gguf`), and over a float8 KV cache (`--kv-cache-dtype fp8`) in float32 and
+bfloat16, each stack up side by side, repeats alternating between them.
 
 Per configuration: 1, 8 and 32 streams on the base and 32 on the demo adapter, chat prompts of
 realistic lengths (real_prompts.py), `--max-tokens` tokens each (ignore_eos); the weights'
@@ -39,12 +40,15 @@ class Config:
     quantize: str | None = None
     group_size: int | None = None  # --quantize-group-size (int4); None: the default, 128
     gguf: bool = False
+    kv_cache_dtype: str | None = None  # --kv-cache-dtype; None: the model's dtype
 
 
 CONFIGS = [Config("float32", "float32"), Config("bfloat16", "bfloat16"),
            Config("float32-int8", "float32", "int8"), Config("float32-int4", "float32", "int4"),
            Config("float32-int4-g32", "float32", "int4", 32),
-           Config("bfloat16-int8", "bfloat16", "int8"), Config("bfloat16-int4", "bfloat16", "int4")]
+           Config("bfloat16-int8", "bfloat16", "int8"), Config("bfloat16-int4", "bfloat16", "int4"),
+           Config("float32-kv-fp8", "float32", kv_cache_dtype="fp8"),
+           Config("bfloat16-kv-fp8", "bfloat16", kv_cache_dtype="fp8")]
 REFERENCE = "bfloat16"
 
 
@@ -60,6 +64,8 @@ def _stack(config: Config, demo: Path, model_id: str, prompts: list[list[int]], 
         extra += ["--quantize", config.quantize]
     if config.group_size:
         extra += ["--quantize-group-size", str(config.group_size)]
+    if config.kv_cache_dtype:
+        extra += ["--kv-cache-dtype", config.kv_cache_dtype]
     return Stack(StackConfig(
         model_id=model_id, served_model_name=BASE, dtype=config.dtype, device="cpu", cpu_kv_cache_gib=1.0,
         max_total_tokens=max(len(p) for p in prompts) + max(max_tokens, real_model.AGREEMENT_MAX_TOKENS) + 16,
@@ -130,6 +136,7 @@ def run(model_root: Path, repeats: int, max_tokens: int, requests_per_client: in
         scenarios = {s: with_median(load.best_of(r)[0]) for s, r in runs[config.name].items()}
         block[config.name].update({
             "dtype": config.dtype, "quantize": config.quantize, "group_size": config.group_size, "gguf": config.gguf,
+            "kv_cache_dtype": config.kv_cache_dtype or "auto",
             "scenarios": scenarios,
             "perplexity_to_bfloat16": round(block[config.name]["perplexity"]["perplexity"] / reference_ppl, 4),
             "greedy_agreement_with_bfloat16": real_model.agreement(answers[config.name], answers[REFERENCE]),

@@ -171,6 +171,7 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
 
   at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
+    std::vector<float> widened(block_size * kHeadDim);  // one block's keys as float32
     alignas(64) float staged[kHeadDim];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t seq = item / items_per_seq;
@@ -217,26 +218,40 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
               const scalar_t* q_row = q_data + (seq * heads + head0 + t) * kHeadDim;
               for (int c = 0; c < kChunks; ++c) rows[t][c] = load_float(q_row + c * VL) * query_scale;
             }
-            auto dot = [&](int t, const cache_t* k_row) {
+            auto dot = [&](int t, const auto* k_row) {
               vfloat sum = rows[t][0] * load_scaled(k_row);
               for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_scaled(k_row + c * VL);
               return sum;
             };
-            for_each_run(k_data, kv, [&](int64_t index, const cache_t* k_rows, int64_t n) {
+            // The scores of n keys from k_rows, `stride` elements apart, at index onwards.
+            auto score_run = [&](int64_t index, const auto* k_rows, int64_t stride, int64_t n) {
               int64_t j = 0;
 #if defined(__AVX512F__)
               // Whole runs of 16 keys: their 16 dot products summed across lanes at once.
               for (; j + 16 <= n; j += 16) {
                 for (int t = 0; t < kRows; ++t) {
                   vfloat dots[16];
-                  for (int i = 0; i < 16; ++i) dots[i] = dot(t, k_rows + (j + i) * token_stride);
+                  for (int i = 0; i < 16; ++i) dots[i] = dot(t, k_rows + (j + i) * stride);
                   quiver_vec::vstore(scores.data() + t * count + index + j, quiver_vec::lane_sums(dots));
                 }
               }
 #endif
               for (; j < n; ++j) {
-                const cache_t* k_row = k_rows + j * token_stride;
+                const auto* k_row = k_rows + j * stride;
                 for (int t = 0; t < kRows; ++t) scores[t * count + index + j] = hsum(dot(t, k_row));
+              }
+            };
+            for_each_run(k_data, kv, [&](int64_t index, const cache_t* k_rows, int64_t n) {
+              if constexpr (kRows > 1 && !std::is_same_v<cache_t, float>) {
+                // Each key widened once, into L1, rather than once per query row: the rows read
+                // float32 back (float8's widening is five instructions a vector, bfloat16's two).
+                for (int64_t j = 0; j < n; ++j)
+                  for (int c = 0; c < kChunks; ++c)
+                    quiver_vec::vstore(widened.data() + j * kHeadDim + c * VL,
+                                       load_scaled(k_rows + j * token_stride + c * VL));
+                score_run(index, widened.data(), int64_t{kHeadDim}, n);
+              } else {
+                score_run(index, k_rows, token_stride, n);
               }
             });
             float inverse[kRows];
