@@ -10,6 +10,8 @@ Ops registered as `torch.ops.quiver_cpu.*`:
   that read their adapter's weights once (the torch path runs a matmul pair per segment and part);
 - `rms_norm`, `silu_and_mul`, `rotary_`: one pass each where torch makes 3-6 (elementwise.cpp);
 - `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp);
+- `float8_grid_`, `widen_float8`: a float8 KV cache's rounding and widening in one vector pass
+  each, where torch's e4m3 conversion is a scalar loop (kv_float8.cpp);
 - `linear_quant`: weight-only int8/int4 projections, dequantized in registers (linear_quant.cpp,
   driven by `quant_gemm`).
 
@@ -32,12 +34,15 @@ from pathlib import Path
 
 import torch
 
+from quiver_server import kv_cache_dtype
+from quiver_server.kv_cache_dtype import FLOAT8_DTYPES
+
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "linear_quant.cpp",
                         "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp", "greedy.cpp",
-                        "build_info.cpp")]
+                        "kv_float8.cpp", "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp
@@ -232,6 +237,21 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     """Rotates x [T, heads, D] in place by cos, sin [T, D]; returns x."""
     torch.ops.quiver_cpu.rotary_(x, cos, sin)
     return x
+
+
+def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`kv_cache_dtype.as_stored`: x as a cache in `dtype` holds it, in x's dtype (a new tensor
+    for a float8 cache, rounded in one pass)."""
+    if dtype not in FLOAT8_DTYPES or x.dtype == dtype:
+        return kv_cache_dtype.as_stored(x, dtype)
+    return torch.ops.quiver_cpu.float8_grid_(x.clone(memory_format=torch.contiguous_format), dtype)
+
+
+def widen(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """cache values in `dtype`, exactly (float8 widened in one pass, anything else by torch)."""
+    if cache.dtype not in FLOAT8_DTYPES or cache.dtype == dtype:
+        return cache.to(dtype)
+    return torch.ops.quiver_cpu.widen_float8(cache.contiguous(), dtype)
 
 
 def lora_bgmv(

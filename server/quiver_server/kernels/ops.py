@@ -186,6 +186,16 @@ class CpuKernelOps(KernelOps):
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cpu_ops.greedy_logprob(logits)  # one fused pass per row
 
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float,
+        sliding_window: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None = None,
+    ) -> torch.Tensor:
+        from quiver_server.layers.attention import prefill_attention  # the layer imports the ops
+
+        # A float8 cache's rounding and widening in one vector pass each (torch's are scalar).
+        return prefill_attention(q, k, v, batch, scale, sliding_window, k_cache, v_cache, softcap,
+                                 held=cpu_ops.as_stored, widen=cpu_ops.widen)
+
 
 @dataclass(frozen=True)
 class TritonKernelOps(KernelOps):

@@ -15,6 +15,8 @@ soft-capping c (Gemma 2), the scores q . k * scale become c * tanh(scores / c) b
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from quiver_server.forward_batch import ForwardBatch
@@ -45,6 +47,8 @@ def prefill_attention(
     k_cache: torch.Tensor | None = None,
     v_cache: torch.Tensor | None = None,
     softcap: float | None = None,
+    held: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = as_stored,
+    widen: Callable[[torch.Tensor, torch.dtype], torch.Tensor] = torch.Tensor.to,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its prefix and themselves. q
     [T, heads, d], k/v [T, kv_heads, d] are the flattened new tokens (no padding). A sequence
@@ -52,9 +56,11 @@ def prefill_attention(
     reads its keys back from k_cache/v_cache, where `write_kv` has just stored the new ones
     beside the prefix (so a prefix that another sequence of this pass writes is there too).
     Every key and value is read as the cache holds it: with a narrower cache (`--kv-cache-dtype`)
-    the new tokens' k/v are rounded as stored, so chunking and prefix caching change nothing."""
+    the new tokens' k/v are rounded as stored, so chunking and prefix caching change nothing.
+    held(x, cache dtype): x as the cache holds it; widen(cache values, q's dtype): exactly (the
+    C++ ops pass faster forms of both for float8)."""
     if k_cache is not None and v_cache is not None:
-        k, v = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
+        k, v = held(k, k_cache.dtype), held(v, v_cache.dtype)
     out = torch.empty_like(q)
     start = 0
     lengths = batch.seq_lens_host
@@ -74,7 +80,7 @@ def prefill_attention(
         if context > 0:
             assert k_cache is not None and v_cache is not None and batch.block_tables is not None
             o = _attend_with_context(qs, k_cache, v_cache, batch.block_tables[sequence], context, scale,
-                                     sliding_window, softcap)
+                                     sliding_window, softcap, widen)
         else:
             ks = k[start:end].unflatten(0, (run, length)).transpose(1, 2)
             vs = v[start:end].unflatten(0, (run, length)).transpose(1, 2)
@@ -99,6 +105,7 @@ def _attend_with_context(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    widen: Callable[[torch.Tensor, torch.dtype], torch.Tensor],
 ) -> torch.Tensor:
     """qs [1, heads, L, d]: the queries at positions context .. context + L - 1 over the keys a
     query there may see, gathered block-wise from the cache in one index_select each for K and V
@@ -109,8 +116,8 @@ def _attend_with_context(
     first_block = begin // block_size
     blocks = block_table[first_block : -(-end // block_size)]
     skip = begin - first_block * block_size
-    ks = k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin].to(qs.dtype)
-    vs = v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin].to(qs.dtype)
+    ks = widen(k_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin], qs.dtype)
+    vs = widen(v_cache.index_select(0, blocks).flatten(0, 1)[skip : skip + end - begin], qs.dtype)
     # SDPA's is_causal aligns the diagonal top-left when L < S; the queries sit at the end.
     q_pos = torch.arange(context, end, device=qs.device)[:, None]
     k_pos = torch.arange(begin, end, device=qs.device)[None, :]
