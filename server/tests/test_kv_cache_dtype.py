@@ -141,3 +141,15 @@ def test_the_engine_sizes_its_cache_in_the_dtype_and_refuses_unknown_names(
         assert fp8.kv_cache is not None and fp8.kv_cache.k[0].dtype == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="int8"):
         Engine(str(path), "tiny", dtype="float32", device=str(DEVICE), kv_cache_dtype="int8")
+
+
+def test_the_shard_cli_offers_exactly_the_dtypes_the_engine_resolves() -> None:
+    from quiver_server import cli, kv_cache_dtype
+
+    assert cli.KV_CACHE_DTYPES == kv_cache_dtype.CHOICES
+    cpu = torch.device("cpu")
+    assert kv_cache_dtype.resolve("auto", torch.bfloat16, cpu) == torch.bfloat16
+    assert kv_cache_dtype.resolve("fp8", torch.float32, cpu) == torch.float8_e4m3fn
+    assert kv_cache_dtype.resolve("fp8_e5m2", torch.bfloat16, cpu) == torch.float8_e5m2
+    with pytest.raises(ValueError, match="float64"):
+        kv_cache_dtype.resolve("bfloat16", torch.float64, cpu)
