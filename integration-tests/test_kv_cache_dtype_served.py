@@ -15,8 +15,15 @@ import torch
 from transformers import DynamicCache
 
 import reference
-from adapter_models import COMPLETION_PROMPTS, SERVED_NAME, adapter_set, completion_ids, greedy_with, peft_model
-from adapter_models import start_stack
+from adapter_models import (
+    COMPLETION_PROMPTS,
+    SERVED_NAME,
+    adapter_set,
+    completion_ids,
+    greedy_with,
+    peft_model,
+    start_stack,
+)
 from served import RETURN_TOKEN_IDS, token_ids
 
 MAX_TOKENS = 12
@@ -31,14 +38,15 @@ class RoundingCache(DynamicCache):
         super().__init__(config=config)
         self.kv_dtype = dtype
 
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):  # type: ignore[no-untyped-def]
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         limit = torch.finfo(self.kv_dtype).max
         key_states, value_states = (x.clamp(-limit, limit).to(self.kv_dtype).to(x.dtype)
                                     for x in (key_states, value_states))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def rounded_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int], dtype: torch.dtype) -> reference.Greedy:
+def rounded_greedy(base_dir: str, adapter_dir: str | None, prompt_ids: list[int],
+                   dtype: torch.dtype) -> reference.Greedy:
     model = peft_model(base_dir, adapter_dir)
     config = reference.load_model(base_dir).generation_config
     with torch.no_grad():

@@ -306,7 +306,14 @@ mod tests {
     #[test]
     fn shards_store_the_kv_cache_as_asked_in_vllms_spellings() {
         let model = ModelSource::User("m".into());
-        let plain = shard_command(&parse(&[]), Path::new("s"), &model, 0, Path::new("/s"), None);
+        let plain = shard_command(
+            &parse(&[]),
+            Path::new("s"),
+            &model,
+            0,
+            Path::new("/s"),
+            None,
+        );
         assert!(value_of(&plain, "--kv-cache-dtype").is_none());
         for value in ["auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"] {
             let args = parse(&["--kv-cache-dtype", value]);
@@ -315,7 +322,8 @@ mod tests {
         }
         for wrong in ["fp8-e4m3", "int8", "float16"] {
             assert!(
-                LauncherArgs::try_parse_from(["quiver-launcher", "--kv-cache-dtype", wrong]).is_err()
+                LauncherArgs::try_parse_from(["quiver-launcher", "--kv-cache-dtype", wrong])
+                    .is_err()
             );
         }
     }

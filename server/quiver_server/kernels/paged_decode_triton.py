@@ -237,7 +237,8 @@ def paged_decode_attention(
     """Decode attention of q [B, heads, d] over the paged cache (see the module docstring).
 
     k_cache, v_cache [num_blocks, block_size, kv_heads, d] in q's dtype (float32, bfloat16 or
-    float16) or a narrower one (`kv_cache_dtype.CACHE_DTYPES`: bfloat16, float8), widened as read; block_tables [B, >= blocks needed] and seq_lens [B] (lengths with the new token)
+    float16) or a narrower one (`kv_cache_dtype.NARROW_DTYPES`: bfloat16, float8), widened as
+    read; block_tables [B, >= blocks needed] and seq_lens [B] (lengths with the new token)
     int32 or int64 on q's device; any strides. Returns a new contiguous [B, heads, d] tensor.
     max_seq_len: host bound on seq_lens that only steers the split count (default: table width
     times block size; results never depend on it); num_splits forces the split count, block_n
