@@ -19,6 +19,7 @@ the test tier's own stack launcher; the reference is transformers + peft in floa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
+import openai
 import peft
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, BatchEncoding, LlamaConfig
 
 import reference
 from model_builders import CHAT_TEMPLATE, build_model_dir
+from served import RETURN_TOKEN_IDS
 from stack import Stack, StackConfig, StackError
 
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -234,6 +237,20 @@ def peft_greedy(adapters: AdapterSet, adapter_id: str | None, prompt_ids: list[i
     """peft's greedy continuation for a local adapter id (None: the base model)."""
     adapter_dir = None if adapter_id is None else str(adapters.adapter_dir(adapter_id).resolve())
     return _greedy(str(adapters.base_dir), adapter_dir, tuple(prompt_ids), max_new_tokens, stop_at_eos)
+
+
+def greedy_completion_burst(stack: Stack, jobs: list[tuple[str | None, str]], max_tokens: int) -> list[Any]:
+    """One concurrent burst of greedy completions with their token ids, a (model, prompt) pair
+    each (model None: the served base), answered in the jobs' order."""
+    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def burst() -> list[Any]:
+        return await asyncio.gather(*(
+            client.completions.create(model=model or SERVED_NAME, prompt=prompt, max_tokens=max_tokens,
+                                      temperature=0, extra_body=RETURN_TOKEN_IDS)
+            for model, prompt in jobs))
+
+    return asyncio.run(burst())
 
 
 def completion_ids(adapters: AdapterSet, prompt: str) -> list[int]:

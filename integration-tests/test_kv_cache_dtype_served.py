@@ -6,10 +6,8 @@ own output differs (checked), so the comparison shows the narrower cache is what
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
-import openai
 import pytest
 import torch
 from transformers import DynamicCache
@@ -17,14 +15,14 @@ from transformers import DynamicCache
 import reference
 from adapter_models import (
     COMPLETION_PROMPTS,
-    SERVED_NAME,
     adapter_set,
     completion_ids,
+    greedy_completion_burst,
     greedy_with,
     peft_model,
     start_stack,
 )
-from served import RETURN_TOKEN_IDS, token_ids
+from served import token_ids
 
 MAX_TOKENS = 12
 ADAPTERS = ["kinds/rank8", "kinds/every-linear"]
@@ -71,16 +69,8 @@ def served(request, tmp_path_factory):
 
 def test_base_and_adapters_equal_transformers_with_a_rounding_cache(served) -> None:
     adapters, dtype, stack = served
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     jobs = [(model, prompt) for model in [None, *ADAPTERS] for prompt in COMPLETION_PROMPTS]
-
-    async def burst():
-        return await asyncio.gather(*(
-            client.completions.create(model=model or SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                      temperature=0, extra_body=RETURN_TOKEN_IDS)
-            for model, prompt in jobs))
-
-    responses = asyncio.run(burst())
+    responses = greedy_completion_burst(stack, jobs, MAX_TOKENS)
     moved = 0
     base_dir = str(adapters.base_dir.resolve())
     for (model, prompt), response in zip(jobs, responses, strict=True):

@@ -6,15 +6,20 @@ output differs from it (checked), so the comparison shows the quantized weights 
 
 from __future__ import annotations
 
-import asyncio
 
-import openai
 import pytest
 
 import reference
-from adapter_models import COMPLETION_PROMPTS, SERVED_NAME, adapter_set, completion_ids, greedy_with, start_stack
+from adapter_models import (
+    COMPLETION_PROMPTS,
+    adapter_set,
+    completion_ids,
+    greedy_completion_burst,
+    greedy_with,
+    start_stack,
+)
 from quantized_reference import write_dequantized
-from served import RETURN_TOKEN_IDS, token_ids
+from served import token_ids
 
 MAX_TOKENS = 12
 ADAPTERS = ["kinds/rank8", "kinds/qv-only", "kinds/every-linear"]
@@ -33,16 +38,8 @@ def served(request, tmp_path_factory):
 
 def test_base_and_adapters_on_a_quantized_base_equal_peft_on_the_dequantized_base(served) -> None:
     adapters, dequantized, stack = served
-    client = openai.AsyncOpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     jobs = [(model, prompt) for model in [None, *ADAPTERS] for prompt in COMPLETION_PROMPTS]
-
-    async def burst():
-        return await asyncio.gather(*(
-            client.completions.create(model=model or SERVED_NAME, prompt=prompt, max_tokens=MAX_TOKENS,
-                                      temperature=0, extra_body=RETURN_TOKEN_IDS)
-            for model, prompt in jobs))
-
-    responses = asyncio.run(burst())
+    responses = greedy_completion_burst(stack, jobs, MAX_TOKENS)
     moved = 0
     for (model, prompt), response in zip(jobs, responses, strict=True):
         prompt_ids = completion_ids(adapters, prompt)
