@@ -12,6 +12,8 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 - `greedy_logprob`: argmax and its log-softmax per row of the logits (greedy.cpp);
 - `float8_grid_`, `widen_float8`: a float8 KV cache's rounding and widening in one vector pass
   each, where torch's e4m3 conversion is a scalar loop (kv_float8.cpp);
+- `write_kv`: a layer's k and v into their cache slots in the cache's dtype, one call where the
+  torch path makes two to ten (kv_write.cpp);
 - `linear_quant`: weight-only int8/int4 projections, dequantized in registers (linear_quant.cpp,
   driven by `quant_gemm`).
 
@@ -42,7 +44,7 @@ log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "linear_quant.cpp",
                         "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp", "greedy.cpp",
-                        "kv_float8.cpp", "build_info.cpp")]
+                        "kv_float8.cpp", "kv_write.cpp", "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp
@@ -245,6 +247,13 @@ def as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype not in FLOAT8_DTYPES or x.dtype == dtype:
         return kv_cache_dtype.as_stored(x, dtype)
     return torch.ops.quiver_cpu.float8_grid_(x.clone(memory_format=torch.contiguous_format), dtype)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """`layers.attention.write_kv` in one call: k, v [T, kv_heads, D] (any strides) rounded to the
+    caches' dtype at the flat slots `slot_mapping` [T] (< 0: not written)."""
+    torch.ops.quiver_cpu.write_kv(k_cache, v_cache, k, v, slot_mapping.to(torch.long))
 
 
 def widen(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -171,6 +171,14 @@ class CpuKernelOps(KernelOps):
         self.rotary(x[..., : cos.shape[-1]], cos, sin)
         return x
 
+    def rotary_and_write_kv(
+        self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        qk = self.rotary(qk, cos, sin) if cos.shape[-1] == qk.shape[-1] else self.partial_rotary(qk, cos, sin)
+        cpu_ops.write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)  # one call for both
+        return qk
+
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_and_mul(gate_up)
 

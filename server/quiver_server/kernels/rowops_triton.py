@@ -69,8 +69,10 @@ def _float8_grid(x, MANTISSA: tl.constexpr, MIN_NORMAL: tl.constexpr, QUANTUM: t
     bits = x.to(tl.uint32, bitcast=True)
     drop: tl.constexpr = 23 - MANTISSA
     normal = (((bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) >> drop) << drop).to(tl.float32, bitcast=True)
-    # 1.5 * 2^23 added and taken away rounds a float32 below 2^22 to an integer, ties to even.
-    subnormal = ((x * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
+    # 1.5 * 2^23 added and taken away rounds a float32 below 2^22 to an integer, ties to even; on
+    # the magnitude, with x's sign bit put back (what rounds to zero stays -0 where x < 0).
+    magnitude = ((tl.abs(x) * (1.0 / QUANTUM) + 12582912.0) - 12582912.0) * QUANTUM
+    subnormal = (magnitude.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
     return tl.where(tl.abs(x) < MIN_NORMAL, subnormal, normal)
 
 

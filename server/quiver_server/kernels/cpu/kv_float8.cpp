@@ -19,37 +19,18 @@
 #include <cstdint>
 #include <cstring>
 
+#include "float8_grid.h"
 #include "lane_convert.h"
 #include "vec_load.h"
 
 namespace {
 
+using quiver_float8::Grid;
+using quiver_float8::kE4m3;
+using quiver_float8::kE5m2;
+using quiver_float8::on_grid;
+
 constexpr int64_t kGrain = 32768;
-
-// A float8 format's grid: `mantissa` bits for normal values, steps of `quantum` below
-// `min_normal` (its subnormals), saturating at `limit`.
-struct Grid {
-  int mantissa;
-  float min_normal, quantum, limit;
-};
-
-constexpr Grid kE4m3{3, 0x1p-6f, 0x1p-9f, 448.f};
-constexpr Grid kE5m2{2, 0x1p-14f, 0x1p-16f, 57344.f};
-
-// f on the grid, to nearest with ties to even, in float32 (exact in any of the three dtypes).
-inline float on_grid(float f, const Grid& grid) {
-  f = std::min(std::max(f, -grid.limit), grid.limit);
-  std::uint32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  const int drop = 23 - grid.mantissa;
-  bits = ((bits + ((1u << (drop - 1)) - 1) + ((bits >> drop) & 1u)) >> drop) << drop;
-  float normal;
-  std::memcpy(&normal, &bits, sizeof normal);
-  // 1.5 * 2^23 added and taken away rounds a float below 2^22 to an integer, ties to even (no
-  // reassociation: the build has no -ffast-math).
-  const float subnormal = ((f / grid.quantum + 12582912.f) - 12582912.f) * grid.quantum;
-  return std::fabs(f) < grid.min_normal ? subnormal : normal;
-}
 
 at::Tensor& float8_grid_(at::Tensor& x, at::ScalarType cache) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
