@@ -4,8 +4,8 @@
 
 - `KernelOps`: plain torch (`torch_ops`, `attention_torch`): CUDA, and CPU where the C++ kernels
   are off (QUIVER_CPU_KERNELS=0) or failed to build. Also the semantics the kernels must match.
-- `CpuKernelOps`: the C++ kernels (`cpu_ops`) for the row ops, decode attention and greedy
-  sampling, on CPU where they are built.
+- `CpuKernelOps`: the C++ kernels (`cpu_ops`) for the row ops, the KV write, decode attention
+  (and a float8 cache's conversions in prefill) and greedy sampling, on CPU where they are built.
 
 Chosen with them: the LoRA backend (`lora_backend`: QUIVER_LORA_BACKEND, else the device's
 default), the packed matmul for float32 CPU weights (`cpu_gemm`), and the layout of the adapter
