@@ -38,8 +38,9 @@ transformers' batched generate (repeats alternating), the same 8 streams over 8 
 greedy agreement with both; it makes the report's `model_families` block (`--families-repeats 0`
 leaves it out).
 
-The quantization block (quant_bench.py, issue 28) serves the demo model in float32, bfloat16 and
-with `--quantize int8`/`int4` (float32 and bfloat16 activations) side by side: 1, 8 and 32 streams
+The quantization block (quant_bench.py, issue 28) serves the demo model in float32, bfloat16,
+with `--quantize int8`/`int4` (float32 and bfloat16 activations) and over an fp8 KV cache
+(`--kv-cache-dtype fp8`) side by side: 1, 8 and 32 streams
 on the base, 32 on the adapter, the perplexity of testdata/perplexity/ from each server's own
 prompt logprobs, and greedy agreement with bfloat16 (`--quant-repeats 0` leaves it out).
 """
