@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from quiver_server import kv_cache_dtype
 from quiver_server.kernels import attention_torch, cpu_gemm, cpu_ops, quant_gemm, torch_ops
 from quiver_server.quant.weights import QuantizedWeight
 
@@ -92,11 +93,26 @@ class KernelOps:
         """q|k heads qk [T, heads + kv_heads, D] rotated on their leading cos.shape[-1] columns,
         and the rotated k with v [T, kv_heads, D] stored at the cache's flat `slot_mapping` [T].
         May work in place: use the result."""
+        qk = self.rotary(qk, cos, sin) if cos.shape[-1] == qk.shape[-1] else self.partial_rotary(qk, cos, sin)
+        self.write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)
+        return qk
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """k, v [T, kv_heads, D] rounded to the caches' dtype at their flat `slot_mapping` [T]."""
         from quiver_server.layers.attention import write_kv  # the layer imports the ops
 
-        qk = self.rotary(qk, cos, sin) if cos.shape[-1] == qk.shape[-1] else self.partial_rotary(qk, cos, sin)
-        write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)
-        return qk
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
+
+    def kv_as_stored(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x as a KV cache in `dtype` holds it, in x's dtype (`kv_cache_dtype.as_stored`)."""
+        return kv_cache_dtype.as_stored(x, dtype)
+
+    def kv_widened(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """KV cache values in `dtype`, exactly."""
+        return cache.to(dtype)
 
     def gelu_tanh_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[T, 2I] = [gate | up] -> gelu_tanh(gate) * up [T, I] (Gemma's MLPs)."""
@@ -121,7 +137,8 @@ class KernelOps:
         k/v [T, kv_heads, d] already written into the cache; semantics in `layers/attention.py`."""
         from quiver_server.layers.attention import prefill_attention  # the layer imports the ops
 
-        return prefill_attention(q, k, v, batch, scale, sliding_window, k_cache, v_cache, softcap)
+        return prefill_attention(q, k, v, batch, scale, sliding_window, k_cache, v_cache, softcap,
+                                 held=self.kv_as_stored, widen=self.kv_widened)
 
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 [B, V] -> (argmax token [B] long, its log-softmax [B] float32)."""
@@ -171,13 +188,18 @@ class CpuKernelOps(KernelOps):
         self.rotary(x[..., : cos.shape[-1]], cos, sin)
         return x
 
-    def rotary_and_write_kv(
-        self, qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-        v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    ) -> torch.Tensor:
-        qk = self.rotary(qk, cos, sin) if cos.shape[-1] == qk.shape[-1] else self.partial_rotary(qk, cos, sin)
-        cpu_ops.write_kv(k_cache, v_cache, qk[:, qk.shape[1] - v.shape[1]:], v, slot_mapping)  # one call for both
-        return qk
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        cpu_ops.write_kv(k_cache, v_cache, k, v, slot_mapping)  # one call for both
+
+    # A float8 cache's rounding and widening in one vector pass each (torch's e4m3 ones are scalar).
+    def kv_as_stored(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.as_stored(x, dtype)
+
+    def kv_widened(self, cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return cpu_ops.widen(cache, dtype)
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_ops.silu_and_mul(gate_up)
@@ -193,16 +215,6 @@ class CpuKernelOps(KernelOps):
 
     def greedy_logprob(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return cpu_ops.greedy_logprob(logits)  # one fused pass per row
-
-    def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch, scale: float,
-        sliding_window: int | None, k_cache: torch.Tensor, v_cache: torch.Tensor, softcap: float | None = None,
-    ) -> torch.Tensor:
-        from quiver_server.layers.attention import prefill_attention  # the layer imports the ops
-
-        # A float8 cache's rounding and widening in one vector pass each (torch's are scalar).
-        return prefill_attention(q, k, v, batch, scale, sliding_window, k_cache, v_cache, softcap,
-                                 held=cpu_ops.as_stored, widen=cpu_ops.widen)
 
 
 @dataclass(frozen=True)
