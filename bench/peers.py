@@ -75,6 +75,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-prompt-tokens", type=int, default=2048)
     p.add_argument("--vllm-batched-tokens", type=int, default=8192,
                    help="vLLM's --max-num-batched-tokens in the real-model phase (docs/benchmarks-peers.md)")
+    p.add_argument("--real-only", default="",
+                   help="comma-separated server labels: the real-model phase runs only these (default: all)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a server may take to start")
     p.add_argument("--model-root", type=Path, default=REPO_ROOT / ".cache" / "bench-models")
     p.add_argument("--results-dir", type=Path, default=BENCH_DIR / "results")
@@ -350,7 +352,8 @@ def main() -> None:
             group_entries = [Entry(server, scenarios) for server, scenarios in peers_real.group_servers(
                 args, setup, real, group, lambda label, config: QuiverServer(
                     label, config, setup.logs, " ".join(config.args(0)[4:])))]
-            entries += run_phase(args, setup, group_entries, real.prompts, shared, arrivals, real=real)
+            if group_entries:
+                entries += run_phase(args, setup, group_entries, real.prompts, shared, arrivals, real=real)
     report = write_report(args, setup, entries, shared, arrivals, path, plot=True, real=real)
     log(f"report written to {path}")
     print(json.dumps(report, indent=2))

@@ -6,14 +6,15 @@ Two groups, each a phase of its own (its servers up side by side, repeats altern
 
 - float32: quiver, vLLM (compiled; with LoRA, eager) and llama-server on an F32 GGUF;
 - low precision: quiver in bfloat16 (also with `--quantize int8` and `int4`, each also with
-  `--quantize-lm-head`), vLLM in bfloat16
-  (compiled; with LoRA, eager) and llama-server on the wheel's own Q4_1 GGUF and on Q8_0 and F16
-  conversions of the checkpoint.
+  `--quantize-lm-head`; bfloat16 and int8 also over an fp8 KV cache), vLLM in bfloat16
+  (compiled, also over its fp8 KV cache; with LoRA, eager) and llama-server on the wheel's own
+  Q4_1 GGUF and on Q8_0 and F16 conversions of the checkpoint.
 
 Scenarios: 32 streams on the base (`real-<group>-base`), 32 on the adapter
 (`real-<group>-adapter`), 64 tokens each with ignore_eos, prefix caching off (the prompts repeat).
 Before its servers stop, each answers 16 of the prompts greedily (stopping at EOS), compared with
 transformers' float32 greedy on the same weights: the report's `greedy_agreement_with_transformers`.
+`--real-only label,...` keeps only the servers of those labels (as the report names them).
 """
 
 from __future__ import annotations
@@ -104,10 +105,19 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
                 # Closer to llama.cpp's files in bytes: their tied embedding/head is Q8_0.
                 head = dataclasses.replace(quantized, extra_args=[*quantized.extra_args, "--quantize-lm-head"])
                 servers.append((quiver_server(f"quiver-real-{dtype}-{method}-head", head), [base, adapter]))
+            # The KV cache in float8 (beside vLLM's own fp8 cache below): decode reads it every step.
+            for label, extra in ((f"quiver-real-{dtype}-kv-fp8", []), (f"quiver-real-{dtype}-int8-kv-fp8",
+                                                                        ["--quantize", "int8"])):
+                fp8 = dataclasses.replace(config, extra_args=[*config.extra_args, *extra, "--kv-cache-dtype", "fp8"])
+                servers.append((quiver_server(label, fp8), [base, adapter]))
     if "vllm" in args.servers and setup.vllm_venv is not None:
         common = dict(prefix_caching=False, kv_gib=2, dtype=dtype, max_num_batched_tokens=args.vllm_batched_tokens)
         servers.append((peer_servers.vllm(setup.vllm_venv, real.demo_dir, BASE, setup.logs, lim, lora_paths=None,
                                           eager=False, label=f"vllm-real-{dtype}-compiled", **common), [base]))
+        if group == "lp":
+            servers.append((peer_servers.vllm(setup.vllm_venv, real.demo_dir, BASE, setup.logs, lim, lora_paths=None,
+                                              eager=False, label=f"vllm-real-{dtype}-compiled-kv-fp8",
+                                              kv_cache_dtype="fp8", **common), [base]))
         servers.append((peer_servers.vllm(setup.vllm_venv, real.demo_dir, BASE, setup.logs, lim,
                                           lora_paths={ADAPTER: real.adapter_dir}, eager=True, max_lora_rank=8,
                                           label=f"vllm-real-{dtype}-lora-eager", **common), [adapter]))
@@ -118,7 +128,8 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
                 setup.llama_dir / "llama-server", real.ggufs[kind], BASE, {ADAPTER: real.lora_gguf}, setup.logs, lim,
                 threads=2, prefix_caching=False, label=f"llama.cpp-real-{kind}")
             servers.append((server, [base, adapter]))
-    return servers
+    only = [label for label in args.real_only.split(",") if label]
+    return [(server, scenarios) for server, scenarios in servers if not only or server.label in only]
 
 
 def measure(args, server, scenario: str, prompts: list[list[int]]) -> tuple[dict, dict]:

@@ -43,6 +43,11 @@ struct Weights {
   int64_t k_len, group, groups;
 };
 
+// How far ahead dequantize() asks for the weights. The hardware prefetchers alone left the
+// dequantization waiting on memory: a model's projections at 32 rows took 15 ms in int8 against
+// 12 with this (int4 13 -> 11, 8 rows 12.7 -> 9.9; 2 AMX Xeon cores, weights from DRAM).
+constexpr int64_t PREFETCH_INPUTS = 2 * KC;
+
 // Inputs k0 + [i0, i1) (even offsets) of panel p's chunk at k0 into buf [STEPS][3][16][32], the B
 // tiles' VNNI layout; inputs past K (up to the next multiple of 32) are zero.
 template <int BITS, bool OFFSETS>
@@ -62,6 +67,11 @@ void dequantize(const Weights& w, int64_t p, int64_t k0, int64_t i0, int64_t i1,
     }
     for (; k < g_end; k += 2) {  // group sizes are even, so k and k + 1 share a group
       const int64_t kk = k - k0;
+      // The weights PREFETCH_INPUTS on (two chunks; past the panel's end, the next panel's, which
+      // follows in memory; past the tensor's end a prefetch is a no-op, never a fault).
+      const char* ahead = reinterpret_cast<const char*>(q + (k + PREFETCH_INPUTS) * PANEL * BITS / 8);
+      __builtin_prefetch(ahead);
+      __builtin_prefetch(ahead + 64);
       uint16_t* row = buf + (kk / 32) * 3 * TILE_ELEMS + ((kk % 32) / 2) * 32;
 #pragma GCC unroll 3
       for (int t = 0; t < 3; ++t) {
