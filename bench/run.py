@@ -43,6 +43,10 @@ with `--quantize int8`/`int4` (float32 and bfloat16 activations) and over an fp8
 (`--kv-cache-dtype fp8`) side by side: 1, 8 and 32 streams
 on the base, 32 on the adapter, the perplexity of testdata/perplexity/ from each server's own
 prompt logprobs, and greedy agreement with bfloat16 (`--quant-repeats 0` leaves it out).
+
+The tensor-parallel block (tp_bench.py, issue 29) serves the bench model and the demo with
+`--num-shard 1` and `--num-shard 2` side by side (1 and 32 streams) and measures the collectives'
+share of a decode step on rank 0 (`--tp-repeats 0` leaves it out).
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ import load  # noqa: E402
 import json_model  # noqa: E402
 import peft_baseline  # noqa: E402
 import quant_bench  # noqa: E402
+import tp_bench  # noqa: E402
 import real_model  # noqa: E402
 import report as reports  # noqa: E402
 import structured  # noqa: E402
@@ -153,6 +158,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quant-repeats", type=int, default=3,
                    help="alternating repeats of the quantization block (the demo model in float32, bfloat16, "
                         "int8 and int4, with perplexity, quant_bench.py; CPU only); 0: no such block")
+    p.add_argument("--tp-repeats", type=int, default=3,
+                   help="repeats of the tensor-parallel block (--num-shard 1 against 2, tp_bench.py; CPU only); "
+                        "0: no such block")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -175,6 +183,7 @@ def parse_args() -> argparse.Namespace:
         args.real_model_max_tokens = min(args.real_model_max_tokens, 16)
         args.families_repeats = min(args.families_repeats, 1)
         args.quant_repeats = min(args.quant_repeats, 1)
+        args.tp_repeats = min(args.tp_repeats, 1)
     return args
 
 
@@ -403,6 +412,11 @@ def main() -> None:
         log(f"quantization: the demo model in float32, bfloat16, int8 and int4 ({args.quant_repeats} repeats)")
         with tempfile.TemporaryDirectory(prefix="quiver-bench-quant-") as tmp:
             report["quantization"] = quant_bench.run(args.model_root, args.quant_repeats, args.real_model_max_tokens,
+                                                     args.requests_per_client, Path(tmp))
+    if args.tp_repeats and args.device == "cpu":
+        log(f"tensor parallel: --num-shard 1 against 2, bench model and demo ({args.tp_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-tp-") as tmp:
+            report["tensor_parallel"] = tp_bench.run(args.model_root, args.tp_repeats, args.real_model_max_tokens,
                                                      args.requests_per_client, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")

@@ -84,6 +84,28 @@ def test_child_killed_mid_stream_stops_the_stack_nonzero_and_leaves_nothing(pool
 
 
 @pytest.mark.parametrize("round_", range(ROUNDS))
+def test_a_rank_of_a_split_model_killed_mid_stream_stops_the_stack_nonzero(pool, tmp_path, round_):
+    """`--num-shard 2`: rank 1 dies while its peer waits in a collective; nothing hangs."""
+    stack = _own_stack(pool, tmp_path, f"kill-rank1-{round_}", extra_args=["--num-shard", "2"])
+    try:
+        spawned = stack.descendants()
+        victims = [pid for pid, cmd in spawned if CHILD_MARKERS["shard"] in cmd and "--rank 1" in cmd]
+        assert victims, f"no rank 1 shard under the launcher: {spawned}"
+        streams = _open_streams(stack)
+        os.kill(victims[0], signal.SIGKILL)
+
+        for i, stream in enumerate(streams):
+            stream.read_to_end()
+            assert stream.ended_by != "TimeoutError", f"stream {i} hung after rank 1 died"
+            assert not stream.completed(), f"stream {i} claims to have finished: {stream.events[-3:]}"
+        code = stack.process.wait(timeout=EXIT_TIMEOUT_S)
+        assert code != 0, f"launcher exited 0 after rank 1 was killed\n{stack.log()}"
+        _assert_nothing_left(stack, spawned)
+    finally:
+        stack.kill()
+
+
+@pytest.mark.parametrize("round_", range(ROUNDS))
 def test_sigterm_mid_stream_finishes_every_stream_exactly_then_exits_0(pool, tmp_path, round_):
     stack = _own_stack(pool, tmp_path, f"sigterm-{round_}", graceful_shutdown_secs=120)
     try:

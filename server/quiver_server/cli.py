@@ -140,11 +140,6 @@ def _serve(args: argparse.Namespace) -> int:
     if args.world_size < 1 or not 0 <= args.rank < args.world_size:
         logger.error("invalid --rank %d for --world-size %d", args.rank, args.world_size)
         return EXIT_FAILURE
-    if args.world_size > 1:
-        # Tensor parallelism is not implemented yet: each rank holds the whole model and computes
-        # the same steps, which is correct (the router uses rank 0's answer) but no faster.
-        logger.warning("--world-size %d: every rank runs the full model (no tensor parallelism yet)",
-                       args.world_size)
 
     # Before the (slow) model load, so a missing OpenTelemetry package fails at once.
     from quiver_server.tracing_spans import TracingUnavailableError, start_exporter
@@ -189,6 +184,11 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
     logger.info("loading %s", source)
     engine_thread = EngineThread()  # loads the model and runs every step (engine_thread.py)
     try:
+        # Every rank holds its share of the model (models/tensor_split.py): the group first.
+        from quiver_server.engine import resolve_device
+        from quiver_server.parallel import join_group
+
+        tp = join_group(args.rank, args.world_size, resolve_device(args.device))
         engine = engine_thread.call(
             Engine,
             model_path,
@@ -206,6 +206,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             adapter_root=args.adapter_root,
             grammar_budget_s=args.grammar_compile_timeout,
             grammar_cache_size=args.grammar_cache_size,
+            tp=tp,
         )
     except (ValueError, NotImplementedError, OSError) as error:
         # Unsupported model_type, missing or malformed files: the message says it all.

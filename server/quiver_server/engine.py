@@ -62,6 +62,7 @@ from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
+from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
 
@@ -127,6 +128,7 @@ class Engine:
         quantize_group_size: int = DEFAULT_INT4_GROUP,
         quantize_lm_head: bool = False,
         kv_cache_dtype: str = "auto",
+        tp: TensorParallel = SINGLE,
     ) -> None:
         """cuda_graphs: decode steps replay CUDA graphs (`decode_graphs`) where the device and
         ops allow it (CUDA, a decode attention that reads the cache in place); False: eager.
@@ -135,7 +137,9 @@ class Engine:
         host waits; on the CPU the two would only take turns).
         quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
         groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too.
-        kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype)."""
+        kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype).
+        tp: this shard's place among ranks that split the model (`parallel.join_group`): it holds
+        and computes its share (`models.tensor_split`), and every call must reach every rank."""
         path = Path(model_path)
         config = load_config(path)
         family_for(config)  # an unsupported model_type fails before any weight is read
@@ -149,7 +153,8 @@ class Engine:
         if quantize_lm_head and not quantize:
             raise ValueError("--quantize-lm-head needs --quantize")
         spec = QuantizeSpec(quantize, quantize_group_size, quantize_lm_head) if quantize else None
-        self.model = load_model(path, config, self.dtype, self.device, self.ops, spec)
+        self.tp = tp
+        self.model = load_model(path, config, self.dtype, self.device, self.ops, spec, tp)
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings

@@ -53,16 +53,25 @@ class AdapterSlots:
         }
         self.scaling = self._scalings[1]
         self.parts: dict[tuple[int, str], LoraPart] = {}
+        self._shares: dict[tuple[int, str], tuple[slice | None, slice | None]] = {}  # (B rows, A columns)
         for layer, name in sorted(spec.present):
             projection = spec.projections[name]
             linear = spec.layout.linear(model, layer, name)
             assert linear is not None
             start, end = linear.part_columns[name]
             rows = num_slots * projection.experts
+            # Split over ranks (models/tensor_split.py), a part holds the share of A or B its
+            # projection's split gives it: B's rows where the projection is split by output, A's
+            # columns where by input; the other factor whole.
+            split_rows = getattr(linear, "split_rows", None)
+            held_rows = split_rows[name] if split_rows is not None else None
+            held_inputs = getattr(linear, "split_inputs", None)
+            self._shares[(layer, name)] = (held_rows, held_inputs)
+            in_features = projection.in_features if held_inputs is None else held_inputs.stop - held_inputs.start
             self.parts[(layer, name)] = LoraPart(
                 columns=slice(start, end),
-                lora_a=torch.zeros(rows, max_rank, projection.in_features, dtype=dtype, device=device),
-                lora_b=ops.lora_b_buffer(rows, projection.out_features, max_rank, dtype),
+                lora_a=torch.zeros(rows, max_rank, in_features, dtype=dtype, device=device),
+                lora_b=ops.lora_b_buffer(rows, end - start, max_rank, dtype),
                 scaling=self._scalings[projection.experts],
                 ranks=torch.zeros(rows, dtype=torch.int32, device=device),
                 experts=projection.experts,
@@ -115,11 +124,16 @@ class AdapterSlots:
             self._zero(self.parts[where], slot)
         for where, (a, b) in adapter.weights.items():
             part = self.parts[where]
+            held_rows, held_inputs = self._shares[where]
+            if held_inputs is not None:
+                a = a[..., held_inputs]
+            if held_rows is not None:
+                b = b[..., held_rows, :]
             lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
             rank = a.shape[-2]
-            lora_a[:, :rank].copy_(a.view(-1, rank, a.shape[-1]), non_blocking=True)
+            lora_a[:, :rank].copy_(a.reshape(-1, rank, a.shape[-1]), non_blocking=True)
             lora_a[:, rank:].zero_()
-            lora_b[:, :, :rank].copy_(b.view(-1, b.shape[-2], rank), non_blocking=True)
+            lora_b[:, :, :rank].copy_(b.reshape(-1, b.shape[-2], rank), non_blocking=True)
             lora_b[:, :, rank:].zero_()
             ranks.fill_(rank)
         for experts, scaling in self._scalings.items():

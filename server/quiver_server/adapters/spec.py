@@ -47,8 +47,12 @@ class BaseModelSpec:
                 if linear is None:
                     continue
                 present.add((layer, name))
+                # The unsplit projection's shape (layers.linear: a rank of a split model holds a
+                # share), which is what an adapter is trained for.
                 projections.setdefault(
-                    name, Projection(linear.in_features, linear.parts[name], getattr(linear, "num_experts", 1))
+                    name, Projection(getattr(linear, "whole_in_features", linear.in_features),
+                                     getattr(linear, "whole_parts", linear.parts)[name],
+                                     getattr(linear, "num_experts", 1))
                 )
         return cls(
             model_type=str(config.get("model_type")),

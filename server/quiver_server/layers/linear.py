@@ -16,6 +16,8 @@ weight is dropped. A Linear takes its parts all quantized or all float.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,6 +43,24 @@ class Linear(nn.Module):
         self.packed_weight: cpu_gemm.PackedWeight | None = None  # replaces `weight` once packed
         self.quant_weight: quant_gemm.PackedQuantWeight | None = None  # replaces `weight` when quantized
         self.quantized_parts: dict[str, QuantizedWeight] = {}  # pre-quantized parts, until packed
+        # Tensor parallelism (models/tensor_split.py): the checkpoint rows of each part this rank
+        # keeps (split by output), or the input columns (split by input, the bias on rank 0 only).
+        # `whole_in_features`/`whole_parts`: the unsplit projection's, which adapters are made for.
+        self.split_rows: dict[str, slice] | None = None
+        self.split_inputs: slice | None = None
+        self.bias_here = True
+        self.whole_in_features = in_features
+        self.whole_parts = dict(self.parts)
+        self._max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def split_by_output(self, rows: dict[str, slice], whole_parts: dict[str, int]) -> None:
+        self.split_rows, self.whole_parts = dict(rows), dict(whole_parts)
+
+    def split_by_input(self, inputs: slice, whole_in_features: int, bias_here: bool,
+                       max_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """max_over_ranks: the elementwise maximum of a tensor over the ranks (int8's row scales)."""
+        self.split_inputs, self.whole_in_features, self.bias_here = inputs, whole_in_features, bias_here
+        self._max_over_ranks = max_over_ranks
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, in] -> [T, out]. `batch` is for a LoRA wrapper's sake; the matmul ignores it."""
@@ -72,7 +92,12 @@ class Linear(nn.Module):
     def _quantized(self, quantize: QuantizeSpec | None) -> QuantizedWeight:
         if not self.quantized_parts:
             assert quantize is not None and self.weight is not None
-            return quantize.apply(self.weight.data)
+            if self.split_inputs is None:
+                return quantize.apply(self.weight.data)
+            # A share of the whole rows: quantized as the whole rows are (their absmax, their groups).
+            assert self._max_over_ranks is not None
+            absmax = self._max_over_ranks(self.weight.data.detach().float().abs().amax(dim=1, keepdim=True))
+            return quantize.apply(self.weight.data, absmax, self.whole_in_features)
         missing = [part for part in self.parts if part not in self.quantized_parts]
         if missing:
             raise ValueError(f"projections {missing} are not quantized like {list(self.quantized_parts)}: "
@@ -87,6 +112,9 @@ class Linear(nn.Module):
         if part not in self.part_columns:
             raise ValueError(f"projection {part!r} is not one of {list(self.parts)}")
         if isinstance(tensor, QuantizedWeight):
+            if self.split_rows is not None or self.split_inputs is not None:
+                raise ValueError(f"{part}: quantized checkpoints are not split over shards yet; serve them with "
+                                 "--num-shard 1 (--quantize on a float checkpoint splits)")
             start, end = self.part_columns[part]
             if kind != "weight" or (tensor.out_features, tensor.in_features) != (end - start, self.in_features):
                 raise ValueError(f"{part}.{kind}: quantized {tensor.out_features}x{tensor.in_features}, "
@@ -96,6 +124,7 @@ class Linear(nn.Module):
         target = self.weight if kind == "weight" else self.bias
         if target is None:
             raise ValueError(f"checkpoint has a bias for {part!r} but the config says it has none")
+        tensor = self._this_ranks(part, kind, tensor)
         start, end = self.part_columns[part]
         destination = target.data[start:end]
         if destination.shape != tensor.shape:
@@ -103,6 +132,18 @@ class Linear(nn.Module):
                 f"{part}.{kind} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}"
             )
         destination.copy_(tensor)
+
+
+    def _this_ranks(self, part: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The share of a whole checkpoint tensor this rank holds (all of it without splits)."""
+        if self.split_rows is not None:
+            return tensor[self.split_rows[part]]
+        if self.split_inputs is not None:
+            if kind == "weight":
+                return tensor[:, self.split_inputs]
+            if not self.bias_here:
+                return torch.zeros_like(tensor)
+        return tensor
 
 
 def part_columns(parts: dict[str, int]) -> dict[str, tuple[int, int]]:

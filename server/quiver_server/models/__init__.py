@@ -18,6 +18,7 @@ import torch
 from quiver_server.kernels.ops import KernelOps, select_ops
 from quiver_server.models import gemma, granite, llama, mixture, phi3
 from quiver_server.models.family import ModelFamily
+from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import QuantizeSpec
 
 MODEL_FAMILIES: dict[str, type[ModelFamily]] = {
@@ -41,12 +42,13 @@ def family_for(config: dict[str, Any]) -> type[ModelFamily]:
 
 def load_model(
     model_dir: Path, config: dict[str, Any], dtype: torch.dtype, device: torch.device, ops: KernelOps | None = None,
-    quantize: QuantizeSpec | None = None,
+    quantize: QuantizeSpec | None = None, tp: TensorParallel = SINGLE,
 ) -> ModelFamily:
     """The model on `device`, running `ops` (by default `select_ops(device)`: the shard passes its
-    own), its projections quantized at load if `quantize` says so."""
+    own), its projections quantized at load if `quantize` says so, this rank's share of it when
+    `tp` splits it over ranks."""
     if ops is None:
         ops = select_ops(device)
     elif ops.device != device:
         raise ValueError(f"ops for {ops.device} cannot run a model on {device}")
-    return family_for(config).load(Path(model_dir), config, dtype, ops, quantize)
+    return family_for(config).load(Path(model_dir), config, dtype, ops, quantize, tp)

@@ -31,6 +31,8 @@ from quiver_server.layers.rotary import RotaryEmbedding
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
+from quiver_server.models.tensor_split import AttentionSplit, attention_split, local_config, mlp_rows
+from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.gguf_source import source_of
 from quiver_server.quant.fp8_checkpoint import Fp8Format, dequantized_fp8_tensors
 from quiver_server.quant.prequantized import PrequantizedFormat, checkpoint_quantization, group_quantized_tensors
@@ -43,9 +45,12 @@ CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps, tp: TensorParallel = SINGLE,
+                 split: AttentionSplit | None = None) -> None:
+        """cfg: this rank's (tensor_split.local_config); split: which checkpoint rows it holds."""
         super().__init__()
         self.ops = ops
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.scale
         self.softcap = cfg.attention_softcap
@@ -55,6 +60,11 @@ class Attention(nn.Module):
                  else {"q_proj": q_width, "k_proj": kv_width, "v_proj": kv_width})
         self.qkv_proj = Linear(cfg.hidden_size, parts, bias=cfg.qkv_bias, ops=ops)
         self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, ops=ops)
+        if split is not None:
+            self.qkv_proj.split_by_output({"q_proj": split.q_rows, "k_proj": split.kv_rows, "v_proj": split.kv_rows},
+                                          {"q_proj": split.q_width, "k_proj": split.kv_width,
+                                           "v_proj": split.kv_width})
+            self.o_proj.split_by_input(split.q_rows, split.q_width, tp.rank == 0, tp.all_reduce_max)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
         if cfg.qk_norm:
@@ -76,9 +86,10 @@ class Attention(nn.Module):
         else:
             out = self.ops.decode_attention(q, k_cache, v_cache, batch, self.scale, self.sliding_window, self.softcap)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
+        # Split by input, each rank's o_proj (its LoRA delta included) is a partial sum.
         if rows is None:
-            return self.o_proj(out, batch)
-        return self.o_proj(out[rows], batch.at_logits_rows())
+            return self.tp.all_reduce(self.o_proj(out, batch))
+        return self.tp.all_reduce(self.o_proj(out[rows], batch.at_logits_rows()))
 
     def store_kv(
         self, x: torch.Tensor, cos_sin: CosSin, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,31 +107,40 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps, tp: TensorParallel = SINGLE,
+                 split_rows: slice | None = None) -> None:
         super().__init__()
+        self.tp = tp
         width = cfg.intermediate_size
         parts = {"gate_up_proj": 2 * width} if cfg.fused_checkpoint else {"gate_proj": width, "up_proj": width}
         self.gate_up_proj = Linear(cfg.hidden_size, parts, bias=cfg.mlp_bias, ops=ops)
         self.down_proj = Linear(width, {"down_proj": cfg.hidden_size}, bias=cfg.mlp_bias, ops=ops)
         self.act = gated_activation(cfg.activation, ops)
+        if split_rows is not None:
+            whole = width * tp.size
+            self.gate_up_proj.split_by_output({"gate_proj": split_rows, "up_proj": split_rows},
+                                              {"gate_proj": whole, "up_proj": whole})
+            self.down_proj.split_by_input(split_rows, whole, tp.rank == 0, tp.all_reduce_max)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x, batch)), batch)
+        return self.tp.all_reduce(self.down_proj(self.act(self.gate_up_proj(x, batch)), batch))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps, tp: TensorParallel = SINGLE,
+                 splits: tuple[AttentionSplit, slice] | None = None) -> None:
         super().__init__()
         self.rope_index = cfg.layer_ropes[layer_index]
         self.residual_multiplier = cfg.residual_multiplier
         self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, layer_index, ops)
+        self.self_attn = Attention(cfg, layer_index, ops, tp, splits[0] if splits else None)
         self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
             self.post_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.sandwich = cfg.sandwich_norms
-        self.mlp: nn.Module = SparseMoe(cfg, ops) if cfg.is_moe_layer(layer_index) else MLP(cfg, ops)
+        self.mlp: nn.Module = (SparseMoe(cfg, ops) if cfg.is_moe_layer(layer_index)
+                               else MLP(cfg, ops, tp, splits[1] if splits else None))
 
     def forward(
         self, x: torch.Tensor, ropes: list[CosSin], batch: ForwardBatch, k_cache: torch.Tensor,
@@ -150,13 +170,16 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps, tp: TensorParallel = SINGLE,
+                 splits: tuple[AttentionSplit, slice] | None = None) -> None:
         super().__init__()
         # Storage given up front: the loader fills it, and initialising it on the meta device
-        # would import torch._dynamo (seconds of every shard start) for nothing.
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        # would import torch._dynamo (seconds of every shard start) for nothing. Split over
+        # ranks, each holds its span of the vocabulary's rows (`vocab_rows`).
+        rows = vocab_rows(cfg.vocab_size, tp)
+        self.embed_tokens = nn.Embedding(rows.stop - rows.start, cfg.hidden_size,
+                                         _weight=torch.empty(rows.stop - rows.start, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, tp, splits) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
@@ -166,12 +189,17 @@ class DecoderForCausalLM(nn.Module):
 
     layout: ClassVar[ProjectionLayout]
 
-    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps, tp: TensorParallel = SINGLE) -> None:
+        """cfg: the whole model's; split over `tp`'s ranks, `config` is this rank's share of it
+        (tensor_split.local_config: its heads and MLP slice; the vocabulary stays whole)."""
         super().__init__()
-        self.config = cfg
+        self.config = local_config(cfg, tp)
         self.ops = ops
-        self.model = Backbone(cfg, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        splits = (attention_split(cfg, tp), mlp_rows(cfg, tp)) if tp.size > 1 else None
+        self.model = Backbone(self.config, ops, tp, splits)
+        self.vocab_rows = vocab_rows(cfg.vocab_size, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows.stop - self.vocab_rows.start, bias=False)
         self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`
         self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
         self.lm_head_quant: quant_gemm.PackedQuantWeight | None = None  # --quantize-lm-head
@@ -192,7 +220,7 @@ class DecoderForCausalLM(nn.Module):
         LM head does not run."""
         assert self.rotaries, "use DecoderForCausalLM.load"
         cfg = self.config
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if cfg.embed_scale != 1.0:
             x = x * (torch.tensor(cfg.embed_scale, dtype=x.dtype) if cfg.embed_scale_in_dtype else cfg.embed_scale)
         ends = batch.sequence_ends() if any(r.needs_sequence_ends for r in self.rotaries) else None
@@ -218,16 +246,28 @@ class DecoderForCausalLM(nn.Module):
             logits = cpu_gemm.linear(x, self.lm_head_packed, None)
         else:
             logits = self.lm_head(x)
+        if self.tp.size > 1:  # each rank's vocabulary rows, side by side (the last span padded)
+            logits = self.tp.all_gather_columns(logits)[:, : cfg.vocab_size]
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of input_ids; split over ranks, each rank looks up the ids in its
+        span (zeros elsewhere) and the sum over ranks is each id's one row, exactly."""
+        if self.tp.size == 1:
+            return self.model.embed_tokens(input_ids)
+        local = input_ids - self.vocab_rows.start
+        outside = (local < 0) | (local >= self.vocab_rows.stop - self.vocab_rows.start)
+        x = self.model.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
+
     @classmethod
     def load(
         cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps,
-        quantize: QuantizeSpec | None = None,
+        quantize: QuantizeSpec | None = None, tp: TensorParallel = SINGLE,
     ) -> DecoderForCausalLM:
         cfg = cls.config_from_hf(config)
         device = ops.device
@@ -238,7 +278,7 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError("--quantize quantizes a float checkpoint; this one is already quantized "
                              f"({packed.method if packed else 'GGUF'}) and serves in its own format")
         with torch.device("meta"):
-            model = cls(cfg, ops)
+            model = cls(cfg, ops, tp)
         # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
         model = model.to(dtype).to_empty(device=device)
         if cfg.tie_word_embeddings:
@@ -284,6 +324,10 @@ class DecoderForCausalLM(nn.Module):
             else:
                 for name, param in module.named_parameters(recurse=False):
                     loaders[f"{module_name}.{name}"] = _copy_into(f"{module_name}.{name}", param)
+        if self.tp.size > 1:  # the vocabulary's rows are split
+            for name in ("model.embed_tokens.weight", "lm_head.weight"):
+                if name in loaders:
+                    loaders[name] = _copy_rows_into(name, self.get_parameter(name), self.vocab_rows)
         if self.config.tie_word_embeddings:
             loaders.pop("lm_head.weight", None)
         return loaders
@@ -338,6 +382,25 @@ def _linear_loaders(module_name: str, linear: Linear) -> dict[str, Loader]:
         return lambda tensor: linear.load_part(part, kind, tensor)
 
     return {f"{parent}.{part}.{kind}": loader(part, kind) for part in linear.parts for kind in kinds}
+
+
+def vocab_rows(vocab_size: int, tp: TensorParallel) -> slice:
+    """The vocabulary rows of the embedding and LM head a rank holds: equal spans of
+    ceil(vocab / ranks), the last one padded with zero rows past the vocabulary."""
+    return tp.padded_span(vocab_size) if tp.size > 1 else slice(0, vocab_size)
+
+
+def _copy_rows_into(name: str, param: torch.Tensor, rows: slice) -> Loader:
+    """A whole [vocab, hidden] table's `rows` into param (zeros past its end)."""
+    def load(tensor: torch.Tensor) -> None:
+        if tensor.shape[1:] != param.shape[1:] or rows.start >= tensor.shape[0]:
+            raise ValueError(f"{name} has shape {tuple(tensor.shape)}, which rows {rows.start}.. of "
+                             f"{tuple(param.shape)} do not fit")
+        held = tensor[rows]
+        param.data[: held.shape[0]].copy_(held)
+        param.data[held.shape[0]:].zero_()
+
+    return load
 
 
 def _copy_into(name: str, param: torch.Tensor) -> Loader:

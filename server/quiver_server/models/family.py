@@ -16,6 +16,7 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.kv_cache import PagedKVCache
+from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
@@ -148,8 +149,9 @@ class ModelFamily(Protocol):
     @classmethod
     def load(
         cls, model_dir: Path, config: dict[str, Any], dtype: torch.dtype, ops: KernelOps,
-        quantize: QuantizeSpec | None = None,
+        quantize: QuantizeSpec | None = None, tp: TensorParallel = SINGLE,
     ) -> ModelFamily:
         """The model of config.json `config` with the checkpoint in `model_dir`, on `ops.device`;
-        `quantize`: its projections quantized at load (`quant.quantize`)."""
+        `quantize`: its projections quantized at load (`quant.quantize`); `tp`: this rank's share
+        of a model split over ranks (`models.tensor_split`)."""
         ...

@@ -40,8 +40,18 @@ class QuantizeSpec:
         if self.group_size < 16 or self.group_size & (self.group_size - 1):
             raise ValueError(f"quantization group size {self.group_size}: a power of two, 16 or more")
 
-    def apply(self, weight: torch.Tensor) -> QuantizedWeight:
-        return quantize(weight, self.method, self.group_size)
+    def apply(self, weight: torch.Tensor, row_absmax: torch.Tensor | None = None,
+              whole_in_features: int | None = None) -> QuantizedWeight:
+        """`weight`'s quantization. A rank's input-column share of a split projection
+        (models/tensor_split.py) quantizes as its columns of the whole one do: int8 from the
+        whole rows' `row_absmax` [out, 1], int4 in the groups the whole `whole_in_features` take."""
+        if self.method == "int8":
+            return quantize_int8(weight, row_absmax)
+        group = int4_group_size(whole_in_features or weight.shape[1], self.group_size)
+        if weight.shape[1] % group:
+            raise ValueError(f"int4 groups of {group} inputs do not split into shares of {weight.shape[1]}: "
+                             "pick a --quantize-group-size that divides them, or fewer shards")
+        return quantize_int4(weight, group)
 
 
 def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
@@ -52,9 +62,10 @@ def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_INT4_G
     raise ValueError(f"unknown quantization {method!r}, expected one of {', '.join(METHODS)}")
 
 
-def quantize_int8(weight: torch.Tensor) -> QuantizedWeight:
+def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
+    """Per output row: scale = max |w| / 127 over the row (or `row_absmax` [out, 1] given)."""
     w = weight.detach().to(torch.float32)
-    scales = w.abs().amax(dim=1, keepdim=True) / 127.0
+    scales = (w.abs().amax(dim=1, keepdim=True) if row_absmax is None else row_absmax) / 127.0
     scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row stays zero
     q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(8, q.contiguous(), scales.contiguous(), None, w.shape[1])

@@ -1,0 +1,69 @@
+"""How a decoder splits over tensor-parallel ranks (`parallel.TensorParallel`): the per-rank
+config its layers are built from, and which checkpoint rows and columns each rank loads.
+
+- Attention: rank r keeps query heads [r H/N, (r + 1) H/N) and their KV heads. KV heads split the
+  same way when N divides them; when there are fewer KV heads than ranks (N a multiple of them),
+  each rank keeps the one KV head its query heads read, so a KV head is held by N / KV ranks.
+  q/k/v are split by output rows, o by input columns.
+- MLP: gate/up by output rows, down by input columns, each rank a 1/N slice of the intermediate
+  size.
+- What a rank's o and down add up is partial: the model sums it over the ranks (one all-reduce
+  each); their biases load on rank 0 only, so the sum adds them once.
+
+Shapes that cannot split (heads, KV heads or the intermediate size not divisible) are refused at
+load with the number that does not divide. Sparse MLPs and checkpoints that store q/k/v or
+gate/up fused (Phi-3) are not split yet and are refused by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from quiver_server.models.decoder_config import DecoderConfig
+from quiver_server.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class AttentionSplit:
+    q_rows: slice  # checkpoint rows of q_proj (and o_proj's input columns)
+    kv_rows: slice  # checkpoint rows of k_proj and v_proj
+    q_width: int  # the whole q_proj's rows
+    kv_width: int  # the whole k_proj's (and v_proj's)
+
+
+def local_config(cfg: DecoderConfig, tp: TensorParallel) -> DecoderConfig:
+    """The config of this rank's layers: its heads, KV heads and MLP slice (everything else whole)."""
+    if tp.size == 1:
+        return cfg
+    if cfg.moe is not None:
+        raise ValueError(f"{cfg.model_type}: sparse MLPs are not split over shards yet; serve it with --num-shard 1")
+    if cfg.fused_checkpoint:
+        raise ValueError(f"{cfg.model_type}: checkpoints with fused q/k/v and gate/up are not split over shards "
+                         "yet; serve it with --num-shard 1")
+    heads = tp.span(cfg.num_heads, "attention heads")
+    kv = attention_split(cfg, tp).kv_rows
+    intermediate = tp.span(cfg.intermediate_size, "MLP columns (intermediate_size)")
+    return dataclasses.replace(
+        cfg, num_heads=heads.stop - heads.start, num_kv_heads=(kv.stop - kv.start) // cfg.head_dim,
+        intermediate_size=intermediate.stop - intermediate.start)
+
+
+def attention_split(cfg: DecoderConfig, tp: TensorParallel) -> AttentionSplit:
+    heads = tp.span(cfg.num_heads, "attention heads")
+    d = cfg.head_dim
+    if cfg.num_kv_heads % tp.size == 0:
+        kv = tp.span(cfg.num_kv_heads, "KV heads")
+    elif tp.size % cfg.num_kv_heads == 0:
+        first = tp.rank * cfg.num_kv_heads // tp.size  # the KV head this rank's query heads read
+        kv = slice(first, first + 1)
+    else:
+        raise ValueError(f"KV heads ({cfg.num_kv_heads}) do not split over {tp.size} shards, nor does "
+                         f"{tp.size} split into copies of them: --num-shard must divide one by the other")
+    return AttentionSplit(slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d),
+                          cfg.num_heads * d, cfg.num_kv_heads * d)
+
+
+def mlp_rows(cfg: DecoderConfig, tp: TensorParallel) -> slice:
+    """Checkpoint rows of gate_proj and up_proj (and down_proj's input columns)."""
+    return tp.span(cfg.intermediate_size, "MLP columns (intermediate_size)")

@@ -1,0 +1,95 @@
+"""Tensor parallelism on CPU (gloo, one process per rank, as `--num-shard` runs them): a model split
+over 2 and 4 ranks answers as the whole model does — greedy tokens equal, logprobs and top
+logprobs within 1e-4 — for the base and for adapters on every projection in one mixed batch, and
+its greedy tokens are transformers'/peft's; each rank holds its share of the weights; shapes that
+do not split are refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny_adapters import ALL_PROJECTIONS, assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_models import build_tiny_model
+from tp_ranks import RankResult, Script, run_ranks, serve_script
+
+from quiver_server.engine import Engine
+from quiver_server.parallel import SINGLE, TensorParallel
+
+ATOL = 1e-4
+DECODE_STEPS = 6
+PROMPTS = [([5, 9, 33, 2, 7, 100, 41], ""), ([8, 8, 9], "lora-all"), ([17, 250, 3, 3, 60], "lora-attention"),
+           ([77, 12], "")]
+
+
+@pytest.fixture(scope="module")
+def script(tmp_path_factory: pytest.TempPathFactory) -> Script:
+    root = tmp_path_factory.mktemp("tp")
+    model = build_tiny_model(root / "llama", "llama", seed=3)  # 4 query heads, 2 KV heads
+    adapters = root / "adapters"
+    return Script(model, PROMPTS, DECODE_STEPS, adapters={
+        "lora-all": build_adapter(model, adapters / "lora-all", seed=1, r=8, lora_alpha=16,
+                                  target_modules=ALL_PROJECTIONS),
+        "lora-attention": build_adapter(model, adapters / "lora-attention", seed=2, r=4, lora_alpha=8,
+                                        target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    })
+
+
+@pytest.fixture(scope="module")
+def whole(script: Script) -> RankResult:
+    return serve_script(script, SINGLE)
+
+
+def _assert_same_answers(got: RankResult, want: RankResult, what: str) -> None:
+    assert got.steps.keys() == want.steps.keys()
+    for request, steps in want.steps.items():
+        assert [s[0] for s in got.steps[request]] == [s[0] for s in steps], f"{what}: request {request}'s tokens"
+        for (_, logprob, top), (_, want_logprob, want_top) in zip(got.steps[request], steps, strict=True):
+            assert abs(logprob - want_logprob) <= ATOL, f"{what}: request {request}"
+            assert [t for t, _ in top] == [t for t, _ in want_top], f"{what}: request {request}'s alternatives"
+            assert max(abs(a - b) for (_, a), (_, b) in zip(top, want_top, strict=True)) <= ATOL
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_split_model_answers_as_the_whole_one(script: Script, whole: RankResult, ranks: int) -> None:
+    """2 ranks split the 2 KV heads; 4 ranks hold one KV head each, two ranks per head."""
+    results = run_ranks(script, ranks)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), f"rank {rank} failed: {result}"
+        _assert_same_answers(result, whole, f"rank {rank} of {ranks}")
+        assert result.kv_heads == 1  # this rank's KV cache holds its heads only
+
+
+def test_split_model_answers_as_transformers_and_peft(script: Script) -> None:
+    rank0 = run_ranks(script, 2)[0]
+    assert not isinstance(rank0, str), rank0
+    for request, (prompt, adapter) in enumerate(script.prompts):
+        reference = peft_reference(script.model_dir, script.adapters[adapter] if adapter else None)
+        want = reference_greedy(reference, prompt, DECODE_STEPS + 1)
+        assert_greedy_matches([s[0] for s in rank0.steps[request]], want, f"request {request} ({adapter or 'base'})")
+
+
+def test_each_rank_holds_its_share_of_the_weights(script: Script, whole: RankResult) -> None:
+    """Norm weights are whole on every rank; every projection, the embedding and the LM head are
+    split in two."""
+    results = run_ranks(script, 2)
+    engine = Engine(str(script.model_dir), "tp-test", dtype="float32", device="cpu")
+    norms = sum(p.numel() for name, p in engine.model.named_parameters() if name.endswith("norm.weight"))
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), f"rank {rank} failed: {result}"
+        assert result.held_numel == (whole.held_numel - norms) // 2 + norms
+
+
+def test_shapes_that_do_not_split_are_refused(script: Script) -> None:
+    with pytest.raises(ValueError, match=r"attention heads \(4\) do not split over 3 shards"):
+        Engine(str(script.model_dir), "tp-test", dtype="float32", device="cpu", tp=TensorParallel(0, 3))
+
+
+def test_a_quantized_split_model_answers_as_the_whole_quantized_one(tmp_path: Path) -> None:
+    """--quantize quantizes each rank's share: per-channel int8 gives every rank's rows the scales
+    the whole model's rows get, so the split model is the whole quantized model, exactly."""
+    model = build_tiny_model(tmp_path / "llama", "llama", seed=5)
+    script = Script(model, [([5, 9, 33, 2], ""), ([40, 41], "")], 4, quantize="int8")
+    results = run_ranks(script, 2)
+    assert not isinstance(results[0], str), results[0]
+    _assert_same_answers(results[0], serve_script(script, SINGLE), "int8 over 2 ranks")
