@@ -80,6 +80,8 @@ def join_group(rank: int, size: int, device: torch.device) -> TensorParallel:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cpu":
         take_cpu_share(rank, size)
+    elif device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
     dist.init_process_group(backend, init_method="env://", rank=rank, world_size=size)
     log.info("rank %d of %d joined the %s group", rank, size, backend)
     return TensorParallel(rank, size)
