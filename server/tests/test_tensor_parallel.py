@@ -80,6 +80,17 @@ def test_each_rank_holds_its_share_of_the_weights(script: Script, whole: RankRes
         assert result.held_numel == (whole.held_numel - norms) // 2 + norms
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_other_dense_families_split_as_well(tmp_path: Path, arch: str) -> None:
+    """Qwen3's per-head q/k norms; Gemma 2's sandwich norms, soft caps and scaled embedding: whole
+    on every rank, or applied before the split and after the sums."""
+    model = build_tiny_model(tmp_path / arch, arch, seed=7)
+    script = Script(model, [([5, 9, 33, 2, 7, 100, 41], ""), ([8, 8, 9], "")], DECODE_STEPS)
+    results = run_ranks(script, 2)
+    assert not isinstance(results[0], str), results[0]
+    _assert_same_answers(results[0], serve_script(script, SINGLE), f"{arch} over 2 ranks")
+
+
 def test_shapes_that_do_not_split_are_refused(script: Script) -> None:
     with pytest.raises(ValueError, match=r"attention heads \(4\) do not split over 3 shards"):
         Engine(str(script.model_dir), "tp-test", dtype="float32", device="cpu", tp=TensorParallel(0, 3))
