@@ -153,7 +153,6 @@ class Engine:
         if quantize_lm_head and not quantize:
             raise ValueError("--quantize-lm-head needs --quantize")
         spec = QuantizeSpec(quantize, quantize_group_size, quantize_lm_head) if quantize else None
-        self.tp = tp
         self.model = load_model(path, config, self.dtype, self.device, self.ops, spec, tp)
         shape = self.model.config
         self.vocab_size = shape.vocab_size

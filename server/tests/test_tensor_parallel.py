@@ -40,6 +40,22 @@ def whole(script: Script) -> RankResult:
     return serve_script(script, SINGLE)
 
 
+@pytest.fixture(scope="module")
+def split(script: Script):
+    """The script's results on every rank of a split over `ranks`, each split run once."""
+    runs: dict[int, list[RankResult]] = {}
+
+    def on(ranks: int) -> list[RankResult]:
+        if ranks not in runs:
+            results = run_ranks(script, ranks)
+            for rank, result in enumerate(results):
+                assert not isinstance(result, str), f"rank {rank} of {ranks} failed: {result}"
+            runs[ranks] = [result for result in results if not isinstance(result, str)]
+        return runs[ranks]
+
+    return on
+
+
 def _assert_same_answers(got: RankResult, want: RankResult, what: str) -> None:
     assert got.steps.keys() == want.steps.keys()
     for request, steps in want.steps.items():
@@ -51,32 +67,27 @@ def _assert_same_answers(got: RankResult, want: RankResult, what: str) -> None:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_split_model_answers_as_the_whole_one(script: Script, whole: RankResult, ranks: int) -> None:
+def test_split_model_answers_as_the_whole_one(split, whole: RankResult, ranks: int) -> None:
     """2 ranks split the 2 KV heads; 4 ranks hold one KV head each, two ranks per head."""
-    results = run_ranks(script, ranks)
-    for rank, result in enumerate(results):
-        assert not isinstance(result, str), f"rank {rank} failed: {result}"
+    for rank, result in enumerate(split(ranks)):
         _assert_same_answers(result, whole, f"rank {rank} of {ranks}")
         assert result.kv_heads == 1  # this rank's KV cache holds its heads only
 
 
-def test_split_model_answers_as_transformers_and_peft(script: Script) -> None:
-    rank0 = run_ranks(script, 2)[0]
-    assert not isinstance(rank0, str), rank0
+def test_split_model_answers_as_transformers_and_peft(script: Script, split) -> None:
+    rank0 = split(2)[0]
     for request, (prompt, adapter) in enumerate(script.prompts):
         reference = peft_reference(script.model_dir, script.adapters[adapter] if adapter else None)
         want = reference_greedy(reference, prompt, DECODE_STEPS + 1)
         assert_greedy_matches([s[0] for s in rank0.steps[request]], want, f"request {request} ({adapter or 'base'})")
 
 
-def test_each_rank_holds_its_share_of_the_weights(script: Script, whole: RankResult) -> None:
+def test_each_rank_holds_its_share_of_the_weights(script: Script, whole: RankResult, split) -> None:
     """Norm weights are whole on every rank; every projection, the embedding and the LM head are
     split in two."""
-    results = run_ranks(script, 2)
     engine = Engine(str(script.model_dir), "tp-test", dtype="float32", device="cpu")
     norms = sum(p.numel() for name, p in engine.model.named_parameters() if name.endswith("norm.weight"))
-    for rank, result in enumerate(results):
-        assert not isinstance(result, str), f"rank {rank} failed: {result}"
+    for result in split(2):
         assert result.held_numel == (whole.held_numel - norms) // 2 + norms
 
 

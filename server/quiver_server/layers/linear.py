@@ -133,7 +133,6 @@ class Linear(nn.Module):
             )
         destination.copy_(tensor)
 
-
     def _this_ranks(self, part: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
         """The share of a whole checkpoint tensor this rank holds (all of it without splits)."""
         if self.split_rows is not None:

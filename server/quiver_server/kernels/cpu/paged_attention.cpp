@@ -225,7 +225,9 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
       const int64_t count = len - first;
       scores.resize(kTile * count);
       const int64_t* table = tables + seq * table_width;
-      auto first_block = [&](int64_t length) { return (window > 0 ? std::max<int64_t>(0, length - window) : 0) / block_size; };
+      auto first_block = [&](int64_t length) {
+        return (window > 0 ? std::max<int64_t>(0, length - window) : 0) / block_size;
+      };
       const int64_t visits = 2 * kv_count * ((len - 1) / block_size + 1 - first_block(len));
       const int64_t next_seq = item + 1 < end ? (item + 1) / items_per_seq : seq;
       const int64_t next_b0 = first_block(lens[next_seq]);
@@ -274,22 +276,24 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
               for (int c = 1; c < kChunks; ++c) sum += rows[t][c] * load_scaled(k_row + c * VL);
               return sum;
             };
-            // The scores of n keys from k_rows, `stride` elements apart, at index onwards.
-            auto score_run = [&](int64_t index, const auto* k_rows, int64_t stride, int64_t n) {
+            // The scores of n keys from k_rows, `stride` elements apart, at index onwards: each
+            // dot_fn(t, row)'s lanes summed, times `after` (1 where the query carries the scale).
+            auto score_run = [&](auto&& dot_fn, float after, int64_t index, const auto* k_rows, int64_t stride,
+                                 int64_t n) {
               int64_t j = 0;
 #if defined(__AVX512F__)
               // Whole runs of 16 keys: their 16 dot products summed across lanes at once.
               for (; j + 16 <= n; j += 16) {
                 for (int t = 0; t < kRows; ++t) {
                   vfloat dots[16];
-                  for (int i = 0; i < 16; ++i) dots[i] = dot(t, k_rows + (j + i) * stride);
-                  quiver_vec::vstore(scores.data() + t * count + index + j, quiver_vec::lane_sums(dots));
+                  for (int i = 0; i < 16; ++i) dots[i] = dot_fn(t, k_rows + (j + i) * stride);
+                  quiver_vec::vstore(scores.data() + t * count + index + j, quiver_vec::lane_sums(dots) * after);
                 }
               }
 #endif
               for (; j < n; ++j) {
                 const auto* k_row = k_rows + j * stride;
-                for (int t = 0; t < kRows; ++t) scores[t * count + index + j] = hsum(dot(t, k_row));
+                for (int t = 0; t < kRows; ++t) scores[t * count + index + j] = hsum(dot_fn(t, k_row)) * after;
               }
             };
 #if defined(__AVX512BF16__)
@@ -310,18 +314,7 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
                 return (vfloat)sum;
               };
               for_each_run(k_data, kv, [&](int64_t index, const cache_t* k_rows, int64_t n) {
-                int64_t j = 0;
-                for (; j + 16 <= n; j += 16) {
-                  for (int t = 0; t < kRows; ++t) {
-                    vfloat dots[16];
-                    for (int i = 0; i < 16; ++i) dots[i] = pair_dot(t, k_rows + (j + i) * token_stride);
-                    quiver_vec::vstore(scores.data() + t * count + index + j,
-                                       quiver_vec::lane_sums(dots) * query_scale);
-                  }
-                }
-                for (; j < n; ++j)
-                  for (int t = 0; t < kRows; ++t)
-                    scores[t * count + index + j] = hsum(pair_dot(t, k_rows + j * token_stride)) * query_scale;
+                score_run(pair_dot, query_scale, index, k_rows, token_stride, n);
               });
             } else
 #endif
@@ -333,9 +326,9 @@ void DecodeAttention<scalar_t, cache_t>::attend_in_registers() const {
                   for (int c = 0; c < kChunks; ++c)
                     quiver_vec::vstore(widened.data() + j * kHeadDim + c * VL,
                                        load_scaled(k_rows + j * token_stride + c * VL));
-                score_run(index, widened.data(), int64_t{kHeadDim}, n);
+                score_run(dot, 1.f, index, widened.data(), int64_t{kHeadDim}, n);
               } else {
-                score_run(index, k_rows, token_stride, n);
+                score_run(dot, 1.f, index, k_rows, token_stride, n);
               }
             });
             float inverse[kRows];
