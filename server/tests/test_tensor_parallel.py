@@ -9,7 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny_adapters import ALL_PROJECTIONS, assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_adapters import (
+    ALL_PROJECTIONS,
+    assert_greedy_matches,
+    build_adapter,
+    build_legacy_expert_adapter,
+    peft_reference,
+    reference_greedy,
+)
 from tiny_models import build_tiny_model
 from tp_ranks import RankResult, Script, run_ranks, serve_script
 
@@ -100,6 +107,32 @@ def test_other_dense_families_split_as_well(tmp_path: Path, arch: str) -> None:
     results = run_ranks(script, 2)
     assert not isinstance(results[0], str), results[0]
     _assert_same_answers(results[0], serve_script(script, SINGLE), f"{arch} over 2 ranks")
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_sparse_models_split_every_expert(tmp_path: Path, arch: str) -> None:
+    """Every expert's columns split over the ranks, the router whole: the base model and adapters
+    on the attention, the router and every expert (PEFT's all-linear, and a per-expert adapter as
+    transformers 4 names them) answer as over one rank, and as transformers/peft."""
+    model = build_tiny_model(tmp_path / arch, arch, seed=11)
+    adapters = {
+        "all-linear": build_adapter(model, tmp_path / "all-linear", seed=12, r=4, lora_alpha=16,
+                                    target_modules="all-linear"),
+        "experts": build_legacy_expert_adapter(model, tmp_path / "experts", seed=13, r=6, lora_alpha=12),
+    }
+    script = Script(model, [([5, 9, 33, 2, 7, 100, 41], ""), ([8, 8, 9, 60], "all-linear"),
+                            ([17, 250, 3], "experts")], DECODE_STEPS, adapters=adapters)
+    whole = serve_script(script, SINGLE)
+    results = run_ranks(script, 2)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, str), f"rank {rank}: {result}"
+        _assert_same_answers(result, whole, f"{arch} rank {rank}")
+        assert result.held_numel < 0.55 * whole.held_numel  # the experts are split too, not only attention
+    rank0 = results[0]
+    assert not isinstance(rank0, str)
+    for request, (prompt, adapter) in enumerate(script.prompts):
+        want = reference_greedy(peft_reference(model, adapters[adapter] if adapter else None), prompt, DECODE_STEPS + 1)
+        assert_greedy_matches([s[0] for s in rank0.steps[request]], want, f"{arch} request {request}")
 
 
 def test_shapes_that_do_not_split_are_refused(script: Script) -> None:

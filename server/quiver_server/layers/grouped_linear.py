@@ -34,6 +34,19 @@ class GroupedLinear(nn.Module):
         self.out_features = sum(parts.values())
         self.part_columns = part_columns(self.parts)
         self.weight = nn.Parameter(torch.empty(num_experts, self.out_features, in_features))
+        # Tensor parallelism, as `Linear` has it: the checkpoint rows of each part this rank keeps
+        # (split by output) or its input columns (split by input), and the unsplit shapes
+        # adapters are made for.
+        self.split_rows: dict[str, slice] | None = None
+        self.split_inputs: slice | None = None
+        self.whole_in_features = in_features
+        self.whole_parts = dict(self.parts)
+
+    def split_by_output(self, rows: dict[str, slice], whole_parts: dict[str, int]) -> None:
+        self.split_rows, self.whole_parts = dict(rows), dict(whole_parts)
+
+    def split_by_input(self, inputs: slice, whole_in_features: int) -> None:
+        self.split_inputs, self.whole_in_features = inputs, whole_in_features
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, lora: LoraBatchMeta | None) -> torch.Tensor:
         """x [N, in] sorted by expert, offsets int32 [E] (each group's end row) -> [N, out].

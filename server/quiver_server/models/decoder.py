@@ -31,7 +31,7 @@ from quiver_server.layers.rotary import RotaryEmbedding
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
-from quiver_server.models.tensor_split import AttentionSplit, attention_split, local_config, mlp_rows
+from quiver_server.models.tensor_split import AttentionSplit, LayerSplits, layer_splits, local_config
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.gguf_source import source_of
 from quiver_server.quant.fp8_checkpoint import Fp8Format, dequantized_fp8_tensors
@@ -128,19 +128,20 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderConfig, layer_index: int, ops: KernelOps, tp: TensorParallel = SINGLE,
-                 splits: tuple[AttentionSplit, slice] | None = None) -> None:
+                 splits: LayerSplits | None = None) -> None:
         super().__init__()
         self.rope_index = cfg.layer_ropes[layer_index]
         self.residual_multiplier = cfg.residual_multiplier
         self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
-        self.self_attn = Attention(cfg, layer_index, ops, tp, splits[0] if splits else None)
+        self.self_attn = Attention(cfg, layer_index, ops, tp, splits.attention if splits else None)
         self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
             self.post_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.sandwich = cfg.sandwich_norms
-        self.mlp: nn.Module = (SparseMoe(cfg, ops) if cfg.is_moe_layer(layer_index)
-                               else MLP(cfg, ops, tp, splits[1] if splits else None))
+        self.mlp: nn.Module = (SparseMoe(cfg, ops, tp, splits.expert_rows if splits else None)
+                               if cfg.is_moe_layer(layer_index)
+                               else MLP(cfg, ops, tp, splits.mlp_rows if splits else None))
 
     def forward(
         self, x: torch.Tensor, ropes: list[CosSin], batch: ForwardBatch, k_cache: torch.Tensor,
@@ -171,7 +172,7 @@ class DecoderLayer(nn.Module):
 
 class Backbone(nn.Module):
     def __init__(self, cfg: DecoderConfig, ops: KernelOps, tp: TensorParallel = SINGLE,
-                 splits: tuple[AttentionSplit, slice] | None = None) -> None:
+                 splits: LayerSplits | None = None) -> None:
         super().__init__()
         # Storage given up front: the loader fills it, and initialising it on the meta device
         # would import torch._dynamo (seconds of every shard start) for nothing. Split over
@@ -196,8 +197,7 @@ class DecoderForCausalLM(nn.Module):
         self.config = local_config(cfg, tp)
         self.ops = ops
         self.tp = tp
-        splits = (attention_split(cfg, tp), mlp_rows(cfg, tp)) if tp.size > 1 else None
-        self.model = Backbone(self.config, ops, tp, splits)
+        self.model = Backbone(self.config, ops, tp, layer_splits(cfg, tp))
         self.vocab_rows = vocab_rows(cfg.vocab_size, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows.stop - self.vocab_rows.start, bias=False)
         self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`

@@ -14,6 +14,10 @@ and its expert, so requests on different adapters share every grouped matmul.
 
 Checkpoints store each expert's projections apart (model.layers.N.mlp.experts.E.gate_proj);
 they load into the stacks by expert index.
+
+Split over tensor-parallel ranks (models/tensor_split.py), each rank holds every expert's slice of
+the intermediate columns, the router whole: its sum over its experts is partial, and one
+all-reduce of the layer's output (LoRA deltas included) completes it.
 """
 
 from __future__ import annotations
@@ -31,14 +35,19 @@ from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import EXPERT_DOWN, EXPERT_GATE, EXPERT_UP, ROUTER
+from quiver_server.parallel import SINGLE, TensorParallel
 
 Loader = Callable[[torch.Tensor], None]
 
 
 class SparseMoe(nn.Module):
-    def __init__(self, cfg: DecoderConfig, ops: KernelOps) -> None:
+    def __init__(self, cfg: DecoderConfig, ops: KernelOps, tp: TensorParallel = SINGLE,
+                 split_rows: slice | None = None) -> None:
+        """cfg: this rank's; split_rows: the checkpoint rows of each expert's gate/up it holds."""
         super().__init__()
         assert cfg.moe is not None
+        self.tp = tp
+        self.split_rows = split_rows
         moe = cfg.moe
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.width = moe.intermediate_size
@@ -48,6 +57,11 @@ class SparseMoe(nn.Module):
         self.gate_up = GroupedLinear(experts, cfg.hidden_size, {EXPERT_GATE: width, EXPERT_UP: width}, ops)
         self.down = GroupedLinear(experts, width, {EXPERT_DOWN: cfg.hidden_size}, ops)
         self.act = gated_activation(cfg.activation, ops)
+        if split_rows is not None:
+            whole = width * tp.size
+            self.gate_up.split_by_output({EXPERT_GATE: split_rows, EXPERT_UP: split_rows},
+                                         {EXPERT_GATE: whole, EXPERT_UP: whole})
+            self.down.split_by_input(split_rows, whole)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         weights, experts = self.route(x, batch)
@@ -63,7 +77,7 @@ class SparseMoe(nn.Module):
         hidden = self.gate_up(x[token_of], offsets, lora)
         out = self.down(self.act(hidden), offsets, lora)
         out = out * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype))
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, token_of, out.to(x.dtype)))
 
     def _pair_lora(self, lora: LoraBatchMeta | None, token_of: torch.Tensor,
                    expert_of: torch.Tensor) -> LoraBatchMeta | None:
@@ -86,22 +100,26 @@ class SparseMoe(nn.Module):
         return weights, experts
 
     def checkpoint_loaders(self, prefix: str) -> dict[str, Loader]:
-        """Per-expert checkpoint names -> their rows of the stacks; the router as it is."""
+        """Per-expert checkpoint names -> their rows of the stacks (this rank's slice of each
+        expert's columns when split); the router as it is."""
         loaders: dict[str, Loader] = {
             f"{prefix}.gate.weight": lambda tensor: self.gate.load_part(ROUTER, "weight", tensor)
         }
         width = self.width
         gate_up, down = self.gate_up.weight, self.down.weight
+        rows = self.split_rows or slice(None)
         for expert in range(self.num_experts):
             base = f"{prefix}.experts.{expert}"
-            loaders[f"{base}.gate_proj.weight"] = _copy_into(gate_up[expert, :width])
-            loaders[f"{base}.up_proj.weight"] = _copy_into(gate_up[expert, width:])
-            loaders[f"{base}.down_proj.weight"] = _copy_into(down[expert])
+            loaders[f"{base}.gate_proj.weight"] = _copy_into(gate_up[expert, :width], (rows,))
+            loaders[f"{base}.up_proj.weight"] = _copy_into(gate_up[expert, width:], (rows,))
+            loaders[f"{base}.down_proj.weight"] = _copy_into(down[expert], (slice(None), rows))
         return loaders
 
 
-def _copy_into(destination: torch.Tensor) -> Loader:
+def _copy_into(destination: torch.Tensor, held: tuple[slice, ...]) -> Loader:
+    """Copies the `held` part of a checkpoint tensor (all of it unsplit) into destination."""
     def load(tensor: torch.Tensor) -> None:
+        tensor = tensor[held]
         if destination.shape != tensor.shape:
             raise ValueError(f"expert tensor has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
         destination.data.copy_(tensor)

@@ -7,12 +7,17 @@ config its layers are built from, and which checkpoint rows and columns each ran
   q/k/v are split by output rows, o by input columns.
 - MLP: gate/up by output rows, down by input columns, each rank a 1/N slice of the intermediate
   size.
+- Sparse MLPs: every rank holds every expert, each a 1/N slice of its intermediate size (split as
+  the dense MLP is, per expert), and the router whole; the experts' sum is reduced with the
+  dense MLP's one all-reduce. (Expert parallelism, whole experts per rank, would leave a rank
+  idle whenever the batch's tokens route away from its experts; at the batch sizes one server
+  decodes, slicing every expert keeps the ranks' work equal.)
 - What a rank's o and down add up is partial: the model sums it over the ranks (one all-reduce
   each); their biases load on rank 0 only, so the sum adds them once.
 
 Shapes that cannot split (heads, KV heads or the intermediate size not divisible) are refused at
-load with the number that does not divide. Sparse MLPs and checkpoints that store q/k/v or
-gate/up fused (Phi-3) are not split yet and are refused by name.
+load with the number that does not divide. Checkpoints that store q/k/v or gate/up fused (Phi-3)
+are not split yet and are refused by name.
 """
 
 from __future__ import annotations
@@ -32,21 +37,40 @@ class AttentionSplit:
     kv_width: int  # the whole k_proj's (and v_proj's)
 
 
+@dataclass(frozen=True)
+class LayerSplits:
+    """What every layer of a split model holds of the checkpoint's projections."""
+
+    attention: AttentionSplit
+    mlp_rows: slice
+    expert_rows: slice | None  # sparse MLPs only
+
+
+def layer_splits(cfg: DecoderConfig, tp: TensorParallel) -> LayerSplits | None:
+    """None for a whole model (one rank)."""
+    if tp.size == 1:
+        return None
+    return LayerSplits(attention_split(cfg, tp), mlp_rows(cfg, tp),
+                       expert_rows(cfg, tp) if cfg.moe is not None else None)
+
+
 def local_config(cfg: DecoderConfig, tp: TensorParallel) -> DecoderConfig:
     """The config of this rank's layers: its heads, KV heads and MLP slice (everything else whole)."""
     if tp.size == 1:
         return cfg
-    if cfg.moe is not None:
-        raise ValueError(f"{cfg.model_type}: sparse MLPs are not split over shards yet; serve it with --num-shard 1")
     if cfg.fused_checkpoint:
         raise ValueError(f"{cfg.model_type}: checkpoints with fused q/k/v and gate/up are not split over shards "
                          "yet; serve it with --num-shard 1")
     heads = tp.span(cfg.num_heads, "attention heads")
     kv = attention_split(cfg, tp).kv_rows
     intermediate = tp.span(cfg.intermediate_size, "MLP columns (intermediate_size)")
+    moe = cfg.moe
+    if moe is not None:
+        experts = expert_rows(cfg, tp)
+        moe = dataclasses.replace(moe, intermediate_size=experts.stop - experts.start)
     return dataclasses.replace(
         cfg, num_heads=heads.stop - heads.start, num_kv_heads=(kv.stop - kv.start) // cfg.head_dim,
-        intermediate_size=intermediate.stop - intermediate.start)
+        intermediate_size=intermediate.stop - intermediate.start, moe=moe)
 
 
 def attention_split(cfg: DecoderConfig, tp: TensorParallel) -> AttentionSplit:
@@ -67,3 +91,9 @@ def attention_split(cfg: DecoderConfig, tp: TensorParallel) -> AttentionSplit:
 def mlp_rows(cfg: DecoderConfig, tp: TensorParallel) -> slice:
     """Checkpoint rows of gate_proj and up_proj (and down_proj's input columns)."""
     return tp.span(cfg.intermediate_size, "MLP columns (intermediate_size)")
+
+
+def expert_rows(cfg: DecoderConfig, tp: TensorParallel) -> slice:
+    """Checkpoint rows of every expert's gate_proj and up_proj (and its down_proj's input columns)."""
+    assert cfg.moe is not None
+    return tp.span(cfg.moe.intermediate_size, "expert columns (moe_intermediate_size)")
