@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,24 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+
+# The rows of a tensor a rank holds: one span, or several side by side (a fused projection whose
+# parts each split: Phi-3's q|k|v).
+RowSpans = tuple[slice, ...]
+
+
+class Sliceable(Protocol):
+    """A tensor, or a checkpoint tensor that indexing reads (`weights.UnreadTensor`)."""
+
+    def __getitem__(self, index: Any) -> torch.Tensor: ...
+
+
+def take_rows(tensor: Sliceable, spans: RowSpans, dim: int = 0) -> torch.Tensor:
+    """`tensor`'s `spans` along `dim`, in order (a view when there is one span)."""
+    index: tuple[Any, ...] = (slice(None),) * dim if dim >= 0 else (Ellipsis,)
+    tail: tuple[Any, ...] = () if dim >= 0 else (slice(None),) * (-dim - 1)
+    parts = [tensor[index + (span,) + tail] for span in spans]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def join_group(rank: int, size: int, device: torch.device) -> TensorParallel:

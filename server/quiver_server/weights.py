@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 from safetensors import safe_open
@@ -40,10 +41,67 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def iter_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+@dataclass
+class ReadTally:
+    """Bytes of a checkpoint's tensors, and of what a loader read of them."""
+
+    total: int = 0
+    read: int = 0
+
+
+# safetensors' dtype names -> bytes per element
+_ELEMENT_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                  "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+class UnreadTensor:
+    """A safetensors tensor not read yet, valid while its file is open (until the next tensor of
+    `iter_tensors`): indexing it reads only the rows or columns indexed (a tensor-parallel rank
+    reads its share, not the whole tensor); `read` reads all of it. What is read is tallied."""
+
+    def __init__(self, file: Any, name: str, device: torch.device, tally: ReadTally) -> None:
+        self._file, self._name, self._device, self._tally = file, name, device, tally
+        self._slice = file.get_slice(name)
+        tally.total += self.shape.numel() * _ELEMENT_BYTES.get(self._slice.get_dtype(), 0)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._tallied(self._slice[index].to(self._device))
+
+    def read(self) -> torch.Tensor:
+        return self._tallied(self._file.get_tensor(self._name))
+
+    def _tallied(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._tally.read += tensor.nbytes
+        return tensor
+
+
+CheckpointTensor = torch.Tensor | UnreadTensor | QuantizedWeight
+
+
+def read_whole(tensor: torch.Tensor | UnreadTensor) -> torch.Tensor:
+    return tensor.read() if isinstance(tensor, UnreadTensor) else tensor
+
+
+@overload
+def iter_tensors(model_dir: Path, device: torch.device,
+                 unread_into: None = None) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]: ...
+
+
+@overload
+def iter_tensors(model_dir: Path, device: torch.device,
+                 unread_into: ReadTally) -> Iterator[tuple[str, CheckpointTensor]]: ...
+
+
+def iter_tensors(model_dir: Path, device: torch.device,
+                 unread_into: ReadTally | None = None) -> Iterator[tuple[str, CheckpointTensor]]:
     """(name, tensor) for every checkpoint tensor, one at a time, loaded onto `device`; a GGUF
     companion directory's come from its file, quantized projections as `QuantizedWeight`s (on
-    the CPU: packing for the device happens at load's end)."""
+    the CPU: packing for the device happens at load's end). With a tally (`unread_into`),
+    safetensors tensors come as `UnreadTensor`s, for the loader to read what it keeps."""
     from quiver_server.gguf_source import source_of
 
     gguf = source_of(model_dir)
@@ -56,7 +114,7 @@ def iter_tensors(model_dir: Path, device: torch.device) -> Iterator[tuple[str, t
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, f.get_tensor(name) if unread_into is None else UnreadTensor(f, name, device, unread_into)
 
 
 def _as_id_list(value: Any) -> list[int]:

@@ -21,6 +21,8 @@ from tiny_models import build_tiny_model
 from tp_ranks import RankResult, Script, run_ranks, serve_script
 
 from quiver_server.engine import Engine
+from quiver_server.models import family_for
+from quiver_server.weights import load_config
 from quiver_server.parallel import SINGLE, TensorParallel
 
 ATOL = 1e-4
@@ -89,24 +91,50 @@ def test_split_model_answers_as_transformers_and_peft(script: Script, split) -> 
         assert_greedy_matches([s[0] for s in rank0.steps[request]], want, f"request {request} ({adapter or 'base'})")
 
 
-def test_each_rank_holds_its_share_of_the_weights(script: Script, whole: RankResult, split) -> None:
+def test_each_rank_holds_and_reads_its_share_of_the_weights(script: Script, whole: RankResult, split) -> None:
     """Norm weights are whole on every rank; every projection, the embedding and the LM head are
-    split in two."""
+    split in two; and a rank reads from the (float32) checkpoint only what it holds."""
     engine = Engine(str(script.model_dir), "tp-test", dtype="float32", device="cpu")
     norms = sum(p.numel() for name, p in engine.model.named_parameters() if name.endswith("norm.weight"))
+    checkpoint = sum(f.stat().st_size for f in script.model_dir.glob("*.safetensors"))
+    assert whole.checkpoint_bytes[0] == whole.checkpoint_bytes[1] == 4 * whole.held_numel
+    assert checkpoint - 4096 < whole.checkpoint_bytes[1] <= checkpoint  # the file, less its header
     for result in split(2):
         assert result.held_numel == (whole.held_numel - norms) // 2 + norms
+        assert result.checkpoint_bytes == (4 * result.held_numel, whole.checkpoint_bytes[1])
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_a_rank_process_holds_half_the_memory_of_one_rank(tmp_path: Path) -> None:
+    """Measured by the kernel: a rank of two holds about half the weight bytes one rank holds in
+    anonymous memory (the rest of a process, torch and the runtime, is the same in both)."""
+    model = build_tiny_model(tmp_path / "llama", "llama", seed=1, hidden_size=512, intermediate_size=2048,
+                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, vocab_size=16000)
+    script = Script(model, [([5, 9, 33], "")], 1)
+    one, *two = [result for size in (1, 2) for result in run_ranks(script, size)]
+    assert not isinstance(one, str), one
+    weights = 4 * one.held_numel  # about 122 MiB
+    for rank, result in enumerate(two):
+        assert not isinstance(result, str), result
+        saved = 1024 * (one.memory_kib["RssAnon"] - result.memory_kib["RssAnon"])
+        assert 0.4 * weights < saved < 0.6 * weights, f"rank {rank} holds {saved / 2**20:.1f} MiB less than one rank"
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "phi3"])
 def test_other_dense_families_split_as_well(tmp_path: Path, arch: str) -> None:
     """Qwen3's per-head q/k norms; Gemma 2's sandwich norms, soft caps and scaled embedding: whole
-    on every rank, or applied before the split and after the sums."""
+    on every rank, or applied before the split and after the sums. Phi-3 stores q|k|v and gate|up
+    fused: each rank loads its rows of every part, and an adapter's B on the fused projections
+    splits the same way."""
     model = build_tiny_model(tmp_path / arch, arch, seed=7)
-    script = Script(model, [([5, 9, 33, 2, 7, 100, 41], ""), ([8, 8, 9], "")], DECODE_STEPS)
+    targets = list(family_for(load_config(model)).layout.lora_targets)
+    adapter = build_adapter(model, tmp_path / "every", seed=8, r=4, lora_alpha=8, target_modules=targets)
+    script = Script(model, [([5, 9, 33, 2, 7, 100, 41], ""), ([8, 8, 9], "every")], DECODE_STEPS,
+                    adapters={"every": adapter})
     results = run_ranks(script, 2)
     assert not isinstance(results[0], str), results[0]
     _assert_same_answers(results[0], serve_script(script, SINGLE), f"{arch} over 2 ranks")
+    want = reference_greedy(peft_reference(model, adapter), [8, 8, 9], DECODE_STEPS + 1)
+    assert_greedy_matches([s[0] for s in results[0].steps[1]], want, f"{arch} with an adapter, 2 ranks")
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

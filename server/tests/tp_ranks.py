@@ -36,6 +36,8 @@ class RankResult:
     steps: dict[int, list[tuple[int, float, list[tuple[int, float]]]]]
     held_numel: int  # elements of the model's parameters and packed weights on this rank
     kv_heads: int
+    memory_kib: dict[str, int]  # the rank process's VmHWM (peak resident) and RssAnon at the end
+    checkpoint_bytes: tuple[int, int]  # (read by this rank, the whole checkpoint's)
 
 
 def serve_script(script: Script, tp: Any) -> RankResult:
@@ -43,7 +45,7 @@ def serve_script(script: Script, tp: Any) -> RankResult:
 
     engine = Engine(str(script.model_dir), "tp-test", dtype=script.dtype, device="cpu", quantize=script.quantize,
                     adapter_root=str(next(iter(script.adapters.values())).parent) if script.adapters else None,
-                    tp=tp)
+                    tp=tp, cpu_kv_cache_gib=0.02)
     engine.warmup(256, 256, 8, max_active_adapters=max(1, len(script.adapters)), max_lora_rank=16)
     for slot, (adapter_id, path) in enumerate(script.adapters.items()):
         engine.load_adapter(adapter_id, "local", str(path))
@@ -63,7 +65,20 @@ def serve_script(script: Script, tp: Any) -> RankResult:
     record(engine.prefill(1, requests))
     for _ in range(script.decode_steps):
         record(engine.decode([1]))
-    return RankResult(steps, held_numel(engine.model), engine.kv_spec.num_kv_heads)
+    read = engine.model.checkpoint_read
+    return RankResult(steps, held_numel(engine.model), engine.kv_spec.num_kv_heads, process_memory_kib(),
+                      (read.read, read.total))
+
+
+def process_memory_kib() -> dict[str, int]:
+    """This process's peak resident memory (VmHWM: the mapped checkpoint pages it read
+    included) and its anonymous resident memory now (RssAnon: what it holds), from the kernel."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmHWM", "RssAnon"):
+            fields[key] = int(value.split()[0])
+    return fields
 
 
 def held_numel(model: torch.nn.Module) -> int:
@@ -100,7 +115,8 @@ def _rank_main(rank: int, size: int, port: int, script: Script, results: Any) ->
         results.put((rank, repr(error)))
         raise
     finally:
-        torch.distributed.destroy_process_group()
+        if tp.size > 1:
+            torch.distributed.destroy_process_group()
 
 
 def run_ranks(script: Script, size: int) -> list[RankResult | str]:

@@ -28,6 +28,7 @@ from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.layers.lora import LoraPart, LoraWrapper, with_lora
 from quiver_server.models.family import ModelFamily
+from quiver_server.parallel import RowSpans, take_rows
 
 
 class AdapterSlots:
@@ -53,7 +54,7 @@ class AdapterSlots:
         }
         self.scaling = self._scalings[1]
         self.parts: dict[tuple[int, str], LoraPart] = {}
-        self._shares: dict[tuple[int, str], tuple[slice | None, slice | None]] = {}  # (B rows, A columns)
+        self._shares: dict[tuple[int, str], tuple[RowSpans | None, slice | None]] = {}  # (B rows, A columns)
         for layer, name in sorted(spec.present):
             projection = spec.projections[name]
             linear = spec.layout.linear(model, layer, name)
@@ -128,7 +129,7 @@ class AdapterSlots:
             if held_inputs is not None:
                 a = a[..., held_inputs]
             if held_rows is not None:
-                b = b[..., held_rows, :]
+                b = take_rows(b, held_rows, dim=-2)
             lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
             rank = a.shape[-2]
             lora_a[:, :rank].copy_(a.reshape(-1, rank, a.shape[-1]), non_blocking=True)

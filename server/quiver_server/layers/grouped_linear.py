@@ -21,6 +21,7 @@ from torch import nn
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.layers.linear import part_columns
+from quiver_server.parallel import RowSpans
 
 
 class GroupedLinear(nn.Module):
@@ -37,12 +38,12 @@ class GroupedLinear(nn.Module):
         # Tensor parallelism, as `Linear` has it: the checkpoint rows of each part this rank keeps
         # (split by output) or its input columns (split by input), and the unsplit shapes
         # adapters are made for.
-        self.split_rows: dict[str, slice] | None = None
+        self.split_rows: dict[str, RowSpans] | None = None
         self.split_inputs: slice | None = None
         self.whole_in_features = in_features
         self.whole_parts = dict(self.parts)
 
-    def split_by_output(self, rows: dict[str, slice], whole_parts: dict[str, int]) -> None:
+    def split_by_output(self, rows: dict[str, RowSpans], whole_parts: dict[str, int]) -> None:
         self.split_rows, self.whole_parts = dict(rows), dict(whole_parts)
 
     def split_by_input(self, inputs: slice, whole_in_features: int) -> None:

@@ -25,8 +25,10 @@ from torch import nn
 from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
+from quiver_server.parallel import RowSpans, take_rows
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight, concat_rows
+from quiver_server.weights import UnreadTensor, read_whole
 
 
 class Linear(nn.Module):
@@ -46,14 +48,14 @@ class Linear(nn.Module):
         # Tensor parallelism (models/tensor_split.py): the checkpoint rows of each part this rank
         # keeps (split by output), or the input columns (split by input, the bias on rank 0 only).
         # `whole_in_features`/`whole_parts`: the unsplit projection's, which adapters are made for.
-        self.split_rows: dict[str, slice] | None = None
+        self.split_rows: dict[str, RowSpans] | None = None
         self.split_inputs: slice | None = None
         self.bias_here = True
         self.whole_in_features = in_features
         self.whole_parts = dict(self.parts)
         self._max_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def split_by_output(self, rows: dict[str, slice], whole_parts: dict[str, int]) -> None:
+    def split_by_output(self, rows: dict[str, RowSpans], whole_parts: dict[str, int]) -> None:
         self.split_rows, self.whole_parts = dict(rows), dict(whole_parts)
 
     def split_by_input(self, inputs: slice, whole_in_features: int, bias_here: bool,
@@ -104,7 +106,7 @@ class Linear(nn.Module):
                              "a fused projection takes all its parts quantized or none")
         return concat_rows([self.quantized_parts[part] for part in self.parts])
 
-    def load_part(self, part: str, kind: str, tensor: torch.Tensor | QuantizedWeight) -> None:
+    def load_part(self, part: str, kind: str, tensor: torch.Tensor | UnreadTensor | QuantizedWeight) -> None:
         """Copies a checkpoint tensor (`kind` "weight" or "bias" of projection `part`) into place;
         a quantized weight is kept aside until `pack_weight` joins the parts."""
         if self.weight is None:
@@ -133,16 +135,17 @@ class Linear(nn.Module):
             )
         destination.copy_(tensor)
 
-    def _this_ranks(self, part: str, kind: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The share of a whole checkpoint tensor this rank holds (all of it without splits)."""
+    def _this_ranks(self, part: str, kind: str, tensor: torch.Tensor | UnreadTensor) -> torch.Tensor:
+        """The share of a whole checkpoint tensor this rank holds (all of it without splits),
+        read from the checkpoint (only that share, where it is not read yet)."""
         if self.split_rows is not None:
-            return tensor[self.split_rows[part]]
+            return take_rows(tensor, self.split_rows[part])
         if self.split_inputs is not None:
             if kind == "weight":
                 return tensor[:, self.split_inputs]
             if not self.bias_here:
-                return torch.zeros_like(tensor)
-        return tensor
+                return torch.zeros(tensor.shape)
+        return read_whole(tensor)
 
 
 def part_columns(parts: dict[str, int]) -> dict[str, tuple[int, int]]:

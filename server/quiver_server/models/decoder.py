@@ -12,6 +12,7 @@ chosen once at load and handed to every layer.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
@@ -38,9 +39,10 @@ from quiver_server.quant.fp8_checkpoint import Fp8Format, dequantized_fp8_tensor
 from quiver_server.quant.prequantized import PrequantizedFormat, checkpoint_quantization, group_quantized_tensors
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight
-from quiver_server.weights import iter_tensors
+from quiver_server.weights import CheckpointTensor, ReadTally, UnreadTensor, iter_tensors, read_whole
 
-Loader = Callable[[torch.Tensor], None]
+Loader = Callable[[torch.Tensor | UnreadTensor], None]
+log = logging.getLogger(__name__)
 CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
@@ -61,9 +63,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, parts, bias=cfg.qkv_bias, ops=ops)
         self.o_proj = Linear(q_width, {"o_proj": cfg.hidden_size}, bias=cfg.o_bias, ops=ops)
         if split is not None:
-            self.qkv_proj.split_by_output({"q_proj": split.q_rows, "k_proj": split.kv_rows, "v_proj": split.kv_rows},
-                                          {"q_proj": split.q_width, "k_proj": split.kv_width,
-                                           "v_proj": split.kv_width})
+            self.qkv_proj.split_by_output(*split.qkv_parts(cfg.fused_checkpoint))
             self.o_proj.split_by_input(split.q_rows, split.q_width, tp.rank == 0, tp.all_reduce_max)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -118,8 +118,12 @@ class MLP(nn.Module):
         self.act = gated_activation(cfg.activation, ops)
         if split_rows is not None:
             whole = width * tp.size
-            self.gate_up_proj.split_by_output({"gate_proj": split_rows, "up_proj": split_rows},
-                                              {"gate_proj": whole, "up_proj": whole})
+            if cfg.fused_checkpoint:  # gate|up in one tensor: this rank's rows of each
+                up_rows = slice(whole + split_rows.start, whole + split_rows.stop)
+                self.gate_up_proj.split_by_output({"gate_up_proj": (split_rows, up_rows)}, {"gate_up_proj": 2 * whole})
+            else:
+                self.gate_up_proj.split_by_output({"gate_proj": (split_rows,), "up_proj": (split_rows,)},
+                                                  {"gate_proj": whole, "up_proj": whole})
             self.down_proj.split_by_input(split_rows, whole, tp.rank == 0, tp.all_reduce_max)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -203,6 +207,7 @@ class DecoderForCausalLM(nn.Module):
         self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`
         self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
         self.lm_head_quant: quant_gemm.PackedQuantWeight | None = None  # --quantize-lm-head
+        self.checkpoint_read = ReadTally()  # of a safetensors checkpoint: its bytes, and what this rank read
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
@@ -284,12 +289,17 @@ class DecoderForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
-        tensors = iter_tensors(model_dir, device)
+        tensors: Iterable[tuple[str, CheckpointTensor]]
         if isinstance(prequantized, Fp8Format):  # dense after load: --quantize may requantize it
-            tensors = dequantized_fp8_tensors(tensors, prequantized)
+            tensors = dequantized_fp8_tensors(iter_tensors(model_dir, device), prequantized)
         elif packed is not None:
-            tensors = group_quantized_tensors(tensors, packed)
+            tensors = group_quantized_tensors(iter_tensors(model_dir, device), packed)
+        else:  # each tensor unread until a loader reads its share (a split model's rank: its rows)
+            tensors = iter_tensors(model_dir, device, unread_into=model.checkpoint_read)
         model.load_weights(tensors)
+        if tp.size > 1 and model.checkpoint_read.total:
+            log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB", tp.rank,
+                     model.checkpoint_read.read / 2**20, model.checkpoint_read.total / 2**20)
         model.pack_weights(quantize)
         return model.eval()
 
@@ -332,7 +342,7 @@ class DecoderForCausalLM(nn.Module):
             loaders.pop("lm_head.weight", None)
         return loaders
 
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]]) -> None:
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
         """Every checkpoint tensor into place. A quantized one (GGUF, AWQ/GPTQ) stays quantized
         where it is a projection's weight (`Linear`); anywhere else (embeddings, MoE experts) it
         is dequantized into the model's float parameter."""
@@ -392,11 +402,11 @@ def vocab_rows(vocab_size: int, tp: TensorParallel) -> slice:
 
 def _copy_rows_into(name: str, param: torch.Tensor, rows: slice) -> Loader:
     """A whole [vocab, hidden] table's `rows` into param (zeros past its end)."""
-    def load(tensor: torch.Tensor) -> None:
+    def load(tensor: torch.Tensor | UnreadTensor) -> None:
         if tensor.shape[1:] != param.shape[1:] or rows.start >= tensor.shape[0]:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, which rows {rows.start}.. of "
                              f"{tuple(param.shape)} do not fit")
-        held = tensor[rows]
+        held = tensor[rows.start : min(rows.stop, tensor.shape[0])]
         param.data[: held.shape[0]].copy_(held)
         param.data[held.shape[0]:].zero_()
 
@@ -404,7 +414,8 @@ def _copy_rows_into(name: str, param: torch.Tensor, rows: slice) -> Loader:
 
 
 def _copy_into(name: str, param: torch.Tensor) -> Loader:
-    def load(tensor: torch.Tensor) -> None:
+    def load(tensor: torch.Tensor | UnreadTensor) -> None:
+        tensor = read_whole(tensor)
         if param.shape != tensor.shape:
             raise ValueError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(tensor)

@@ -36,8 +36,9 @@ from quiver_server.layers.linear import Linear
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import EXPERT_DOWN, EXPERT_GATE, EXPERT_UP, ROUTER
 from quiver_server.parallel import SINGLE, TensorParallel
+from quiver_server.weights import UnreadTensor
 
-Loader = Callable[[torch.Tensor], None]
+Loader = Callable[[torch.Tensor | UnreadTensor], None]
 
 
 class SparseMoe(nn.Module):
@@ -59,7 +60,7 @@ class SparseMoe(nn.Module):
         self.act = gated_activation(cfg.activation, ops)
         if split_rows is not None:
             whole = width * tp.size
-            self.gate_up.split_by_output({EXPERT_GATE: split_rows, EXPERT_UP: split_rows},
+            self.gate_up.split_by_output({EXPERT_GATE: (split_rows,), EXPERT_UP: (split_rows,)},
                                          {EXPERT_GATE: whole, EXPERT_UP: whole})
             self.down.split_by_input(split_rows, whole)
 
@@ -118,7 +119,7 @@ class SparseMoe(nn.Module):
 
 def _copy_into(destination: torch.Tensor, held: tuple[slice, ...]) -> Loader:
     """Copies the `held` part of a checkpoint tensor (all of it unsplit) into destination."""
-    def load(tensor: torch.Tensor) -> None:
+    def load(tensor: torch.Tensor | UnreadTensor) -> None:
         tensor = tensor[held]
         if destination.shape != tensor.shape:
             raise ValueError(f"expert tensor has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")

@@ -8,8 +8,8 @@ config its layers are built from, and which checkpoint rows and columns each ran
 - MLP: gate/up by output rows, down by input columns, each rank a 1/N slice of the intermediate
   size.
 - Sparse MLPs: every rank holds every expert, each a 1/N slice of its intermediate size (split as
-  the dense MLP is, per expert), and the router whole; the experts' sum is reduced with the
-  dense MLP's one all-reduce. (Expert parallelism, whole experts per rank, would leave a rank
+  the dense MLP is, per expert), and the router whole; the experts' partial sum takes one
+  all-reduce, as the dense MLP's does. (Expert parallelism, whole experts per rank, would leave a rank
   idle whenever the batch's tokens route away from its experts; at the batch sizes one server
   decodes, slicing every expert keeps the ranks' work equal.)
 - What a rank's o and down add up is partial: the model sums it over the ranks (one all-reduce
@@ -17,7 +17,7 @@ config its layers are built from, and which checkpoint rows and columns each ran
 
 Shapes that cannot split (heads, KV heads or the intermediate size not divisible) are refused at
 load with the number that does not divide. Checkpoints that store q/k/v or gate/up fused (Phi-3)
-are not split yet and are refused by name.
+split the same way: a rank loads its rows of each part of the fused tensor.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from quiver_server.models.decoder_config import DecoderConfig
-from quiver_server.parallel import TensorParallel
+from quiver_server.parallel import RowSpans, TensorParallel
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,17 @@ class AttentionSplit:
     kv_rows: slice  # checkpoint rows of k_proj and v_proj
     q_width: int  # the whole q_proj's rows
     kv_width: int  # the whole k_proj's (and v_proj's)
+
+    def qkv_parts(self, fused: bool) -> tuple[dict[str, RowSpans], dict[str, int]]:
+        """The q/k/v Linear's held rows and whole widths, per checkpoint part: q_proj, k_proj and
+        v_proj, or one qkv_proj whose q, k and v rows sit one after another (Phi-3)."""
+        if not fused:
+            return ({"q_proj": (self.q_rows,), "k_proj": (self.kv_rows,), "v_proj": (self.kv_rows,)},
+                    {"q_proj": self.q_width, "k_proj": self.kv_width, "v_proj": self.kv_width})
+        k_start, v_start = self.q_width, self.q_width + self.kv_width
+        rows = (self.q_rows, slice(k_start + self.kv_rows.start, k_start + self.kv_rows.stop),
+                slice(v_start + self.kv_rows.start, v_start + self.kv_rows.stop))
+        return {"qkv_proj": rows}, {"qkv_proj": self.q_width + 2 * self.kv_width}
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,6 @@ def local_config(cfg: DecoderConfig, tp: TensorParallel) -> DecoderConfig:
     """The config of this rank's layers: its heads, KV heads and MLP slice (everything else whole)."""
     if tp.size == 1:
         return cfg
-    if cfg.fused_checkpoint:
-        raise ValueError(f"{cfg.model_type}: checkpoints with fused q/k/v and gate/up are not split over shards "
-                         "yet; serve it with --num-shard 1")
     heads = tp.span(cfg.num_heads, "attention heads")
     kv = attention_split(cfg, tp).kv_rows
     intermediate = tp.span(cfg.intermediate_size, "MLP columns (intermediate_size)")
