@@ -86,33 +86,71 @@ impl ShardClient {
     /// A hub adapter named without a local path: rank 0 downloads it, then the other ranks get
     /// the same request with rank 0's `path` (they must not download it a second time, and they
     /// need the very same files). Anything else goes to all ranks at once.
+    ///
+    /// Unlike the other calls this waits for every rank (loading involves no collective, so no
+    /// rank can hang on a dead peer), and a load that fails on any rank is undone on those where
+    /// it succeeded: no rank keeps an adapter the router counts as not loaded.
     async fn load_adapter_on_ranks(
         &self,
         request: pb::LoadAdapterRequest,
     ) -> ShardResult<pb::LoadAdapterResponse> {
-        let load = |mut c: RankClient<Channel>, r: tonic::Request<pb::LoadAdapterRequest>| async move {
-            c.load_adapter(r).await
-        };
         let downloads = request.source == "hub" && request.path.is_empty();
-        let Some((first, others)) = self.ranks.split_first() else {
-            return self.fan_out(request, load).await;
-        };
-        if !downloads || others.is_empty() {
-            return self.fan_out(request, load).await;
+        let all = 0..self.ranks.len();
+        if !downloads || self.ranks.len() == 1 {
+            return self.load_on(all, request).await;
         }
-        let response = self
-            .on_rank(0, load(first.clone(), traced(request.clone())))
-            .await?;
+        let adapter_id = request.adapter_id.clone();
+        let response = self.load_on(0..1, request.clone()).await?;
         let local = pb::LoadAdapterRequest {
             path: response.path.clone(),
             ..request
         };
-        let calls = others
-            .iter()
-            .enumerate()
-            .map(|(i, client)| self.on_rank(i + 1, load(client.clone(), traced(local.clone()))));
-        try_join_all(calls).await?;
-        Ok(response)
+        match self.load_on(1..all.end, local).await {
+            Ok(_) => Ok(response),
+            Err(error) => {
+                self.unload_quietly(&adapter_id, 0..1).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// Loads on `ranks`, all at once; the first one's answer, or the lowest failing rank's error
+    /// once the adapter is unloaded again from the ranks that loaded it.
+    async fn load_on(
+        &self,
+        ranks: std::ops::Range<usize>,
+        request: pb::LoadAdapterRequest,
+    ) -> ShardResult<pb::LoadAdapterResponse> {
+        let adapter_id = request.adapter_id.clone();
+        let calls = ranks.clone().map(|rank| {
+            let mut client = self.ranks[rank].clone();
+            let request = traced(request.clone());
+            self.on_rank(rank, async move { client.load_adapter(request).await })
+        });
+        let mut answers = futures::future::join_all(calls).await;
+        let Some(failed) = answers.iter().position(Result::is_err) else {
+            return answers.swap_remove(0);
+        };
+        for (rank, answer) in ranks.zip(&answers) {
+            if answer.is_ok() {
+                self.unload_quietly(&adapter_id, rank..rank + 1).await;
+            }
+        }
+        answers.swap_remove(failed)
+    }
+
+    /// Undoes a load on `ranks`; a rank that cannot unload it (gone, or never had it) is logged.
+    async fn unload_quietly(&self, adapter_id: &str, ranks: std::ops::Range<usize>) {
+        for rank in ranks {
+            let request = pb::UnloadAdapterRequest {
+                adapter_id: adapter_id.to_string(),
+            };
+            let mut client = self.ranks[rank].clone();
+            let call = async move { client.unload_adapter(traced(request)).await };
+            if let Err(error) = self.on_rank(rank, call).await {
+                tracing::warn!(rank, %error, "could not undo an adapter load that failed on another rank");
+            }
+        }
     }
 
     /// Awaits one rank's answer, naming the rank in its error.

@@ -412,6 +412,52 @@ async fn a_failed_hub_download_never_reaches_the_other_ranks() {
 }
 
 #[tokio::test]
+async fn a_load_that_fails_on_one_rank_is_undone_on_the_others() {
+    let dir = SocketDir::new();
+    // Rank 0 loads slower than rank 2 fails: the router waits for it before undoing its load.
+    let (shards, client) = ranks_with(&dir, 3, |shard| {
+        shard.with_adapter_load_delay(std::time::Duration::from_millis(30))
+    })
+    .await;
+    shards[2].fail_adapter_load_with("team/a", tonic::Code::ResourceExhausted, "no memory");
+    let error = client
+        .load_adapter(adapter_load("team/a", "local", "/adapters/team/a"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, ShardError::Status { rank: 2, .. }),
+        "{error:?}"
+    );
+    assert_eq!(error.code(), tonic::Code::ResourceExhausted);
+    for shard in &shards[..2] {
+        assert_eq!(shard.unloaded_adapters(), vec!["team/a".to_string()]);
+    }
+    assert!(shards.iter().all(|s| s.loaded_adapters().is_empty()));
+    assert!(shards[2].unloaded_adapters().is_empty());
+}
+
+#[tokio::test]
+async fn a_download_that_another_rank_cannot_load_is_undone_on_rank_zero() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks_with(&dir, 2, |shard| {
+        shard.with_adapter_path("owner/name", "/cache/owner--name")
+    })
+    .await;
+    shards[1].fail_adapter_load_with("owner/name", tonic::Code::InvalidArgument, "bad weights");
+    let error = client
+        .load_adapter(adapter_load("owner/name", "hub", ""))
+        .await
+        .unwrap_err();
+    assert_eq!(error.code(), tonic::Code::InvalidArgument);
+    assert_eq!(error.message(), "bad weights");
+    assert_eq!(
+        shards[0].unloaded_adapters(),
+        vec!["owner/name".to_string()]
+    );
+    assert!(shards.iter().all(|s| s.loaded_adapters().is_empty()));
+}
+
+#[tokio::test]
 async fn local_loads_activation_and_unload_reach_every_rank_at_once() {
     let dir = SocketDir::new();
     let (shards, client) = ranks_with(&dir, 2, |shard| shard.with_adapter_slots(2)).await;
