@@ -126,8 +126,7 @@ def test_grammar_constrained_rows_over_two_ranks(served, model) -> None:
         async with _client(stack) as client:
             constrained = client.chat.completions.create(
                 model=model or SERVED_NAME, messages=[{"role": "user", "content": "Answer in JSON."}],
-                max_tokens=200, temperature=0,
-                response_format=json_schema_format("person", schema))  # type: ignore[arg-type]
+                max_tokens=200, temperature=0, extra_body={"response_format": json_schema_format("person", schema)})
             return await asyncio.gather(constrained, _complete(client, model, free_prompt, 10))
 
     constrained, free = asyncio.run(burst())
