@@ -72,3 +72,17 @@ def test_each_rank_says_which_share_it_holds(stacks) -> None:
     _, _, two = stacks
     log = two.log()
     assert "rank 0 of 2 joined the gloo group" in log and "rank 1 of 2 joined the gloo group" in log, log[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} read " in log and " MiB of the checkpoint's " in log, log[-3000:]
+
+
+def test_metrics_show_each_rank_holding_half_the_weights(stacks) -> None:
+    """/metrics names each rank's weight bytes: about half of what the one-shard server's rank
+    holds (norms are whole on both, and packed layouts round widths up)."""
+    _, one, two = stacks
+    whole = one.metrics()['quiver_shard_weight_bytes{rank="0"}']
+    split = two.metrics()
+    assert 'quiver_shard_weight_bytes{rank="2"}' not in split
+    for rank in (0, 1):
+        share = split[f'quiver_shard_weight_bytes{{rank="{rank}"}}'] / whole
+        assert 0.45 < share < 0.6, f"rank {rank} holds {share:.3f} of one rank's weight bytes"

@@ -132,6 +132,8 @@ pub enum StartupError {
     Limits(String),
     #[error("shard warmup failed: {0}")]
     Warmup(ShardError),
+    #[error("shard info failed: {0}")]
+    Info(ShardError),
     #[error(
         "the KV cache holds {tokens} tokens ({num_blocks} blocks of {block_size}), fewer than \
          --max-total-tokens ({max_total_tokens}): lower --max-total-tokens or give the shard \
@@ -191,6 +193,8 @@ pub async fn start(
     let labels = AdapterLabels::new(&served_name, settings.metrics_max_adapter_labels);
     let scheduler_metrics = Arc::new(SchedulerMetrics::new(Arc::new(labels)));
     let metrics = Arc::new(Metrics::new(scheduler_metrics.clone()));
+    let ranks = shard.rank_infos().await.map_err(StartupError::Info)?;
+    metrics.set_shard_weight_bytes(ranks.iter().map(|r| r.weight_bytes).collect());
     let scheduler = Scheduler::start_observed(
         shard.clone(),
         SchedulerConfig {

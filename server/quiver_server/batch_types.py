@@ -124,6 +124,7 @@ class ModelInfo:
     model_path: str
     rank: int = 0
     world_size: int = 1
+    weight_bytes: int = 0  # of the model's weights on this rank (`weight_bytes.held_weight_bytes`)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,7 @@ from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
+from quiver_server.weight_bytes import held_weight_bytes
 from quiver_server.weights import config_dtype, eos_token_ids, load_config
 
 log = logging.getLogger(__name__)
@@ -168,6 +169,7 @@ class Engine:
             max_position_embeddings=shape.max_position_embeddings,
             eos_token_ids=eos_token_ids(path, config),
             model_path=str(path),
+            weight_bytes=held_weight_bytes(self.model),
         )
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers

@@ -93,6 +93,7 @@ def info_to_pb(info: ModelInfo) -> shard_pb2.InfoResponse:
         world_size=info.world_size,
         eos_token_ids=info.eos_token_ids,
         model_path=info.model_path,
+        weight_bytes=info.weight_bytes,
     )
 
 

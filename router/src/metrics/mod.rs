@@ -62,6 +62,8 @@ pub struct Metrics {
     pub http: http::HttpMetrics,
     /// Shared with the scheduler, which writes it.
     pub scheduler: Arc<SchedulerMetrics>,
+    /// Bytes of model weights each rank holds, by rank (set once at start-up).
+    shard_weight_bytes: std::sync::OnceLock<Vec<u64>>,
 }
 
 impl Default for Metrics {
@@ -104,7 +106,13 @@ impl Metrics {
             requests: RequestMetrics::new(scheduler.labels.clone()),
             http: http::HttpMetrics::default(),
             scheduler,
+            shard_weight_bytes: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Each rank's weight bytes (`InfoResponse.weight_bytes`), by rank; the first call wins.
+    pub fn set_shard_weight_bytes(&self, by_rank: Vec<u64>) {
+        let _ = self.shard_weight_bytes.set(by_rank);
     }
 
     /// An adapter's `LoadAdapter` took `took`.
@@ -266,11 +274,31 @@ impl Metrics {
         let steps = self.grammar_mask_steps.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_count {steps}");
         self.render_adapters(&mut out);
+        self.render_shards(&mut out);
         self.http.render(&mut out);
         self.requests.render(&mut out);
         self.scheduler.render(&mut out);
         gie::render(&mut out, self);
         out
+    }
+
+    fn render_shards(&self, out: &mut String) {
+        let name = "quiver_shard_weight_bytes";
+        text::header(
+            out,
+            name,
+            "gauge",
+            "Bytes of model weights each shard rank holds (its share of a split model).",
+        );
+        for (rank, bytes) in self
+            .shard_weight_bytes
+            .get()
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            let _ = writeln!(out, "{name}{{rank=\"{rank}\"}} {bytes}");
+        }
     }
 
     fn render_adapters(&self, out: &mut String) {
@@ -298,6 +326,16 @@ mod tests {
         assert!(text.contains("# TYPE quiver_grammar_mask_seconds summary\n"));
         assert!(text.contains("quiver_grammar_mask_seconds_sum 0.0025\n"));
         assert!(text.contains("quiver_grammar_mask_seconds_count 4\n"));
+    }
+
+    #[test]
+    fn names_each_rank_in_the_weight_bytes_gauge() {
+        let m = Metrics::default();
+        m.set_shard_weight_bytes(vec![1000, 998]);
+        let text = m.render();
+        assert!(text.contains("# TYPE quiver_shard_weight_bytes gauge\n"));
+        assert!(text.contains("quiver_shard_weight_bytes{rank=\"0\"} 1000\n"));
+        assert!(text.contains("quiver_shard_weight_bytes{rank=\"1\"} 998\n"));
     }
 
     #[test]

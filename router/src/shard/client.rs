@@ -230,6 +230,16 @@ impl ShardBackend for ShardClient {
         .boxed()
     }
 
+    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<pb::InfoResponse>>> {
+        let calls = self.ranks.iter().enumerate().map(|(rank, client)| {
+            let mut client = client.clone();
+            self.on_rank(rank, async move {
+                client.info(traced(pb::InfoRequest {})).await
+            })
+        });
+        try_join_all(calls).boxed()
+    }
+
     fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>> {
         self.fan_out(
             pb::HealthRequest {},

@@ -412,6 +412,16 @@ async fn a_failed_hub_download_never_reaches_the_other_ranks() {
 }
 
 #[tokio::test]
+async fn every_rank_answers_for_itself_when_asked_for_each_ranks_info() {
+    let dir = SocketDir::new();
+    let (_shards, client) = ranks(&dir, 3).await;
+    let infos = client.rank_infos().await.unwrap();
+    let ranks: Vec<(u32, u32)> = infos.iter().map(|i| (i.rank, i.world_size)).collect();
+    assert_eq!(ranks, vec![(0, 3), (1, 3), (2, 3)]);
+    assert_eq!(client.info().await.unwrap().rank, 0);
+}
+
+#[tokio::test]
 async fn a_load_that_fails_on_one_rank_is_undone_on_the_others() {
     let dir = SocketDir::new();
     // Rank 0 loads slower than rank 2 fails: the router waits for it before undoing its load.

@@ -502,6 +502,7 @@ impl ShardBackend for FakeShard {
                 world_size: self.world_size,
                 eos_token_ids: self.eos_token_id.into_iter().collect(),
                 model_path: self.model_path.clone(),
+                weight_bytes: 0, // a fake holds no weights
             })
         }
         .boxed()

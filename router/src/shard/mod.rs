@@ -96,6 +96,10 @@ pub trait ShardBackend: Send + Sync {
         false
     }
     fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>>;
+    /// Every rank's `Info`, by rank (rank 0's alone where there is one rank).
+    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<pb::InfoResponse>>> {
+        Box::pin(async move { Ok(vec![self.info().await?]) })
+    }
     fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>>;
     fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>>;
     fn prefill(
