@@ -169,7 +169,7 @@ class Engine:
             max_position_embeddings=shape.max_position_embeddings,
             eos_token_ids=eos_token_ids(path, config),
             model_path=str(path),
-            weight_bytes=held_weight_bytes(self.model),
+            weight_bytes=held_weight_bytes(module for _, module in self.model.named_modules()),
         )
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers

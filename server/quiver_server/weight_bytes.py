@@ -6,16 +6,18 @@ packed (`layers.linear.Linear.pack_weight`). Reported per rank in /metrics
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 
-def held_weight_bytes(model: nn.Module) -> int:
+def held_weight_bytes(modules: Iterable[nn.Module]) -> int:
+    """Of a model's modules (`named_modules()`'s), each storage counted once."""
     seen: set[int] = set()
     total = 0
-    for module in model.modules():
+    for module in modules:
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             total += _tensor_bytes(tensor, seen)
         for value in vars(module).values():
