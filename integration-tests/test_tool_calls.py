@@ -196,6 +196,29 @@ def test_parallel_tool_calls_false_gives_one_call(stack, model):
             assert len(check_plain(future.result())) == 1
 
 
+@pytest.mark.parametrize("model", MODELS)
+def test_calls_cut_by_max_tokens_still_come_back_as_calls(stack, model):
+    """`required` with parallel calls and EOS banned: the model writes calls until max_tokens
+    cuts one. The reply still comes back as calls, as OpenAI's does: the complete ones whole
+    (they validate), the cut one with the arguments written so far, finish_reason "length", and
+    no markup as content; streamed, the deltas spell the same calls."""
+    request = body(model, "required", max_tokens=120)
+    request["logit_bias"] = {str(EOS_ID): -100}
+    response = post(stack, "/v1/chat/completions", request)
+    openai_schema.validate(response, "CreateChatCompletionResponse")
+    choice = response["choices"][0]
+    assert choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"] is None, choice["message"]
+    calls = choice["message"]["tool_calls"]
+    assert len(calls) >= 2, f"120 tokens hold more than one call of these tools: {calls}"
+    check_calls(calls[:-1])
+    last = calls[-1]["function"]
+    assert last["name"] in PARAMETERS and isinstance(last["arguments"], str), last
+    streamed, text, finish_reasons = reassemble(stream_chat(stack, request))
+    assert (text, finish_reasons) == ("", ["length"])
+    assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+
+
 def test_n_choices_all_call(stack):
     response = post(stack, "/v1/chat/completions", body(MODELS[0], "required", n=3, temperature=1.0, seed=5))
     assert len(response["choices"]) == 3

@@ -108,7 +108,10 @@ impl Chat {
         let (mut message, reason) = match self.tools() {
             None => (AssistantMessage::new(content), reason),
             Some(plan) => {
-                let parsed = plan.parse(content.as_deref().unwrap_or_default());
+                let parsed = plan.parse(
+                    content.as_deref().unwrap_or_default(),
+                    reason == FinishReason::Length,
+                );
                 let reason = match parsed.tool_calls.is_empty() {
                     true => reason,
                     false => self.calls_finish(reason),
@@ -235,7 +238,7 @@ impl Chat {
         reason: FinishReason,
         tokens: Vec<GeneratedToken>,
     ) -> Vec<ChatCompletionChunk> {
-        let (deltas, has_calls) = self.reader(index).finish();
+        let (deltas, has_calls) = self.reader(index).finish(reason == FinishReason::Length);
         let mut chunks = self.delta_chunks(index, deltas);
         let mut held = self
             .readers

@@ -40,8 +40,9 @@ impl ChoiceReader {
         self.deltas(pieces)
     }
 
-    /// The last deltas once the reply is complete, and whether it holds calls.
-    pub fn finish(&mut self) -> (Vec<ReplyDelta>, bool) {
+    /// The last deltas once the reply is complete, and whether it holds calls; `cut`: it
+    /// stopped at `max_tokens`.
+    pub fn finish(&mut self, cut: bool) -> (Vec<ReplyDelta>, bool) {
         let pieces = match &mut self.reasoning {
             Some(splitter) => splitter.finish(),
             None => Vec::new(),
@@ -50,7 +51,7 @@ impl ChoiceReader {
         let Some(calls) = &mut self.calls else {
             return (deltas, false);
         };
-        let (last, has_calls) = calls.finish();
+        let (last, has_calls) = calls.finish(cut);
         deltas.extend(last.into_iter().map(ReplyDelta::Content));
         (deltas, has_calls)
     }

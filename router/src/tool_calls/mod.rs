@@ -21,6 +21,9 @@ mod request;
 mod stream;
 #[cfg(test)]
 mod tests;
+mod truncated;
+#[cfg(test)]
+mod truncated_tests;
 
 use std::collections::HashMap;
 

@@ -4,9 +4,10 @@
 //! token, special or not, only as that token), and a special one must be kept by the
 //! detokenizer, or the parser would never see it.
 
+use super::truncated::parse_reply;
 use super::{
-    hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallFormat, ToolCallParser,
-    ToolCallStream, ToolChoice, ToolRequest,
+    hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallParser, ToolCallStream,
+    ToolChoice, ToolRequest,
 };
 use crate::tokenizer::TextTokenizer;
 
@@ -68,9 +69,10 @@ impl ToolPlan {
             .collect()
     }
 
-    /// A finished reply split into content and calls.
-    pub fn parse(&self, text: &str) -> ParsedOutput {
-        self.parser.parse(text, Some(&self.declared()))
+    /// A finished reply split into content and calls; `cut`: it stopped at `max_tokens`, maybe
+    /// inside a call (`truncated`).
+    pub fn parse(&self, text: &str, cut: bool) -> ParsedOutput {
+        parse_reply(self.parser, text, &self.declared(), cut)
     }
 
     /// The reader of one streamed choice.
@@ -80,7 +82,7 @@ impl ToolPlan {
 }
 
 /// The markers a family writes.
-fn markers(parser: ToolCallParser) -> &'static [&'static str] {
+pub(super) fn markers(parser: ToolCallParser) -> &'static [&'static str] {
     match parser {
         ToolCallParser::Hermes => &[hermes::START, hermes::END],
         ToolCallParser::Llama3Json => &[llama3_json::PYTHON_TAG],

@@ -350,7 +350,7 @@ fn stream(
     for piece in chars.chunks(size) {
         deltas.extend(reader.push(&piece.iter().collect::<String>()));
     }
-    let (last, _) = reader.finish();
+    let (last, _) = reader.finish(false);
     deltas.extend(last);
     let mut content: Option<String> = None;
     let mut calls: Vec<(String, String)> = Vec::new();

@@ -5,7 +5,8 @@
 //! last, so the deltas add up to the non-streamed message.
 
 use super::partial::scan;
-use super::{call_id, non_blank, ToolCallFormat, ToolCallParser};
+use super::truncated::parse_reply;
+use super::{call_id, non_blank, ToolCallParser};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolDelta {
@@ -67,9 +68,10 @@ impl ToolCallStream {
         deltas
     }
 
-    /// The last deltas once the reply is complete, and whether it holds calls.
-    pub fn finish(&mut self) -> (Vec<ToolDelta>, bool) {
-        let parsed = self.parser.parse(&self.text, Some(&self.declared));
+    /// The last deltas once the reply is complete, and whether it holds calls; `cut`: it
+    /// stopped at `max_tokens`, maybe inside a call.
+    pub fn finish(&mut self, cut: bool) -> (Vec<ToolDelta>, bool) {
+        let parsed = parse_reply(self.parser, &self.text, &self.declared, cut);
         let mut deltas = Vec::new();
         if let Some(content) = &parsed.content {
             send_content(&mut self.content_sent, content, &mut deltas);
