@@ -39,6 +39,8 @@ REFUSAL_SECONDS = 5.0
 # How far the router's peak RSS may rise while it refuses every oversized body below. Building
 # the choices of the first one took the old router over 1 GB.
 RSS_BUDGET_BYTES = 96 << 20
+# What the router may keep resident after refusing four 4 MB bodies (it held 740 MB once).
+KEPT_AFTER_LARGE_BODIES = 16 << 20
 STARTUP_SECONDS = 300.0
 
 
@@ -77,14 +79,19 @@ def patient(pool, tmp_path_factory) -> Iterator[Served]:
         "QUIVER_PREEMPTION_WAIT_MS": "600000", "QUIVER_MAX_QUEUE_WAIT_SECS": "1"})
 
 
-def _router_peak_rss(served: Served) -> int:
-    """The router's VmHWM (peak resident memory) in bytes; the router is the launcher's child."""
+def _router_memory(served: Served, field: str) -> int:
+    """A memory figure of the router's /proc status in bytes: VmHWM (peak resident) or VmRSS
+    (resident now); the router is the launcher's child."""
     pids = [pid for pid, cmd in served.stack.descendants() if "quiver-router" in cmd.split(" ")[0]]
     assert len(pids) == 1, served.stack.descendants()
     for line in Path(f"/proc/{pids[0]}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/<router>/status")
+    raise AssertionError(f"no {field} in /proc/<router>/status")
+
+
+def _router_peak_rss(served: Served) -> int:
+    return _router_memory(served, "VmHWM")
 
 
 def _post(served: Served, body: dict) -> tuple[int, dict, float]:
@@ -107,7 +114,7 @@ def test_oversized_bodies_are_refused_before_the_work_they_ask_for(small):
     status, payload, seconds = _post(small, {"model": small.model, "prompt": [[1]] * 60_000,
                                              "n": 128, "max_tokens": 1})
     _assert_refused(status, payload, seconds, "invalid_value", "at most 2048")
-    status, payload, seconds = _post(small, {"model": small.model, "prompt": ["a"] * 100_000,
+    status, payload, seconds = _post(small, {"model": small.model, "prompt": ["a"] * 10_000,
                                              "max_tokens": 1})
     _assert_refused(status, payload, seconds, "invalid_value", "at most 2048")
     # Fewer prompts, but n × prompts over --max-choices-per-request.
@@ -128,11 +135,27 @@ def test_oversized_bodies_are_refused_before_the_work_they_ask_for(small):
         timeout=120)
     assert (status, payload["error"]["code"]) == (400, "context_length_exceeded"), payload
     # A token-id prompt over --max-input-tokens.
-    status, payload, seconds = _post(small, {"model": small.model, "prompt": [1] * 300_000,
+    status, payload, seconds = _post(small, {"model": small.model, "prompt": [1] * 3000,
                                              "max_tokens": 1})
     _assert_refused(status, payload, seconds, "context_length_exceeded", "--max-input-tokens")
+    # 300,000 ids: an array longer than any field takes, refused as it is parsed.
+    status, payload, seconds = _post(small, {"model": small.model, "prompt": [1] * 300_000,
+                                             "max_tokens": 1})
+    _assert_refused(status, payload, seconds, "invalid_body", "--max-input-tokens")
+    # 800,000 one-token prompts in 3.8 MB, four at once: refused after 65,536 arrays, not after
+    # building 800,000 of them (each would cost ~180 bytes parsed; this once took the router
+    # from 23 MB to 600 MB, and four left it holding 740 MB).
+    resident = _router_memory(small, "VmRSS")
+    body = {"model": small.model, "prompt": [[1]] * 800_000, "n": 128, "max_tokens": 1}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: _post(small, body), range(4)))
+    for status, payload, seconds in results:
+        _assert_refused(status, payload, seconds, "invalid_body", "65536 arrays and objects")
     grown = _router_peak_rss(small) - before
     assert grown < RSS_BUDGET_BYTES, f"router peak RSS grew by {grown >> 20} MiB"
+    # What the large bodies took was given back (malloc_trim after each) before they were answered.
+    kept = _router_memory(small, "VmRSS") - resident
+    assert kept < KEPT_AFTER_LARGE_BODIES, f"the router kept {kept >> 20} MiB after refusing them"
 
 
 def test_requests_that_can_never_run_are_400_not_429(small):

@@ -180,6 +180,21 @@ def test_every_rejection_is_openai_json(stack, method, path, status, code):
     _assert_openai_error(body, code)
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_head_is_refused_with_the_headers_of_the_openai_error(stack, path):
+    """HTTP gives a HEAD response no body, so HEAD of a POST route gets the status and headers
+    of the OpenAI-shaped error a GET of it gets: its JSON type, its length, `Allow`."""
+    status, headers, body = _request(stack, "GET", path, headers=AUTH)
+    assert status == 405
+    _assert_openai_error(body, "method_not_allowed")
+    head_status, head_headers, head_body = _request(stack, "HEAD", path, headers=AUTH)
+    assert (head_status, head_body) == (405, b"")
+    assert head_headers["content-type"] == headers["content-type"]
+    # The same error, naming HEAD: `{"error": {"message": "HEAD is not allowed on …", …}}`.
+    assert int(head_headers["content-length"]) == len(body.replace(b'"GET is not', b'"HEAD is not'))
+    assert head_headers["allow"] == headers["allow"]
+
+
 def test_an_oversized_body_gets_a_readable_413_and_the_connection_stays_usable(stack):
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=30)
     try:

@@ -43,9 +43,12 @@ def _tensor_bytes(tensor: torch.Tensor, seen: set[int]) -> int:
     """A tensor's bytes, once per storage (a tied LM head shares the embedding's)."""
     if tensor.is_meta:
         return 0
-    storage = tensor.untyped_storage()
-    key = storage.data_ptr()
+    if tensor.is_mkldnn:  # oneDNN's packed weights (the torch path on CPU) expose no storage
+        key, nbytes = id(tensor), tensor.numel() * tensor.element_size()
+    else:
+        storage = tensor.untyped_storage()
+        key, nbytes = storage.data_ptr(), storage.nbytes()
     if key in seen:
         return 0
     seen.add(key)
-    return storage.nbytes()
+    return nbytes

@@ -12,13 +12,13 @@ use crate::error::ApiError;
 use crate::openai::adapters::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 
 impl RequestBody for LoadLoraAdapterRequest {
-    fn from_json(value: &Value) -> Result<Self, ApiError> {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
         typed(value)
     }
 }
 
 impl RequestBody for UnloadLoraAdapterRequest {
-    fn from_json(value: &Value) -> Result<Self, ApiError> {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
         typed(value)
     }
 }

@@ -27,7 +27,10 @@ const DISCARD_TIME: Duration = Duration::from_secs(10);
 /// bodies to every route of `app`. Up to `max_body_bytes` more are discarded: a client that
 /// overshoots the limit by as much again still reads its 413 on a live connection.
 pub fn limit_bodies(app: Router, max_body_bytes: usize) -> Router {
-    app.layer(middleware::from_fn_with_state(
+    app.layer(middleware::from_fn(
+        super::give_back::trim_after_large_bodies,
+    ))
+    .layer(middleware::from_fn_with_state(
         DiscardBound(max_body_bytes as u64),
         discard_unread,
     ))

@@ -104,17 +104,21 @@ pub struct GenerationBody<F> {
 }
 
 impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
-    fn from_json(value: &Value) -> Result<Self, ApiError> {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
         // Refused fields first, and the unknown ones noted: the typed structs below would skip
         // both silently.
-        let ignored = match value {
+        let ignored = match &value {
             Value::Object(body) => check_fields(F::FIELDS, body)?,
             _ => Vec::new(),
         };
-        // The endpoint's own fields first: when both are wrong, `messages` or `prompt` is named.
+        // The shared parameters are read from a borrow (their fields are small); the endpoint's
+        // own then take the body, moving `messages` or `prompt` rather than copying them. When
+        // both are wrong, the endpoint's field is named.
+        let params = typed(&value);
+        let fields = typed(value)?;
         Ok(Self {
-            fields: typed(value)?,
-            params: typed(value)?,
+            fields,
+            params: params?,
             ignored,
         })
     }

@@ -16,13 +16,13 @@ use crate::tenants::Caller;
 use crate::validation::{tokenize_ids, vocabulary_ids, ValidationError};
 
 impl RequestBody for TokenizeRequest {
-    fn from_json(value: &Value) -> Result<Self, ApiError> {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
         typed(value)
     }
 }
 
 impl RequestBody for DetokenizeRequest {
-    fn from_json(value: &Value) -> Result<Self, ApiError> {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
         typed(value)
     }
 }
