@@ -17,7 +17,7 @@ use super::logprobs::{ChatLogprobs, PromptLogprobs};
                         sent, keys not listed here included."
 )]
 pub struct ChatFields {
-    #[schema(value_type = Vec<super::schema::ChatMessage>, required = true, min_items = 1)]
+    #[schema(value_type = Vec<super::field_schemas::ChatMessage>, required = true, min_items = 1)]
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template as `tools`, as transformers' `apply_chat_template` does;
     /// replies are constrained to and read for calls of them (docs/tool-calling.md).
@@ -45,9 +45,6 @@ pub struct ChatFields {
     #[schema(value_type = Option<Object>)]
     pub chat_template_kwargs: Option<Value>,
 }
-
-/// Roles OpenAI's schema defines for request messages.
-pub const ROLES: [&str; 5] = ["system", "user", "assistant", "tool", "developer"];
 
 pub const OBJECT: &str = "chat.completion";
 pub const CHUNK_OBJECT: &str = "chat.completion.chunk";

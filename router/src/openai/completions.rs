@@ -13,7 +13,7 @@ use super::logprobs::{CompletionLogprobs, PromptLogprobs};
 pub struct CompletionFields {
     /// A string, a list of strings, a list of token ids or a list of such lists; parsed by
     /// validation so each shape gets a precise error message.
-    #[schema(value_type = super::schema::Prompt, required = true)]
+    #[schema(value_type = super::field_schemas::Prompt, required = true)]
     pub prompt: Option<Value>,
     /// Return the prompt before the completion (and, with `logprobs`, the prompt's logprobs).
     pub echo: Option<bool>,

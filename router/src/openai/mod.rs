@@ -9,6 +9,7 @@ pub mod chat;
 pub mod common;
 pub mod completions;
 pub mod error;
+pub mod field_schemas;
 pub mod fields;
 pub mod logprobs;
 pub mod models;

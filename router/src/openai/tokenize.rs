@@ -13,7 +13,7 @@ pub struct TokenizeRequest {
     /// Selects the base model or an adapter, as on the generation endpoints.
     pub model: Option<String>,
     pub prompt: Option<String>,
-    #[schema(value_type = Option<Vec<super::schema::ChatMessage>>)]
+    #[schema(value_type = Option<Vec<super::field_schemas::ChatMessage>>)]
     pub messages: Option<Vec<Value>>,
     /// Handed to the chat template, as on `/v1/chat/completions`.
     pub tools: Option<Value>,

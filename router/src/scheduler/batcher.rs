@@ -10,7 +10,7 @@
 //! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
 //! state on the shard, and the loop carries on with the rest. Adapter activation and unloading
 //! are in `batcher/adapters.rs`; preempting running requests for a starved queue head, and the
-//! queue deadline, in `../preemption.rs`.
+//! queue deadline, in `batcher/preemption.rs`.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -21,7 +21,6 @@ use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
 use super::blocks::{BlockAllocation, BlockAllocator, BlockHash};
-use super::preemption::Starved;
 use super::queue::{Keyed, Queue};
 use super::slots::AdapterSlots;
 use super::{
@@ -34,10 +33,12 @@ use crate::telemetry::{within_step, RequestTrace, StepSpan};
 
 mod adapters;
 mod pace;
+mod preemption;
 mod prefill;
 
 use adapters::PendingUnload;
 use pace::PrefillPace;
+use preemption::Starved;
 
 type EventSender = mpsc::UnboundedSender<Result<TokenEvent, GenerationError>>;
 /// The `--max-concurrent-requests` permit of one HTTP request, shared by its choices.
@@ -233,7 +234,7 @@ pub(super) struct Batcher {
     pub(super) gauges: Arc<Gauges>,
     /// A queue head that waited past `preemption_wait` for blocks or a batch slot in the last
     /// step: room is made for it before the next one.
-    pub(super) starved: Option<Starved>,
+    starved: Option<Starved>,
     /// What steps cost, to size prefill chunks while requests decode.
     pace: PrefillPace,
 }

@@ -23,7 +23,6 @@ use crate::telemetry::RequestTrace;
 mod batcher;
 mod blocks;
 mod logprobs;
-mod preemption;
 mod prefix_hash;
 mod queue;
 mod slots;

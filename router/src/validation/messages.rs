@@ -6,7 +6,7 @@ use serde_json::Value;
 use super::template_kwargs::template_kwargs;
 use super::tool_turns::check_tool_fields;
 use super::{ModelAssets, ValidationError};
-use crate::openai::chat::ROLES;
+use crate::openai::field_schemas::ROLES;
 
 /// `messages` checked and rendered with the model's chat template (and the request's
 /// `chat_template_kwargs`): the prompt text of `/v1/chat/completions` and of `/tokenize` with

@@ -7,12 +7,12 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::adapters::Activation;
+use super::preemption::Starved;
 use super::{
     protocol_error, sampling_to_pb, step_attributes, Admission, Batcher, Entry, Resources, Running,
 };
 use crate::pb;
 use crate::scheduler::blocks::{BlockAllocator, BlockHash};
-use crate::scheduler::preemption::Starved;
 use crate::scheduler::prefix_hash::block_hashes;
 use crate::scheduler::queue::Admit;
 use crate::scheduler::GenerationRequest;

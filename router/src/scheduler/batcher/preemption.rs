@@ -20,9 +20,9 @@ use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 
-use super::batcher::{Batcher, Entry, Running};
-use super::GenerationError;
+use super::{Batcher, Entry, Running};
 use crate::pb;
+use crate::scheduler::GenerationError;
 
 /// What the starved queue head needs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
