@@ -29,6 +29,10 @@ KEEP_ALIVE_S = 3
 MAX_CONNECTIONS = 6
 MAX_BODY = 64 * 1024
 # Beyond each limit, how long the server may take to act on it (a loaded 2-core box).
+# Why wall-clock bounds here: the header-read and keep-alive limits are promises in seconds of
+# real time, made to clients over real sockets, and only a real clock can show that a
+# connection is closed when promised. The test binds them from both sides where it can (an
+# idle connection outlives the header limit) and leaves slack for a slow machine.
 SLACK_S = 4.0
 # Shards load slowly on a shared 2-core box.
 STARTUP_TIMEOUT_S = 240
