@@ -125,10 +125,11 @@ impl Chat {
 }
 
 impl Endpoint for Chat {
+    type Context = ();
     type Fields = ChatFields;
     type Response = ChatCompletionResponse;
 
-    fn new(setup: ResponseSetup) -> Self {
+    fn new(setup: ResponseSetup, (): ()) -> Self {
         Self {
             header: ObjectHeader::new(ID_PREFIX, OBJECT, setup.model.clone()),
             setup,
@@ -358,8 +359,8 @@ impl ChunkFormat for Chat {
         vec![self.chunk(vec![choice], None, prompt_token_ids)]
     }
 
-    fn usage(&mut self, usage: Usage) -> ChatCompletionChunk {
-        self.chunk(Vec::new(), Some(usage), None)
+    fn usage(&mut self, usage: Usage) -> Vec<ChatCompletionChunk> {
+        vec![{ self.chunk(Vec::new(), Some(usage), None) }]
     }
 }
 

@@ -74,7 +74,7 @@ fn tokens(count: usize) -> Vec<GeneratedToken> {
 
 /// The non-streamed message and finish reason of `text`.
 pub(super) fn answer(setup: ResponseSetup, text: &str) -> Value {
-    let chat = Chat::new(setup);
+    let chat = Chat::new(setup, ());
     let output = ChoiceOutput {
         text: text.to_owned(),
         tokens: tokens(3),
@@ -89,7 +89,7 @@ pub(super) fn answer(setup: ResponseSetup, text: &str) -> Value {
 
 /// The streamed chunks' choice objects of `text`, one character (one token) per step.
 pub(super) fn stream(setup: ResponseSetup, text: &str) -> Vec<Value> {
-    let mut chat = Chat::new(setup);
+    let mut chat = Chat::new(setup, ());
     let mut chunks = chat.choice(0, ChoiceStep::Opening);
     for (i, c) in text.chars().enumerate() {
         chunks.extend(chat.choice(

@@ -26,10 +26,11 @@ pub struct Completions {
 }
 
 impl Endpoint for Completions {
+    type Context = ();
     type Fields = CompletionFields;
     type Response = CompletionResponse;
 
-    fn new(setup: ResponseSetup) -> Self {
+    fn new(setup: ResponseSetup, (): ()) -> Self {
         let choices = setup.prompts.len() * setup.options.n as usize;
         Self {
             header: ObjectHeader::new(ID_PREFIX, OBJECT, setup.model.clone()),
@@ -151,8 +152,8 @@ impl ChunkFormat for Completions {
         self.step_chunk(index, step).into_iter().collect()
     }
 
-    fn usage(&mut self, usage: Usage) -> CompletionResponse {
-        self.object(Vec::new(), Some(usage))
+    fn usage(&mut self, usage: Usage) -> Vec<CompletionResponse> {
+        vec![{ self.object(Vec::new(), Some(usage)) }]
     }
 }
 

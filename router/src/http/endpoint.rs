@@ -39,8 +39,11 @@ pub trait Endpoint: ChunkFormat + Sized {
     /// The request fields only this endpoint reads (`messages`, `prompt`).
     type Fields: PromptSource + EndpointFields + DeserializeOwned + 'static;
     type Response: Serialize;
+    /// What the endpoint's answer needs of its request beyond `ResponseSetup` (the Responses
+    /// API echoes its request's fields).
+    type Context;
 
-    fn new(setup: ResponseSetup) -> Self;
+    fn new(setup: ResponseSetup, context: Self::Context) -> Self;
 
     /// The non-streamed response, choices in index order.
     fn response(self, choices: Vec<FinishedChoice>, usage: Usage) -> Self::Response;
@@ -103,6 +106,13 @@ pub struct GenerationBody<F> {
     ignored: Vec<String>,
 }
 
+impl<F> GenerationBody<F> {
+    /// The endpoint's fields, the shared parameters, and the fields it does not know.
+    pub fn into_parts(self) -> (F, GenerationParams, Vec<String>) {
+        (self.fields, self.params, self.ignored)
+    }
+}
+
 impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
     fn from_json(value: Value) -> Result<Self, ApiError> {
         // Refused fields first, and the unknown ones noted: the typed structs below would skip
@@ -125,7 +135,7 @@ impl<F: DeserializeOwned + EndpointFields> RequestBody for GenerationBody<F> {
 }
 
 /// The axum handler of endpoint `E`.
-pub async fn generate<E: Endpoint>(
+pub async fn generate<E: Endpoint<Context = ()>>(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<GenerationBody<E::Fields>>,
@@ -138,7 +148,7 @@ pub async fn generate<E: Endpoint>(
         params,
         ignored,
     } = body;
-    let mut response = answer::<E>(state, &caller, fields, params).await?;
+    let mut response = answer::<E>(state, &caller, fields, params, ()).await?;
     if !ignored.is_empty() {
         tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
         // Field names are JSON object keys; one that is not a valid header value is left out
@@ -151,11 +161,12 @@ pub async fn generate<E: Endpoint>(
 }
 
 /// Validates, runs and answers one request.
-async fn answer<E: Endpoint>(
+pub(super) async fn answer<E: Endpoint>(
     state: AppState,
     caller: &Caller,
     fields: E::Fields,
     params: GenerationParams,
+    context: E::Context,
 ) -> Result<Response, ApiError> {
     let (adapter_id, assets) = state
         .resolve_model(
@@ -203,14 +214,17 @@ async fn answer<E: Endpoint>(
         &settings,
     )?;
     let choices = charge_when_done(caller, valid.prompt_tokens, choices);
-    let format = E::new(ResponseSetup {
-        model: super::response_model(&state, params.model),
-        options: options.clone(),
-        tokenizer: assets.tokenizer.clone(),
-        prompts: valid.prompts,
-        tools: valid.tools,
-        reasoning: valid.reasoning,
-    });
+    let format = E::new(
+        ResponseSetup {
+            model: super::response_model(&state, params.model),
+            options: options.clone(),
+            tokenizer: assets.tokenizer.clone(),
+            prompts: valid.prompts,
+            tools: valid.tools,
+            reasoning: valid.reasoning,
+        },
+        context,
+    );
     if options.stream {
         let plan = StreamPlan {
             choices,

@@ -30,6 +30,7 @@ mod logprobs;
 mod metrics;
 mod models;
 pub mod openapi;
+mod responses;
 mod sse;
 mod state;
 mod tokenize;
@@ -55,6 +56,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/chat/completions",
             post(endpoint::generate::<chat::Chat>),
         )
+        .route("/v1/responses", post(responses::create_response))
         .route(
             "/v1/completions",
             post(endpoint::generate::<completions::Completions>),

@@ -1,8 +1,9 @@
-//! The streaming state machine shared by chat and completions: per choice an optional opening
-//! chunk (chat's `role`), its text deltas, exactly one finish chunk; then the usage chunk if
-//! asked for, then `data: [DONE]`. An error after the stream started becomes a final
-//! `data: {"error": ...}` event before `[DONE]`. Dropping the stream (client gone) drops every
-//! choice's receiver, which cancels the requests in the scheduler.
+//! The streaming state machine shared by chat, completions and responses: per choice an optional
+//! opening chunk (chat's `role`), its text deltas, exactly one finish chunk; then the usage
+//! chunk if asked for, then `data: [DONE]` (where the endpoint ends that way). An error after
+//! the stream started becomes a final error event. Dropping the stream (client gone) drops
+//! every choice's receiver, which cancels the requests in the scheduler. An endpoint whose
+//! events are typed (the Responses API's) names each in the SSE `event:` field.
 
 use std::convert::Infallible;
 
@@ -22,8 +23,21 @@ pub trait ChunkFormat: Send + 'static {
     /// The chunks for one step of choice `index`, in order (none when the endpoint sends
     /// nothing for it; several when chat splits tool-call deltas).
     fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<Self::Chunk>;
-    /// The last chunk before `[DONE]` with `stream_options.include_usage`: no choices.
-    fn usage(&mut self, usage: Usage) -> Self::Chunk;
+    /// The last chunks before `[DONE]` with `stream_options.include_usage`.
+    fn usage(&mut self, usage: Usage) -> Vec<Self::Chunk>;
+    /// The event that reports an error once the stream has started.
+    fn error(&mut self, error: &ApiError) -> serde_json::Value {
+        serde_json::to_value(error.to_body()).unwrap_or_default()
+    }
+    /// The SSE `event:` name of a chunk (none: a plain `data:` event).
+    fn event_name(_chunk: &Self::Chunk) -> Option<String> {
+        None
+    }
+    /// The SSE `event:` name of `error`'s event.
+    const ERROR_EVENT: Option<&'static str> = None;
+    /// Whether the stream ends with `data: [DONE]` (chat and completions; OpenAI's Responses
+    /// streams end with their last typed event).
+    const ENDS_WITH_DONE: bool = true;
 }
 
 /// What one chunk of a choice reports; `tokens` are those whose text the chunk carries.
@@ -71,7 +85,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
     async_stream::stream! {
         for index in 0..choices.len() as u32 {
             for chunk in format.choice(index, ChoiceStep::Opening) {
-                yield json_event(&chunk);
+                yield chunk_event::<F>(&chunk);
             }
         }
         let mut cached_per_choice = vec![0u32; choices.len()];
@@ -89,8 +103,10 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                     // Cancel the choices, then end the stream so that the client can tell.
                     drop(events);
                     cutoff.record_cut();
-                    yield json_event(&ApiError::GracePeriodOver.to_body());
-                    yield done_event();
+                    yield error_event::<F>(format.error(&ApiError::GracePeriodOver));
+                    if F::ENDS_WITH_DONE {
+                        yield done_event();
+                    }
                     return;
                 }
             };
@@ -112,27 +128,50 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                     // Cancel the other choices before telling the client.
                     drop(events);
                     tracing::error!(%error, "stream failed after it started");
-                    yield json_event(&error.to_body());
-                    yield done_event();
+                    yield error_event::<F>(format.error(&error));
+                    if F::ENDS_WITH_DONE {
+                        yield done_event();
+                    }
                     return;
                 }
             };
             for chunk in format.choice(index, step) {
-                yield json_event(&chunk);
+                yield chunk_event::<F>(&chunk);
             }
         }
         if include_usage {
             let cached = prompt_cached_tokens(&cached_per_choice, choices_per_prompt);
             let usage = Usage::new(prompt_tokens, completion_tokens).with_cached(cached);
-            yield json_event(&format.usage(usage));
+            for chunk in format.usage(usage) {
+                yield chunk_event::<F>(&chunk);
+            }
         }
-        yield done_event();
+        if F::ENDS_WITH_DONE {
+            yield done_event();
+        }
     }
 }
 
 enum Next {
     Event(Option<ChoiceEvent>),
     Cut,
+}
+
+fn error_event<F: ChunkFormat>(body: serde_json::Value) -> Event {
+    let event = json_event(&body);
+    match F::ERROR_EVENT {
+        Some(name) => event.event(name),
+        None => event,
+    }
+}
+
+/// A chunk's event, named where the endpoint names its events.
+fn chunk_event<F: ChunkFormat>(chunk: &F::Chunk) -> Event {
+    let event = json_event(chunk);
+    match F::event_name(chunk) {
+        Some(name) => event.event(name),
+        None => event,
+    }
 }
 
 fn json_event<T: Serialize>(chunk: &T) -> Event {

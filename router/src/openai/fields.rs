@@ -218,12 +218,21 @@ pub const IGNORED_FIELDS_HEADER: &str = "quiver-ignored-fields";
 /// Returns the fields the endpoint does not know (accepted without effect), in body order.
 /// Runs on the raw JSON object, before typed parsing.
 pub fn check_fields(own: &[Field], body: &Map<String, Value>) -> Result<Vec<String>, ApiError> {
+    check_fields_of(&[own, SHARED], body)
+}
+
+/// `check_fields` against the fields of `tables` alone (an endpoint that takes none of `SHARED`).
+pub fn check_fields_of(
+    tables: &[&[Field]],
+    body: &Map<String, Value>,
+) -> Result<Vec<String>, ApiError> {
     let mut unknown = Vec::new();
     for (name, value) in body {
         if value.is_null() {
             continue;
         }
-        let Some(field) = own.iter().chain(SHARED).find(|field| field.name == name) else {
+        let known = tables.iter().flat_map(|table| table.iter());
+        let Some(field) = known.into_iter().find(|field| field.name == name) else {
             unknown.push(name.clone());
             continue;
         };

@@ -13,6 +13,7 @@ pub mod field_schemas;
 pub mod fields;
 pub mod logprobs;
 pub mod models;
+pub mod responses_request;
 pub mod schema;
 pub mod tokenize;
 

@@ -28,6 +28,7 @@ mod responses;
     paths(
         operations::chat_completions,
         operations::completions,
+        operations::responses,
         operations::list_models,
         operations::retrieve_model,
         operations::load_lora_adapter,

@@ -11,6 +11,7 @@ use crate::openai::adapters::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 use crate::openai::chat::{ChatCompletionChunk, ChatCompletionResponse};
 use crate::openai::completions::CompletionResponse;
 use crate::openai::models::{ModelCard, ModelList};
+use crate::openai::responses_request::ResponsesRequest;
 use crate::openai::schema::{ChatCompletionRequest, CompletionRequest};
 use crate::openai::tokenize::{
     DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse,
@@ -31,6 +32,21 @@ use crate::openai::tokenize::{
     security((), ("api_key" = [])),
 )]
 fn chat_completions() {}
+
+/// OpenAI's Responses API on the chat path (docs/api.md#responses). With `stream: true` the
+/// answer is Server-Sent Events of typed events (`event:` names each), ending with
+/// `response.completed` or `response.incomplete`, without `[DONE]`.
+#[utoipa::path(
+    post, path = "/v1/responses", tag = "generation",
+    request_body = ResponsesRequest,
+    responses(
+        (status = 200, description = "The Response object, or its events as Server-Sent Events",
+         content((Object = "application/json"), (Object = "text/event-stream"))),
+        GenerationErrors,
+    ),
+    security((), ("api_key" = [])),
+)]
+fn responses() {}
 
 /// A text completion; streamed as chat is, with the response object as each chunk.
 #[utoipa::path(
