@@ -1,6 +1,7 @@
-"""Writes request-fields.json: the top-level field names of OpenAI's chat and legacy completions
-request bodies, read from ../openai-openapi/openapi.yaml (schemas CreateChatCompletionRequest and
-CreateCompletionRequest, following `$ref` and `allOf` as the spec composes them).
+"""Writes request-fields.json: the top-level field names of OpenAI's chat, legacy completions and
+Responses request bodies, read from ../openai-openapi/openapi.yaml (schemas
+CreateChatCompletionRequest, CreateCompletionRequest and CreateResponse, following `$ref` and
+`allOf` as the spec composes them).
 
 Run from the repository root after updating the spec:
     python testdata/openai/extract_request_fields.py
@@ -15,6 +16,7 @@ HERE = Path(__file__).parent
 SCHEMAS = {
     "chat": "CreateChatCompletionRequest",
     "completions": "CreateCompletionRequest",
+    "responses": "CreateResponse",
 }
 
 

@@ -44,13 +44,14 @@ where
 
 pub struct OpenAiJson<T>(pub T);
 
-/// The longest array a body may hold (`bounded_json`): four times the longest prompt, or 64Ki
-/// items, whichever is more; every field that takes a list stays far below it (2,048 prompts,
-/// a prompt of at most `--max-input-tokens` ids), so validation still names the field and its
-/// limit for a list that is merely too long.
+/// The longest array a body may hold (`bounded_json`): four times the longest prompt, or 256Ki
+/// items, whichever is more (8 MB parsed, as numbers). The fields that take lists stay far below
+/// it (2,048 prompts, a prompt of at most `--max-input-tokens` ids; a JSON schema's `enum` of
+/// 200,000 values still reaches the grammar compiler's own budget), so validation still names
+/// the field and its limit for a list that is merely too long.
 fn max_array_items(state: &AppState) -> usize {
     let longest_prompt = state.info.limits.max_input_tokens as usize;
-    longest_prompt.saturating_mul(4).max(1 << 16)
+    longest_prompt.saturating_mul(4).max(1 << 18)
 }
 
 impl<T: RequestBody> FromRequest<AppState> for OpenAiJson<T> {

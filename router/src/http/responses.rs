@@ -463,9 +463,12 @@ fn self_response(
         "tools": echo.tools,
         "top_p": echo.top_p,
         "truncation": "disabled",
-        "usage": usage,
         "metadata": echo.metadata,
     });
+    // Absent until known: OpenAI's schema has no null usage.
+    if let Some(usage) = usage {
+        response["usage"] = usage;
+    }
     // OpenAI's schema has `user` as a string when present, never null.
     if let Some(user) = &echo.user {
         response["user"] = json!(user);

@@ -158,23 +158,16 @@ enum Next {
 }
 
 fn error_event<F: ChunkFormat>(body: serde_json::Value) -> Event {
-    let event = json_event(&body);
-    match F::ERROR_EVENT {
-        Some(name) => event.event(name),
-        None => event,
-    }
+    named_event(F::ERROR_EVENT.map(str::to_owned), &body)
 }
 
 /// A chunk's event, named where the endpoint names its events.
 fn chunk_event<F: ChunkFormat>(chunk: &F::Chunk) -> Event {
-    let event = json_event(chunk);
-    match F::event_name(chunk) {
-        Some(name) => event.event(name),
-        None => event,
-    }
+    named_event(F::event_name(chunk), chunk)
 }
 
-fn json_event<T: Serialize>(chunk: &T) -> Event {
+/// An event whose `data` is `chunk` as JSON, `event: name` before it when named.
+fn named_event<T: Serialize>(name: Option<String>, chunk: &T) -> Event {
     let json = serde_json::to_string(chunk).unwrap_or_else(|error| {
         // Our chunk types always serialize; keep the stream well-formed if one ever does not.
         let error = ApiError::Internal(format!("cannot serialize a chunk: {error}"));
@@ -182,7 +175,10 @@ fn json_event<T: Serialize>(chunk: &T) -> Event {
             .unwrap_or_default()
             .to_string()
     });
-    Event::default().data(json)
+    match name {
+        Some(name) => Event::default().event(name).data(json),
+        None => Event::default().data(json),
+    }
 }
 
 fn done_event() -> Event {

@@ -17,6 +17,8 @@ fn endpoint_table(endpoint: &str) -> Vec<Field> {
     let own = match endpoint {
         "chat" => CHAT,
         "completions" => COMPLETIONS,
+        // The Responses API shares none of the chat endpoints' fields table.
+        "responses" => return crate::openai::responses_request::RESPONSES.to_vec(),
         other => panic!("no endpoint {other}"),
     };
     own.iter().chain(SHARED).copied().collect()
@@ -26,7 +28,7 @@ fn endpoint_table(endpoint: &str) -> Vec<Field> {
 fn every_openai_request_field_is_classified() {
     let lists: Value = serde_json::from_str(&repo_file("testdata/openai/request-fields.json"))
         .expect("request-fields.json is JSON");
-    for endpoint in ["chat", "completions"] {
+    for endpoint in ["chat", "completions", "responses"] {
         let table = endpoint_table(endpoint);
         let openai = lists[endpoint].as_array().expect("a list of names");
         assert!(openai.len() > 10, "{endpoint}: too few fields, wrong file?");
@@ -42,7 +44,7 @@ fn every_openai_request_field_is_classified() {
 
 #[test]
 fn each_field_is_listed_once_with_a_reason_unless_implemented() {
-    for endpoint in ["chat", "completions"] {
+    for endpoint in ["chat", "completions", "responses"] {
         let table = endpoint_table(endpoint);
         let names: BTreeSet<_> = table.iter().map(|field| field.name).collect();
         assert_eq!(
@@ -81,6 +83,7 @@ fn docs_have_one_row_per_field_with_its_status() {
     for (endpoint, heading) in [
         ("chat", "### Chat completions: request fields"),
         ("completions", "### Completions: request fields"),
+        ("responses", "### Responses: request fields"),
     ] {
         let rows = doc_rows(&markdown, heading);
         let table = endpoint_table(endpoint);

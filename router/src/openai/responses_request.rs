@@ -12,7 +12,8 @@
 //!   `input_text`/`output_text` parts → messages of their role;
 //! - `function_call` items → the `tool_calls` of an assistant message (consecutive calls, and
 //!   calls right after an assistant message, join that message, as a chat turn holds them);
-//! - `function_call_output` items → `tool` messages answering `call_id`;
+//! - `function_call_output` items → `tool` messages answering `call_id` (named after the
+//!   function that call called, for templates that print the name);
 //! - `reasoning` items → dropped: chat templates drop earlier turns' reasoning themselves.
 //!
 //! Any other item or content type (images, files, built-in tools' calls) is refused by name.
@@ -141,7 +142,19 @@ pub const RESPONSES: &[Field] = &[
         "prompt_cache_retention",
         "OpenAI's prompt-cache lifetime; quiver's prefix cache evicts by need",
     ),
+    no_effect(
+        "prompt_cache_options",
+        "OpenAI's prompt-cache settings; quiver's prefix cache needs none",
+    ),
     no_effect("service_tier", "one tier: every request is served alike"),
+    refused(
+        "moderation",
+        "quiver runs no moderation; accepting it would suggest it did",
+    ),
+    refused(
+        "context_management",
+        "it compacts OpenAI's stored conversations; quiver stores none",
+    ),
     refused(
         "previous_response_id",
         "quiver stores no responses to continue from; send the conversation as `input` items",
@@ -364,7 +377,13 @@ fn add_item(messages: &mut Vec<Value>, item: &Value, index: usize) -> Result<(),
                     ))
                 }
             };
-            messages.push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+            // Templates that print a tool result under its function's name (Hermes 2 Pro's)
+            // need the name: the call's, found among the earlier items.
+            let mut message = json!({"role": "tool", "tool_call_id": call_id, "content": output});
+            if let Some(name) = called_function(messages, call_id) {
+                message["name"] = json!(name);
+            }
+            messages.push(message);
         }
         Some("reasoning") => {}
         Some(other) => {
@@ -378,6 +397,17 @@ fn add_item(messages: &mut Vec<Value>, item: &Value, index: usize) -> Result<(),
         }
     }
     Ok(())
+}
+
+/// The function an earlier assistant turn called under `call_id`.
+fn called_function<'a>(messages: &'a [Value], call_id: &str) -> Option<&'a str> {
+    messages
+        .iter()
+        .rev()
+        .filter_map(|message| message.get("tool_calls")?.as_array())
+        .flatten()
+        .find(|call| call["id"] == call_id)
+        .and_then(|call| call["function"]["name"].as_str())
 }
 
 /// A message's content as text: a string, or its text parts joined with a newline.
