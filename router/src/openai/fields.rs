@@ -45,7 +45,7 @@ pub struct Field {
     pub refuses: Option<fn(&Value) -> Option<&'static str>>,
 }
 
-const fn field(name: &'static str, status: Status, reason: &'static str) -> Field {
+pub(crate) const fn field(name: &'static str, status: Status, reason: &'static str) -> Field {
     Field {
         name,
         status,
@@ -54,19 +54,22 @@ const fn field(name: &'static str, status: Status, reason: &'static str) -> Fiel
     }
 }
 
-const fn implemented(name: &'static str) -> Field {
+pub(crate) const fn implemented(name: &'static str) -> Field {
     field(name, Status::Implemented, "")
 }
 
-const fn no_effect(name: &'static str, reason: &'static str) -> Field {
+pub(crate) const fn no_effect(name: &'static str, reason: &'static str) -> Field {
     field(name, Status::NoEffect, reason)
 }
 
-const fn refused(name: &'static str, reason: &'static str) -> Field {
+pub(crate) const fn refused(name: &'static str, reason: &'static str) -> Field {
     field(name, Status::Refused, reason)
 }
 
-const fn some_values(field: Field, refuses: fn(&Value) -> Option<&'static str>) -> Field {
+pub(crate) const fn some_values(
+    field: Field,
+    refuses: fn(&Value) -> Option<&'static str>,
+) -> Field {
     Field {
         refuses: Some(refuses),
         ..field

@@ -20,7 +20,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::fields::{check_fields_of, Field, Status};
+use super::fields::{check_fields_of, implemented, no_effect, refused, some_values, Field};
 use crate::error::ApiError;
 
 /// What the response object repeats of its request (OpenAI's Response echoes these).
@@ -47,34 +47,6 @@ pub struct TranslatedRequest {
     pub chat_body: Value,
     pub echo: ResponsesEcho,
     pub ignored: Vec<String>,
-}
-
-const fn field(name: &'static str, status: Status, reason: &'static str) -> Field {
-    Field {
-        name,
-        status,
-        reason,
-        refuses: None,
-    }
-}
-
-const fn implemented(name: &'static str) -> Field {
-    field(name, Status::Implemented, "")
-}
-
-const fn no_effect(name: &'static str, reason: &'static str) -> Field {
-    field(name, Status::NoEffect, reason)
-}
-
-const fn refused(name: &'static str, reason: &'static str) -> Field {
-    field(name, Status::Refused, reason)
-}
-
-const fn some_values(field: Field, refuses: fn(&Value) -> Option<&'static str>) -> Field {
-    Field {
-        refuses: Some(refuses),
-        ..field
-    }
 }
 
 /// Every top-level field of `/v1/responses`.
