@@ -197,6 +197,14 @@ def test_what_is_not_done_is_refused_by_name(stack, field: str, value: Any, code
     assert response["error"]["code"] == code and response["error"]["param"].startswith(field), response
 
 
+@pytest.mark.parametrize(("field", "value"), [("max_output_tokens", 10**6), ("input", "word " * 5000)])
+def test_errors_name_the_responses_field(stack, field: str, value: Any) -> None:
+    """Refused on the chat path (`max_tokens`, `messages`), named as the request names them."""
+    status, response = stack.post_json("/v1/responses", {"model": SERVED_NAME, "input": "Hi", field: value})
+    assert status == 400, response
+    assert response["error"]["param"] == field, response
+
+
 def test_store_false_is_what_it_does_and_an_unknown_field_is_named(stack) -> None:
     with _sdk(stack) as sdk:
         raw = sdk.responses.with_raw_response.create(model=SERVED_NAME, input="Hi", max_output_tokens=2,

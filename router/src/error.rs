@@ -68,11 +68,19 @@ pub enum ApiError {
     Tokenizer(#[from] TokenizerError),
     #[error("{0}")]
     Internal(String),
+    /// An error of a request read as another endpoint's (the Responses API as chat), its
+    /// `param` named as the client's own request names it.
+    #[error("{error}")]
+    Respelled {
+        error: Box<ApiError>,
+        param: Option<String>,
+    },
 }
 
 impl ApiError {
     pub fn status(&self) -> StatusCode {
         match self {
+            Self::Respelled { error, .. } => error.status(),
             Self::BadRequestBody { .. } => StatusCode::BAD_REQUEST,
             Self::Validation(error) if error.is_client_error() => StatusCode::BAD_REQUEST,
             Self::Validation(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -105,6 +113,7 @@ impl ApiError {
     /// OpenAI's `type`, and a stable `code` (also usable as a metric label).
     fn kind_and_code(&self) -> (&'static str, &'static str) {
         match self {
+            Self::Respelled { error, .. } => error.kind_and_code(),
             Self::BadRequestBody { code, .. } => ("invalid_request_error", code),
             Self::Validation(error) if error.is_client_error() => {
                 ("invalid_request_error", error.code())
@@ -145,8 +154,14 @@ impl ApiError {
         }
     }
 
+    /// The request field the error names, if any (`param`).
+    pub fn param_name(&self) -> Option<String> {
+        self.param()
+    }
+
     fn param(&self) -> Option<String> {
         match self {
+            Self::Respelled { param, .. } => param.clone(),
             Self::BadRequestBody { param, .. } => param.clone(),
             Self::Validation(error) => error.param().map(str::to_owned),
             Self::ModelNotFound(_) => Some("model".to_owned()),
@@ -225,6 +240,10 @@ impl IntoResponse for ApiError {
         response.extensions_mut().insert(ErrorCode(code));
         let own_retry = match &self {
             Self::KeyLimit { refused, .. } => Some(HeaderValue::from(refused.retry_after_secs)),
+            Self::Respelled { error, .. } => match error.as_ref() {
+                Self::KeyLimit { refused, .. } => Some(HeaderValue::from(refused.retry_after_secs)),
+                _ => None,
+            },
             _ => None,
         };
         if let Some(seconds) = own_retry.or_else(|| retry_after(status)) {

@@ -46,7 +46,7 @@ impl RequestBody for ResponsesBody {
         };
         let translated = translate(&body)?;
         Ok(Self {
-            chat: GenerationBody::from_json(translated.chat_body)?,
+            chat: GenerationBody::from_json(translated.chat_body).map_err(in_responses_terms)?,
             echo: translated.echo,
             ignored: translated.ignored,
         })
@@ -63,7 +63,9 @@ pub async fn create_response(
         return Err(ApiError::shard_gone());
     }
     let (fields, params, _) = body.chat.into_parts();
-    let mut response = answer::<Responses>(state, &caller, fields, params, body.echo).await?;
+    let mut response = answer::<Responses>(state, &caller, fields, params, body.echo)
+        .await
+        .map_err(in_responses_terms)?;
     if !body.ignored.is_empty() {
         tracing::warn!(fields = ?body.ignored, "request fields accepted without effect (unknown)");
         if let Ok(value) = HeaderValue::from_str(&body.ignored.join(", ")) {
@@ -71,6 +73,33 @@ pub async fn create_response(
         }
     }
     Ok(response)
+}
+
+/// An error of the chat request a Responses request was read as, its `param` named as the
+/// Responses request names the field (`messages` is `input`, `max_tokens` is
+/// `max_output_tokens`, `response_format` is `text.format`); the message may still use the chat
+/// field's name.
+fn in_responses_terms(error: ApiError) -> ApiError {
+    let Some(param) = error.param_name() else {
+        return error;
+    };
+    let renamed = [
+        ("messages", "input"),
+        ("max_completion_tokens", "max_output_tokens"),
+        ("max_tokens", "max_output_tokens"),
+        ("response_format", "text.format"),
+    ]
+    .iter()
+    // The whole field: a chat message's index is not an input item's, and `response_format`'s
+    // nesting is not `text.format`'s.
+    .find_map(|(chat, ours)| param.starts_with(chat).then(|| (*ours).to_owned()));
+    match renamed {
+        Some(param) => ApiError::Respelled {
+            error: Box::new(error),
+            param: Some(param),
+        },
+        None => error,
+    }
 }
 
 /// One Responses request's answer, made from its chat answer.
