@@ -155,11 +155,7 @@ impl ApiError {
     }
 
     /// The request field the error names, if any (`param`).
-    pub fn param_name(&self) -> Option<String> {
-        self.param()
-    }
-
-    fn param(&self) -> Option<String> {
+    pub fn param(&self) -> Option<String> {
         match self {
             Self::Respelled { param, .. } => param.clone(),
             Self::BadRequestBody { param, .. } => param.clone(),

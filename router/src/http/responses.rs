@@ -80,7 +80,7 @@ pub async fn create_response(
 /// `max_output_tokens`, `response_format` is `text.format`); the message may still use the chat
 /// field's name.
 fn in_responses_terms(error: ApiError) -> ApiError {
-    let Some(param) = error.param_name() else {
+    let Some(param) = error.param() else {
         return error;
     };
     let renamed = [
@@ -162,7 +162,7 @@ impl Endpoint for Responses {
             finish = choice.finish_reason;
             output = output_items(choice.message, item_status(finish));
         }
-        self_response(
+        response_object(
             &self.echo,
             &self.id,
             self.created_at,
@@ -182,7 +182,7 @@ impl ChunkFormat for Responses {
     fn choice(&mut self, index: u32, step: ChoiceStep) -> Vec<Value> {
         let mut events = Vec::new();
         if matches!(step, ChoiceStep::Opening) {
-            let created = self.snapshot("in_progress", None);
+            let created = self.in_progress();
             events.push(self.event("response.created", json!({"response": created})));
             events.push(self.event("response.in_progress", json!({"response": created})));
         }
@@ -194,7 +194,7 @@ impl ChunkFormat for Responses {
 
     fn usage(&mut self, usage: Usage) -> Vec<Value> {
         let finish = self.finish.unwrap_or(FinishReason::Stop);
-        let response = self_response(
+        let response = response_object(
             &self.echo,
             &self.id,
             self.created_at,
@@ -244,17 +244,17 @@ impl Responses {
     }
 
     /// The response as it stands, for `response.created` and `response.in_progress`.
-    fn snapshot(&self, status: &str, usage: Option<&Usage>) -> Value {
-        let mut response = self_response(
+    fn in_progress(&self) -> Value {
+        let mut response = response_object(
             &self.echo,
             &self.id,
             self.created_at,
             &self.model,
             FinishReason::Stop,
             self.done.clone(),
-            usage,
+            None,
         );
-        response["status"] = json!(status);
+        response["status"] = json!("in_progress");
         response["completed_at"] = Value::Null;
         response
     }
@@ -403,10 +403,8 @@ fn item_status(reason: FinishReason) -> &'static str {
 /// A finished chat message as output items: its reasoning, its text, its calls.
 fn output_items(message: AssistantMessage, status: &str) -> Vec<Value> {
     let mut items = Vec::new();
-    if let Some(Some(reasoning)) = message
-        .reasoning_content
-        .filter(|r| r.as_ref().is_some_and(|r| !r.is_empty()))
-    {
+    let reasoning = message.reasoning_content.flatten();
+    if let Some(reasoning) = reasoning.filter(|text| !text.is_empty()) {
         items.push(reasoning_item(&random_id("rs_"), &reasoning, status));
     }
     if let Some(text) = message.content.filter(|text| !text.is_empty()) {
@@ -448,7 +446,7 @@ fn function_call_item(id: &str, call_id: &str, name: &str, arguments: &str, stat
 }
 
 /// The Response object: its request's echo, its output items, its status and usage.
-fn self_response(
+fn response_object(
     echo: &ResponsesEcho,
     id: &str,
     created_at: u64,
