@@ -10,7 +10,7 @@ use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
 };
 use crate::config::RouterArgs;
-use crate::http::{AppState, Cutoff, ServedLimits, ServedModels, ServerInfo};
+use crate::http::{AppState, Cutoff, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
 use crate::metrics::labels::AdapterLabels;
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
@@ -260,6 +260,11 @@ pub async fn start(
             base.template.as_ref().map(ChatTemplate::source),
         )
         .map(ReasoningParser::name),
+        embeddings: EmbeddingsInfo {
+            dimensions: info.embedding_dim,
+            pooling: info.pooling.clone(),
+            unavailable: Some(info.pooling_refusal.clone()).filter(|reason| !reason.is_empty()),
+        },
         version: env!("CARGO_PKG_VERSION"),
     };
     let base = Arc::new(base);

@@ -62,6 +62,8 @@ class RequestSpec:
     cached_tokens: int = 0
     # Chunked prefill: compute up to here only (exclusive); 0 = the whole prompt.
     prefill_until: int = 0
+    # An embedding request: its whole prompt is computed and pooled, nothing is sampled or kept.
+    embed: bool = False
 
     @property
     def until(self) -> int:
@@ -97,6 +99,7 @@ class TokenOut:
     logprob: float  # raw log_softmax at token_id
     top_logprobs: list[TokenLogprob] = field(default_factory=list)  # most likely first
     prompt_logprobs: list[PromptPosition] = field(default_factory=list)  # prefill, when asked
+    embedding: list[float] = field(default_factory=list)  # an `embed` request's pooled vector
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,9 @@ class ModelInfo:
     rank: int = 0
     world_size: int = 1
     weight_bytes: int = 0  # of the model's weights on this rank (`weight_bytes.held_weight_bytes`)
+    embedding_dim: int = 0  # width of a pooled embedding (the hidden size)
+    pooling: str = ""  # how embeddings are pooled, in words (`pooling.Pooling.describe`)
+    pooling_refusal: str = ""  # non-empty: why this model serves no embeddings
 
 
 @dataclass(frozen=True)

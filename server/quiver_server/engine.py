@@ -21,6 +21,7 @@ background, before the next step's fill.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 import os
@@ -62,6 +63,7 @@ from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from quiver_server.models import family_for, load_model
 from quiver_server.penalties import generated_counts, uses_counts
+from quiver_server.pooling import pool, read_pooling
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
 from quiver_server.weight_bytes import held_weight_bytes
@@ -160,6 +162,7 @@ class Engine:
         self.max_position_embeddings = shape.max_position_embeddings
         self.kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                    resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device), BLOCK_SIZE)
+        self.pooling = read_pooling(path)
         self.info = ModelInfo(
             model_id=model_id,
             model_type=str(config["model_type"]),
@@ -170,6 +173,9 @@ class Engine:
             eos_token_ids=eos_token_ids(path, config),
             model_path=str(path),
             weight_bytes=held_weight_bytes(module for _, module in self.model.named_modules()),
+            embedding_dim=shape.hidden_size,
+            pooling=self.pooling.describe(),
+            pooling_refusal=self.pooling.refusal,
         )
         self.kv_cache: PagedKVCache | None = None
         self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
@@ -332,6 +338,19 @@ class Engine:
             self._validate(request, kv_cache.num_blocks)
 
         start = time.perf_counter_ns()
+        embeds = [r for r in requests if r.embed]
+        generating = [r for r in requests if not r.embed]
+        result = (self._prefill_generating(batch_id, generating, kv_cache, start) if generating
+                  else StepResult(generations=[], batch_id=batch_id, request_ids=[]))
+        if embeds:
+            # Their own forward pass: every token's hidden state is wanted, and no logits.
+            embedded = self._embed(embeds, kv_cache)
+            result = dataclasses.replace(result, generations=result.generations + embedded,
+                                         forward_ns=time.perf_counter_ns() - start)
+        return result
+
+    def _prefill_generating(self, batch_id: int, requests: list[RequestSpec], kv_cache: PagedKVCache,
+                            start: int) -> StepResult:
         # Chunks of unfinished prompts only write their K/V: no state, no sample, no batch.
         finals = [r for r in requests if r.is_final]
         # Each request's adapter slot, looked up once: its state keeps it for the request's life.
@@ -369,6 +388,19 @@ class Engine:
                             prompt_spans=spans)
         self.batches[batch_id] = batch
         return result
+
+    def _embed(self, requests: list[RequestSpec], kv_cache: PagedKVCache) -> list[TokenOut]:
+        """The pooled embedding of each `embed` request's prompt (its K/V land in its blocks,
+        which the router frees when the call returns)."""
+        lens = [len(r.input_ids) for r in requests]
+        slots = [self.lora.slot_for(r.id, r.adapter_id) for r in requests]
+        input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
+        table = padded_block_table([r.blocks for r in requests], self.device)
+        forward = build_prefill(lens, table, BLOCK_SIZE, self.device, slots if any(s >= 0 for s in slots) else None,
+                                self.lora.max_rank, sampled=[False] * len(requests))
+        vectors = pool(self.model.hidden_states(input_ids, forward, kv_cache), lens, self.pooling)
+        return [TokenOut(request_id=r.id, token_id=0, logprob=0.0, embedding=v)
+                for r, v in zip(requests, vectors, strict=True)]
 
     @torch.inference_mode()
     def decode(self, batch_ids: list[int]) -> StepResult:
@@ -532,7 +564,9 @@ class Engine:
         if max(request.input_ids) >= self.vocab_size or min(request.input_ids) < 0:
             bad = next(t for t in request.input_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"request {rid}: token id {bad} is out of range for vocab size {self.vocab_size}")
-        if request.max_new_tokens < 1:
+        if request.embed:
+            self._validate_embed(request)
+        elif request.max_new_tokens < 1:
             raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
         total = len(request.input_ids) + request.max_new_tokens
         if total > self.max_position_embeddings:
@@ -551,6 +585,15 @@ class Engine:
         sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
         if request.grammar is not None:
             validate_grammar(request.grammar, self.vocab_size)
+
+    def _validate_embed(self, request: RequestSpec) -> None:
+        """An embedding is pooled over the whole prompt, computed in this one call."""
+        if self.pooling.refusal:
+            raise ValueError(f"request {request.id}: this model serves no embeddings: {self.pooling.refusal}")
+        if request.cached_tokens or request.prefill_until or request.prompt_logprobs is not None \
+                or request.grammar is not None or request.max_new_tokens:
+            raise ValueError(f"request {request.id}: an embed request computes its whole prompt and nothing else "
+                             "(no cached_tokens, prefill_until, prompt_logprobs, grammar or max_new_tokens)")
 
     @staticmethod
     def _validate_span(request: RequestSpec) -> None:

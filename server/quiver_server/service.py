@@ -78,6 +78,7 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
         grammar=grammar_from_pb(request.grammar) if request.HasField("grammar") else None,
         cached_tokens=request.cached_tokens,
         prefill_until=request.prefill_until,
+        embed=request.embed,
     )
 
 
@@ -94,6 +95,9 @@ def info_to_pb(info: ModelInfo) -> shard_pb2.InfoResponse:
         eos_token_ids=info.eos_token_ids,
         model_path=info.model_path,
         weight_bytes=info.weight_bytes,
+        embedding_dim=info.embedding_dim,
+        pooling=info.pooling,
+        pooling_refusal=info.pooling_refusal,
     )
 
 
@@ -111,6 +115,7 @@ def generation_to_pb(generation: TokenOut) -> shard_pb2.Generation:
             shard_pb2.PromptPosition(logprob=p.logprob, top=_token_logprobs_to_pb(p.top), rank=p.rank)
             for p in generation.prompt_logprobs
         ],
+        embedding=generation.embedding,
     )
 
 

@@ -1,7 +1,7 @@
-"""Writes request-fields.json: the top-level field names of OpenAI's chat, legacy completions and
-Responses request bodies, read from ../openai-openapi/openapi.yaml (schemas
-CreateChatCompletionRequest, CreateCompletionRequest and CreateResponse, following `$ref` and
-`allOf` as the spec composes them).
+"""Writes request-fields.json: the top-level field names of OpenAI's chat, legacy completions,
+Responses and embeddings request bodies, read from ../openai-openapi/openapi.yaml (schemas
+CreateChatCompletionRequest, CreateCompletionRequest, CreateResponse and CreateEmbeddingRequest,
+following `$ref` and `allOf` as the spec composes them).
 
 Run from the repository root after updating the spec:
     python testdata/openai/extract_request_fields.py
@@ -17,6 +17,7 @@ SCHEMAS = {
     "chat": "CreateChatCompletionRequest",
     "completions": "CreateCompletionRequest",
     "responses": "CreateResponse",
+    "embeddings": "CreateEmbeddingRequest",
 }
 
 

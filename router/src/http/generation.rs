@@ -216,7 +216,10 @@ pub fn choice_events(
                 Some(FinishReason::Stop)
             } else {
                 event.finish.map(|finish| match finish {
-                    scheduler::FinishReason::Eos => FinishReason::Stop,
+                    // A generation request never ends `Embedded`; were it to, it ended cleanly.
+                    scheduler::FinishReason::Eos | scheduler::FinishReason::Embedded => {
+                        FinishReason::Stop
+                    }
                     scheduler::FinishReason::Length => FinishReason::Length,
                 })
             };

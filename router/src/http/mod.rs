@@ -18,6 +18,7 @@ mod chat;
 mod chat_reader;
 mod completions;
 mod cutoff;
+mod embeddings;
 mod endpoint;
 mod generation;
 mod give_back;
@@ -37,7 +38,7 @@ mod tokenize;
 
 pub use body_guard::limit_bodies;
 pub use cutoff::Cutoff;
-pub use state::{AppState, ServedLimits, ServedModels, ServerInfo};
+pub use state::{AppState, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`. The API keys guard every route that takes a body
 /// or names models (loading and unloading need an admin key); `/health`, `/info`, `/metrics`
@@ -61,6 +62,7 @@ pub fn router(state: AppState) -> Router {
             "/v1/completions",
             post(endpoint::generate::<completions::Completions>),
         )
+        .route("/v1/embeddings", post(embeddings::create_embeddings))
         .route("/v1/models", get(models::list_models))
         .route("/v1/models/{*id}", get(models::retrieve_model))
         // vLLM serves these at the root; the /v1 aliases suit clients configured with a

@@ -84,8 +84,21 @@ pub struct ServerInfo {
     /// with its own template may differ.
     #[schema(value_type = Option<String>)]
     pub reasoning_parser: Option<&'static str>,
+    pub embeddings: EmbeddingsInfo,
     #[schema(value_type = String)]
     pub version: &'static str,
+}
+
+/// What `/v1/embeddings` returns for this model (from the shard's `Info`).
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingsInfo {
+    /// Width of each embedding: the model's hidden size.
+    pub dimensions: u32,
+    /// How the last hidden states are pooled, in words (the model's sentence-transformers
+    /// files, else the last token, L2-normalized).
+    pub pooling: String,
+    /// Why this model serves no embeddings; null when it does.
+    pub unavailable: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

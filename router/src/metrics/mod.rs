@@ -41,6 +41,9 @@ pub struct Metrics {
     pub requests_failed_total: AtomicU64,
     pub prompt_tokens_total: AtomicU64,
     pub generated_tokens_total: AtomicU64,
+    /// `/v1/embeddings` inputs embedded, and their tokens (also in `prompt_tokens_total`).
+    pub embedding_inputs_total: AtomicU64,
+    pub embedding_tokens_total: AtomicU64,
     pub prefill_steps_total: AtomicU64,
     pub decode_steps_total: AtomicU64,
     pub preemptions_total: AtomicU64,
@@ -91,6 +94,8 @@ impl Metrics {
             requests_failed_total: zero(),
             prompt_tokens_total: zero(),
             generated_tokens_total: zero(),
+            embedding_inputs_total: zero(),
+            embedding_tokens_total: zero(),
             prefill_steps_total: zero(),
             decode_steps_total: zero(),
             preemptions_total: zero(),
@@ -128,7 +133,7 @@ impl Metrics {
         counter.fetch_add(value, Ordering::Relaxed);
     }
 
-    fn series(&self) -> [(Series, &AtomicU64); 15] {
+    fn series(&self) -> [(Series, &AtomicU64); 17] {
         let s = |name, kind, help| Series { name, kind, help };
         [
             (
@@ -194,6 +199,22 @@ impl Metrics {
                     "Tokens generated.",
                 ),
                 &self.generated_tokens_total,
+            ),
+            (
+                s(
+                    "quiver_embedding_inputs_total",
+                    "counter",
+                    "Inputs embedded by /v1/embeddings.",
+                ),
+                &self.embedding_inputs_total,
+            ),
+            (
+                s(
+                    "quiver_embedding_tokens_total",
+                    "counter",
+                    "Tokens of the inputs embedded by /v1/embeddings (counted in quiver_prompt_tokens_total too).",
+                ),
+                &self.embedding_tokens_total,
             ),
             (
                 s(

@@ -8,6 +8,7 @@ pub mod adapters;
 pub mod chat;
 pub mod common;
 pub mod completions;
+pub mod embeddings;
 pub mod error;
 pub mod field_schemas;
 pub mod fields;

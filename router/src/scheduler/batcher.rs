@@ -410,7 +410,11 @@ impl Batcher {
                 continue;
             };
             running.tokens.push(generation.token_id);
-            let finish = running.finish_reason(generation.token_id);
+            let finish = if running.request.embed {
+                Some(FinishReason::Embedded)
+            } else {
+                running.finish_reason(generation.token_id)
+            };
             let first = running.tokens.len() == 1 && running.resumed_after == 0;
             let event = TokenEvent {
                 cached_tokens: if first { running.cached_tokens } else { 0 },
@@ -419,6 +423,7 @@ impl Batcher {
                 top_logprobs: generation.top_logprobs.iter().map(Into::into).collect(),
                 prompt_logprobs: generation.prompt_logprobs.iter().map(Into::into).collect(),
                 finish,
+                embedding: generation.embedding.clone(),
             };
             if finish.is_none() && running.events.send(Ok(event.clone())).is_ok() {
                 continue;

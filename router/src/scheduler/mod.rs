@@ -30,6 +30,8 @@ mod slots;
 #[cfg(test)]
 mod adapter_tests;
 #[cfg(test)]
+mod embed_tests;
+#[cfg(test)]
 mod pace_tests;
 #[cfg(test)]
 mod preemption_tests;
@@ -105,6 +107,31 @@ pub struct GenerationRequest {
     /// the request was queued. EOS then ends the request even with `ignore_eos` or before
     /// `min_tokens`: the grammar allows nothing else once the output is complete.
     pub grammar: Option<crate::pb::Grammar>,
+    /// An embedding request: its whole prompt is computed in one Prefill and pooled, and its
+    /// one event carries the embedding (`FinishReason::Embedded`). It never decodes, so it
+    /// holds no batch slot (`max_batch_size`) and its KV blocks only for that one step; it
+    /// is neither chunked nor served from the prefix cache (pooling reads every token's
+    /// hidden state). `max_new_tokens` is 0 and the sampling fields are unused.
+    pub embed: bool,
+}
+
+impl GenerationRequest {
+    /// An embedding request for `input_ids` on `adapter_id` ("" is the base model).
+    pub fn embedding(input_ids: Vec<u32>, adapter_id: &str) -> Self {
+        Self {
+            input_ids,
+            max_new_tokens: 0,
+            sampling: SamplingParams::default(),
+            eos_token_ids: Vec::new(),
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            min_tokens: 0,
+            adapter_id: adapter_id.to_owned(),
+            prompt_logprobs: None,
+            grammar: None,
+            embed: true,
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +140,8 @@ pub enum FinishReason {
     Eos,
     /// `max_new_tokens` reached.
     Length,
+    /// An embedding request's one event: `TokenEvent::embedding` holds the result.
+    Embedded,
 }
 
 /// One generated token; `finish` is set on the request's last event.
@@ -128,6 +157,8 @@ pub struct TokenEvent {
     pub finish: Option<FinishReason>,
     /// First event only: prompt tokens whose KV came from the prefix cache.
     pub cached_tokens: u32,
+    /// An embedding request's pooled embedding (its only event); empty for generation.
+    pub embedding: Vec<f32>,
 }
 
 /// Why a running request failed (shard error, shutdown).

@@ -43,6 +43,7 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
         adapter_id: String::new(),
         prompt_logprobs: None,
         grammar: None,
+        embed: false,
     }
 }
 

@@ -190,6 +190,7 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
         grammar: None,
         cached_tokens: 0,
         prefill_until: 0,
+        embed: false,
     }
 }
 
@@ -331,6 +332,7 @@ async fn the_scheduler_runs_over_grpc() {
             adapter_id: String::new(),
             prompt_logprobs: None,
             grammar: None,
+            embed: false,
         })
         .unwrap();
     let mut tokens = Vec::new();

@@ -13,6 +13,8 @@
 //! as `(next(last prompt token) + seed) % vocab_size` (`fake_seeded_first_token`), so choices
 //! with distinct seeds differ (for `best_of`); a request resumed after preemption does not draw
 //! it again.
+//! An `embed` request's embedding is `fake_embedding(adapter, prompt)`: its prompt length, last
+//! token, adapter shift and token sum modulo the vocabulary, as floats; nothing is kept for it.
 //! The fake never decides that a request is finished (the router does, as with the real shard):
 //! the EOS id it is built with is only reported by `Info`.
 //!
@@ -56,6 +58,20 @@ use kv_content::{next_digest, KvContent};
 use logprobs::fake_top;
 pub use logprobs::{fake_logprob, fake_seeded_first_token};
 use prefill::computed_tokens;
+
+/// Width of the fake's embeddings.
+pub const FAKE_EMBEDDING_DIM: u32 = 4;
+
+/// The fake's embedding of `prompt` under `adapter_id` ("" is the base model).
+pub fn fake_embedding(adapter_id: &str, prompt: &[u32], vocab_size: u32) -> Vec<f32> {
+    let sum = prompt.iter().map(|&t| u64::from(t)).sum::<u64>() % u64::from(vocab_size.max(1));
+    vec![
+        prompt.len() as f32,
+        prompt.last().copied().unwrap_or(0) as f32,
+        fake_adapter_shift(adapter_id, vocab_size) as f32,
+        sum as f32,
+    ]
+}
 
 /// The fake's token rule for the base model: the token after `previous`.
 pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
@@ -328,6 +344,7 @@ impl FakeShard {
             logprob: fake_logprob(token_id, self.vocab_size),
             top_logprobs: fake_top(top, self.vocab_size),
             prompt_logprobs: Vec::new(),
+            embedding: Vec::new(),
         }
     }
 
@@ -503,6 +520,9 @@ impl ShardBackend for FakeShard {
                 eos_token_ids: self.eos_token_id.into_iter().collect(),
                 model_path: self.model_path.clone(),
                 weight_bytes: 0, // a fake holds no weights
+                embedding_dim: FAKE_EMBEDDING_DIM,
+                pooling: "fake".to_string(),
+                pooling_refusal: String::new(),
             })
         }
         .boxed()

@@ -33,6 +33,7 @@ fn req(id: u64, prompt: u32, block: u32, adapter_id: &str) -> pb::Request {
         grammar: None,
         cached_tokens: 0,
         prefill_until: 0,
+        embed: false,
     }
 }
 

@@ -15,6 +15,7 @@ fn req(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> pb::
         grammar: None,
         cached_tokens: 0,
         prefill_until: 0,
+        embed: false,
     }
 }
 
@@ -291,4 +292,30 @@ async fn warmup_reports_the_cache_capped_by_max_batch_total_tokens() {
         .await
         .unwrap();
     assert_eq!(capped.num_blocks, 20);
+}
+
+#[tokio::test]
+async fn an_embed_request_computes_its_whole_prompt_and_nothing_else() {
+    let shard = FakeShard::new(100).with_cache(4, 8);
+    let embed = |max_new_tokens: u32, cached_tokens: u32, prefill_until: u32| pb::Request {
+        cached_tokens,
+        prefill_until,
+        embed: true,
+        ..req(1, vec![1, 2, 3, 4, 5], vec![0, 1], max_new_tokens)
+    };
+    for bad in [embed(1, 0, 0), embed(0, 4, 0), embed(0, 0, 3)] {
+        assert_invalid(
+            shard.prefill(prefill(0, vec![bad])).await,
+            "computes its whole prompt",
+        );
+    }
+    let answer = shard
+        .prefill(prefill(0, vec![embed(0, 0, 0)]))
+        .await
+        .unwrap();
+    assert_eq!(answer.generations.len(), 1);
+    assert_eq!(answer.generations[0].embedding, vec![5.0, 5.0, 0.0, 15.0]);
+    // Nothing is kept: the shard holds no request and no batch for it.
+    assert_eq!(answer.batch.map(|b| b.request_ids), Some(Vec::new()));
+    assert_eq!((shard.live_requests(), shard.live_batches()), (0, 0));
 }

@@ -27,7 +27,7 @@ mod fake_tests;
 pub use client::ShardClient;
 #[cfg(any(test, feature = "test-support"))]
 pub use fake::{
-    fake_adapter_shift, fake_logprob, fake_next_token, fake_next_token_for,
+    fake_adapter_shift, fake_embedding, fake_logprob, fake_next_token, fake_next_token_for,
     fake_seeded_first_token, FakeRpc, FakeShard, FakeShardStats,
 };
 

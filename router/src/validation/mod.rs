@@ -6,6 +6,7 @@
 
 mod bounds;
 mod controls;
+mod embeddings;
 mod error;
 mod limits;
 mod logprobs;
@@ -255,6 +256,7 @@ impl Validator {
                     adapter_id: adapter_id.to_owned(),
                     prompt_logprobs,
                     grammar: grammar.clone(),
+                    embed: false,
                 });
             }
         }
@@ -269,14 +271,12 @@ impl Validator {
         })
     }
 
-    /// Length, vocabulary and `max_tokens` checks of one prompt; returns its `max_new_tokens`.
-    fn check_prompt(
+    /// A prompt's ids: not empty, within `--max-input-tokens`, in the vocabulary.
+    fn check_prompt_ids(
         &self,
         input_ids: &[u32],
         prompt_param: &str,
-        checked: &CheckedParams,
-    ) -> Result<u32, ValidationError> {
-        let limits = self.limits;
+    ) -> Result<(), ValidationError> {
         let length = input_ids.len() as u32;
         if length == 0 {
             return Err(ValidationError::invalid(
@@ -284,11 +284,11 @@ impl Validator {
                 "the prompt is empty (0 tokens)",
             ));
         }
-        if length > limits.max_input_tokens {
+        if length > self.limits.max_input_tokens {
             return Err(bounds::too_long(
                 prompt_param,
                 &length.to_string(),
-                limits.max_input_tokens,
+                self.limits.max_input_tokens,
             ));
         }
         if let Some(&bad) = input_ids.iter().find(|&&id| id >= self.vocab_size) {
@@ -300,6 +300,19 @@ impl Validator {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Length, vocabulary and `max_tokens` checks of one prompt; returns its `max_new_tokens`.
+    fn check_prompt(
+        &self,
+        input_ids: &[u32],
+        prompt_param: &str,
+        checked: &CheckedParams,
+    ) -> Result<u32, ValidationError> {
+        let limits = self.limits;
+        self.check_prompt_ids(input_ids, prompt_param)?;
+        let length = input_ids.len() as u32;
         let available = limits.max_total_tokens - length;
         let max_new_tokens = match checked.max_tokens {
             Some((requested, field)) if requested > available => {

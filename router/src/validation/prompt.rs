@@ -12,15 +12,24 @@ pub(super) enum PromptInput {
     Ids(Vec<u32>),
 }
 
-/// `prompt`: a string, a list of strings, a list of token ids, or a list of token-id lists.
-/// The number of prompts and the length of each token-id list are checked against `limits`
-/// before anything is converted.
+/// `prompt` (or embeddings' `input`, named `param`): a string, a list of strings, a list of
+/// token ids, or a list of token-id lists. The number of prompts and the length of each
+/// token-id list are checked against `limits` before anything is converted.
 pub(super) fn parse_prompt(
     prompt: Value,
     limits: &PromptLimits,
+    param: &str,
 ) -> Result<Vec<PromptInput>, ValidationError> {
-    const SHAPES: &str = "`prompt` must be a string, a list of strings, a list of token ids or a list of lists of token ids";
-    let check_count = |count: usize| limits.request.check_choices(count, limits.n, "prompt");
+    let shapes = || {
+        ValidationError::invalid(
+            param,
+            format!(
+                "`{param}` must be a string, a list of strings, a list of token ids or a list \
+                 of lists of token ids"
+            ),
+        )
+    };
+    let check_count = |count: usize| limits.request.check_choices(count, limits.n, param);
     let check_ids = |items: &[Value], param: &str| {
         if items.len() > limits.max_input_tokens as usize {
             return Err(too_long(
@@ -39,15 +48,15 @@ pub(super) fn parse_prompt(
         Value::Array(items) if !items.is_empty() => items,
         Value::Array(_) => {
             return Err(ValidationError::invalid(
-                "prompt",
-                "`prompt` must not be an empty list",
+                param,
+                format!("`{param}` must not be an empty list"),
             ))
         }
-        _ => return Err(ValidationError::invalid("prompt", SHAPES)),
+        _ => return Err(shapes()),
     };
     if items.iter().all(Value::is_number) {
         check_count(1)?;
-        return Ok(vec![PromptInput::Ids(check_ids(&items, "prompt")?)]);
+        return Ok(vec![PromptInput::Ids(check_ids(&items, param)?)]);
     }
     check_count(items.len())?;
     if items.iter().all(Value::is_string) {
@@ -62,11 +71,11 @@ pub(super) fn parse_prompt(
             .enumerate()
             .map(|(i, item)| {
                 let ids = item.as_array().map(Vec::as_slice).unwrap_or_default();
-                check_ids(ids, &format!("prompt[{i}]")).map(PromptInput::Ids)
+                check_ids(ids, &format!("{param}[{i}]")).map(PromptInput::Ids)
             })
             .collect();
     }
-    Err(ValidationError::invalid("prompt", SHAPES))
+    Err(shapes())
 }
 
 fn token_ids(items: &[Value], param: &str) -> Result<Vec<u32>, ValidationError> {
@@ -100,7 +109,7 @@ mod tests {
     };
 
     fn parse(prompt: Value) -> Result<Vec<PromptInput>, ValidationError> {
-        parse_prompt(prompt, &LIMITS)
+        parse_prompt(prompt, &LIMITS, "prompt")
     }
 
     #[test]
@@ -111,7 +120,7 @@ mod tests {
             .to_string()
             .contains("at most 2048"));
         let n = PromptLimits { n: 3, ..LIMITS };
-        let error = parse_prompt(Value::Array(vec![json!([1]); 1366]), &n).unwrap_err();
+        let error = parse_prompt(Value::Array(vec![json!([1]); 1366]), &n, "prompt").unwrap_err();
         assert!(
             error.to_string().contains("--max-choices-per-request"),
             "{error}"

@@ -144,6 +144,7 @@ impl PromptSource for CompletionFields {
             self.prompt
                 .ok_or_else(|| ValidationError::missing("prompt"))?,
             limits,
+            Self::PARAM,
         )?;
         // Every text first: a long one late in the list is refused before any is tokenized.
         for prompt in &prompts {

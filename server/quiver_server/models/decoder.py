@@ -223,13 +223,8 @@ class DecoderForCausalLM(nn.Module):
         (decode: logits_indices is every row). A prefill without logits rows (every sequence a
         chunk of an unfinished prompt) only writes the K/V: the last layer stops there and the
         LM head does not run."""
-        assert self.rotaries, "use DecoderForCausalLM.load"
+        x, ropes = self._inputs(input_ids, batch)
         cfg = self.config
-        x = self._embed(input_ids)
-        if cfg.embed_scale != 1.0:
-            x = x * (torch.tensor(cfg.embed_scale, dtype=x.dtype) if cfg.embed_scale_in_dtype else cfg.embed_scale)
-        ends = batch.sequence_ends() if any(r.needs_sequence_ends for r in self.rotaries) else None
-        ropes = [rotary.cos_sin(batch.positions, x.dtype, ends) for rotary in self.rotaries]
         layers = self.model.layers
         last = len(layers) - 1
         if batch.is_prefill and batch.logits_indices.shape[0] == 0:
@@ -258,6 +253,26 @@ class DecoderForCausalLM(nn.Module):
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return logits
+
+    def hidden_states(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids [T] -> every token's final normed hidden state [T, hidden] (transformers'
+        `last_hidden_state`): embeddings are pooled from these. The K/V are written as a prefill
+        writes them; no LM head runs."""
+        x, ropes = self._inputs(input_ids, batch)
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, ropes, batch, kv_cache.k[index], kv_cache.v[index])
+        return self.model.norm(x)
+
+    def _inputs(self, input_ids: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, list[CosSin]]:
+        """The first layer's input (embedding rows, scaled where the family scales them) and each
+        rotary's cos/sin at the batch's positions."""
+        assert self.rotaries, "use DecoderForCausalLM.load"
+        cfg = self.config
+        x = self._embed(input_ids)
+        if cfg.embed_scale != 1.0:
+            x = x * (torch.tensor(cfg.embed_scale, dtype=x.dtype) if cfg.embed_scale_in_dtype else cfg.embed_scale)
+        ends = batch.sequence_ends() if any(r.needs_sequence_ends for r in self.rotaries) else None
+        return x, [rotary.cos_sin(batch.positions, x.dtype, ends) for rotary in self.rotaries]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The embedding rows of input_ids; split over ranks, each rank looks up the ids in its

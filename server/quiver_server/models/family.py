@@ -128,6 +128,8 @@ class ModelShape(Protocol):
     def head_dim(self) -> int: ...
     @property
     def max_position_embeddings(self) -> int: ...
+    @property
+    def hidden_size(self) -> int: ...
 
 
 class ModelFamily(Protocol):
@@ -140,6 +142,11 @@ class ModelFamily(Protocol):
 
     def __call__(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
         """input_ids [T] -> logits [len(batch.logits_indices), vocab]."""
+        ...
+
+    def hidden_states(self, input_ids: torch.Tensor, batch: ForwardBatch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """input_ids [T] -> every token's last hidden state after the final norm [T, hidden]
+        (what embeddings are pooled from); the K/V are written as by a prefill."""
         ...
 
     def get_submodule(self, target: str) -> nn.Module: ...

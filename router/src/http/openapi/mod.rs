@@ -29,6 +29,7 @@ mod responses;
         operations::chat_completions,
         operations::completions,
         operations::responses,
+        operations::embeddings,
         operations::list_models,
         operations::retrieve_model,
         operations::load_lora_adapter,

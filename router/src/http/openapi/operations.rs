@@ -10,6 +10,7 @@ use crate::http::ServerInfo;
 use crate::openai::adapters::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 use crate::openai::chat::{ChatCompletionChunk, ChatCompletionResponse};
 use crate::openai::completions::CompletionResponse;
+use crate::openai::embeddings::{EmbeddingsRequest, EmbeddingsResponse};
 use crate::openai::models::{ModelCard, ModelList};
 use crate::openai::responses_request::ResponsesRequest;
 use crate::openai::schema::{ChatCompletionRequest, CompletionRequest};
@@ -47,6 +48,20 @@ fn chat_completions() {}
     security((), ("api_key" = [])),
 )]
 fn responses() {}
+
+/// The embedding of each input, from the base model or an adapter (docs/api.md#embeddings):
+/// its last hidden states pooled as the model's sentence-transformers files say, else the last
+/// token's, L2-normalized.
+#[utoipa::path(
+    post, path = "/v1/embeddings", tag = "embeddings",
+    request_body = EmbeddingsRequest,
+    responses(
+        (status = 200, description = "OpenAI's list of embeddings", body = EmbeddingsResponse),
+        GenerationErrors,
+    ),
+    security((), ("api_key" = [])),
+)]
+fn embeddings() {}
 
 /// A text completion; streamed as chat is, with the response object as each chunk.
 #[utoipa::path(

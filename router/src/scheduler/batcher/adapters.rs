@@ -40,7 +40,9 @@ impl Batcher {
     pub(super) fn accept(&mut self, command: Command) {
         match command {
             Command::Submit(mut entry) => {
-                entry.block_hashes = self.prefix_hashes(&entry.request);
+                if !entry.request.embed {
+                    entry.block_hashes = self.prefix_hashes(&entry.request);
+                }
                 self.queue.push(*entry);
             }
             Command::Unload { adapter_id, done } => {

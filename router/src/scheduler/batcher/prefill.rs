@@ -64,9 +64,10 @@ impl Batcher {
             self.active.insert(id, running);
             ids.push(id);
         }
+        // Embedding requests end with this call: they join no batch.
         let finals: Vec<u64> = requests
             .iter()
-            .filter(|r| r.prefill_until == 0)
+            .filter(|r| r.prefill_until == 0 && !r.embed)
             .map(|r| r.id)
             .collect();
         tracing::debug!(
@@ -185,7 +186,9 @@ impl Batcher {
         let (mut queried, mut hit) = (0u64, 0u64);
         let admitted = self.queue.next_batch(|entry| {
             let waited_too_long = now.duration_since(entry.queued_at) >= patience;
-            if room == 0 {
+            // An embedding leaves the shard with this step: it takes no batch slot.
+            let embed = entry.request.embed;
+            if room == 0 && !embed {
                 if waited_too_long {
                     starved = Some(Starved::new(entry.blocks_needed, true));
                 }
@@ -197,8 +200,9 @@ impl Batcher {
             let request = &entry.request;
             let prompt = request.input_ids.len() as u32;
             // At least the last prompt token is computed: its logits give the first token. A
-            // request that wants the prompt's logprobs computes every prompt token.
-            let reusable: &[BlockHash] = if request.prompt_logprobs.is_some() {
+            // request that wants the prompt's logprobs, or an embedding, computes every prompt
+            // token.
+            let reusable: &[BlockHash] = if request.prompt_logprobs.is_some() || embed {
                 &[]
             } else {
                 let most = ((prompt - 1) / block_size) as usize;
@@ -206,8 +210,9 @@ impl Batcher {
             };
             let cached = allocator.cached_prefix_len(reusable) * block_size;
             let needed = u64::from(prompt - cached);
-            // Prompt logprobs come from one pass over the whole prompt: never chunked.
-            let chunkable = chunked && request.prompt_logprobs.is_none();
+            // Prompt logprobs and embeddings come from one pass over the whole prompt: never
+            // chunked.
+            let chunkable = chunked && request.prompt_logprobs.is_none() && !embed;
             let until = if needed <= budget_left {
                 prompt
             } else if chunkable {
@@ -254,7 +259,7 @@ impl Batcher {
                 until,
                 block_size,
             );
-            room -= 1;
+            room -= usize::from(!embed);
             admitted_count += 1;
             budget_left = budget_left.saturating_sub(u64::from(until - cached));
             Admit::Take(Admission {
@@ -345,7 +350,10 @@ impl Batcher {
     /// request itself resumed after preemption, then finds its output's KV too. Only for a
     /// request whose steps all succeeded: after a failure the cache content is unknown.
     pub(in crate::scheduler) fn cache_output(&mut self, running: &Running) {
-        if !self.config.prefix_caching || running.prefilled < running.prompt_len() {
+        if !self.config.prefix_caching
+            || running.request.embed
+            || running.prefilled < running.prompt_len()
+        {
             return;
         }
         // The last sampled token was never fed through the model: its KV is not cached.
@@ -407,6 +415,7 @@ impl Running {
             grammar: request.grammar.clone(),
             cached_tokens: from,
             prefill_until: if until < self.prompt_len() { until } else { 0 },
+            embed: request.embed,
         }
     }
 }

@@ -6,8 +6,8 @@ use std::collections::HashSet;
 use super::kv_content::prefix_digests;
 use super::logprobs::prompt_positions;
 use super::{
-    distinct_adapters, fake_adapter_shift, fake_logprob, fake_seeded_first_token, invalid, FakeRpc,
-    FakeShard, LiveRequest, State,
+    distinct_adapters, fake_adapter_shift, fake_embedding, fake_logprob, fake_seeded_first_token,
+    invalid, FakeRpc, FakeShard, LiveRequest, State,
 };
 use crate::pb;
 use crate::shard::ShardResult;
@@ -27,7 +27,18 @@ impl FakeShard {
                 self.vocab_size
             )));
         }
-        if request.max_new_tokens == 0 {
+        if request.embed {
+            if request.max_new_tokens != 0
+                || request.cached_tokens != 0
+                || request.prefill_until != 0
+                || request.prompt_logprobs.is_some()
+                || request.grammar.is_some()
+            {
+                return Err(invalid(format!(
+                    "request {id}: an embed request computes its whole prompt and nothing else"
+                )));
+            }
+        } else if request.max_new_tokens == 0 {
             return Err(invalid(format!("request {id} asks for no new tokens")));
         }
         let prompt = request.input_ids.len() as u32;
@@ -143,6 +154,15 @@ impl FakeShard {
         for (r, d) in request.requests.into_iter().zip(digests) {
             if until_of(&r) < r.input_ids.len() {
                 // A chunk: its KV is written, nothing else is kept.
+                continue;
+            }
+            if r.embed {
+                // Its KV is written too; the router frees its blocks when this call returns.
+                generations.push(pb::Generation {
+                    request_id: r.id,
+                    embedding: fake_embedding(&r.adapter_id, &r.input_ids, self.vocab_size),
+                    ..Default::default()
+                });
                 continue;
             }
             let last_prompt_token = *r.input_ids.last().unwrap_or(&0);

@@ -1,0 +1,168 @@
+//! `POST /v1/embeddings`: resolve `model` as the generation endpoints do (an adapter's own
+//! tokenizer included), check and tokenize each input, and run each through the scheduler as
+//! an embedding request: one pass over its prompt in a Prefill beside the generation traffic,
+//! holding no decode slot (`scheduler::GenerationRequest::embed`). The answer lists the
+//! vectors in input order.
+
+use axum::extract::State;
+use axum::http::HeaderValue;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use base64::Engine as _;
+use serde_json::Value;
+use tracing::Instrument;
+
+use super::json::{typed, OpenAiJson, RequestBody};
+use super::state::AppState;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::openai::embeddings::{
+    Embedding, EmbeddingVector, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage, EMBEDDINGS,
+};
+use crate::openai::fields::{check_fields_of, IGNORED_FIELDS_HEADER};
+use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest};
+use crate::telemetry;
+use crate::tenants::Caller;
+
+pub struct EmbeddingsBody {
+    request: EmbeddingsRequest,
+    /// Fields the table does not know: accepted without effect, named in the response.
+    ignored: Vec<String>,
+}
+
+impl RequestBody for EmbeddingsBody {
+    fn from_json(value: Value) -> Result<Self, ApiError> {
+        let ignored = match &value {
+            Value::Object(body) => check_fields_of(&[EMBEDDINGS], body)?,
+            _ => Vec::new(),
+        };
+        Ok(Self {
+            request: typed(value)?,
+            ignored,
+        })
+    }
+}
+
+pub async fn create_embeddings(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    OpenAiJson(body): OpenAiJson<EmbeddingsBody>,
+) -> Result<Response, ApiError> {
+    if state.shard.is_unavailable() {
+        return Err(ApiError::shard_gone());
+    }
+    let EmbeddingsBody { request, ignored } = body;
+    if let Some(reason) = &state.info.embeddings.unavailable {
+        return Err(ApiError::BadRequestBody {
+            message: format!("this model serves no embeddings: {reason}"),
+            param: Some("model".to_owned()),
+            code: "embeddings_unavailable",
+        });
+    }
+    let (adapter_id, assets) = state
+        .resolve_model(
+            &caller,
+            request.model.as_deref(),
+            request.adapter_source.as_deref(),
+        )
+        .await?;
+    let inputs = state
+        .validator
+        .embedding_inputs(
+            &assets,
+            request.input,
+            request.add_special_tokens.unwrap_or(true),
+        )
+        .instrument(telemetry::span("validate"))
+        .await?;
+    let prompt_tokens: u32 = inputs.iter().map(|ids| ids.len() as u32).sum();
+    let count = inputs.len() as u64;
+    let requests = inputs
+        .into_iter()
+        .map(|ids| GenerationRequest::embedding(ids, &adapter_id))
+        .collect();
+    let receivers = state.scheduler.submit_all(requests)?;
+    // Admitted work is charged, as a generation's prompt is, whether or not the client waits.
+    caller.charge(u64::from(prompt_tokens), 0);
+    Metrics::add(&state.metrics.prompt_tokens_total, u64::from(prompt_tokens));
+    Metrics::add(
+        &state.metrics.embedding_tokens_total,
+        u64::from(prompt_tokens),
+    );
+    let vectors = tokio::select! {
+        vectors = collect(receivers) => vectors,
+        () = state.cutoff.fired() => {
+            state.cutoff.record_cut();
+            return Err(ApiError::GracePeriodOver);
+        }
+    };
+    let vectors = match vectors {
+        Ok(vectors) => vectors,
+        Err(error) => {
+            Metrics::add(&state.metrics.requests_failed_total, 1);
+            return Err(if state.shard.is_unavailable() {
+                ApiError::shard_gone()
+            } else {
+                error
+            });
+        }
+    };
+    Metrics::add(&state.metrics.embedding_inputs_total, count);
+    let base64 = request.encoding_format.as_deref() == Some("base64");
+    let data = vectors
+        .into_iter()
+        .zip(0..)
+        .map(|(vector, index)| Embedding {
+            object: "embedding",
+            index,
+            embedding: if base64 {
+                EmbeddingVector::Base64(encode(&vector))
+            } else {
+                EmbeddingVector::Float(vector)
+            },
+        })
+        .collect();
+    let mut response = Json(EmbeddingsResponse {
+        object: "list",
+        data,
+        model: super::response_model(&state, request.model),
+        usage: EmbeddingsUsage {
+            prompt_tokens,
+            total_tokens: prompt_tokens,
+        },
+    })
+    .into_response();
+    if !ignored.is_empty() {
+        tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
+        if let Ok(value) = HeaderValue::from_str(&ignored.join(", ")) {
+            response.headers_mut().insert(IGNORED_FIELDS_HEADER, value);
+        }
+    }
+    Ok(response)
+}
+
+/// Each input's embedding, in input order; the first failure fails the request (dropping the
+/// other receivers cancels what has not run yet).
+async fn collect(receivers: Vec<EventReceiver>) -> Result<Vec<Vec<f32>>, ApiError> {
+    let mut vectors = Vec::with_capacity(receivers.len());
+    for mut receiver in receivers {
+        match receiver.recv().await {
+            Some(Ok(event)) if event.finish == Some(FinishReason::Embedded) => {
+                vectors.push(event.embedding);
+            }
+            Some(Ok(_)) | None => {
+                return Err(ApiError::Internal(
+                    "the scheduler ended an embedding request without its embedding".to_owned(),
+                ))
+            }
+            Some(Err(error)) => return Err(error.into()),
+        }
+    }
+    Ok(vectors)
+}
+
+/// OpenAI's `base64` format: the vector's little-endian float32 bytes, base64-encoded.
+fn encode(vector: &[f32]) -> String {
+    let bytes: Vec<u8> = vector.iter().flat_map(|x| x.to_le_bytes()).collect();
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
