@@ -44,6 +44,11 @@ with `--quantize int8`/`int4` (float32 and bfloat16 activations) and over an fp8
 on the base, 32 on the adapter, the perplexity of testdata/perplexity/ from each server's own
 prompt logprobs, and greedy agreement with bfloat16 (`--quant-repeats 0` leaves it out).
 
+The embeddings block (embeddings_bench.py, issue 30) runs `/v1/embeddings` on the bench model
+alone, chat streams alone, and both at once: embedding throughput beside chat against alone, and
+the chat streams' inter-token p99 beside embeddings against alone (`--embed-repeats 0` leaves it
+out).
+
 The tensor-parallel block (tp_bench.py, issue 29) serves the bench model and the demo with
 `--num-shard 1` and `--num-shard 2` side by side (1 and 32 streams) and measures the collectives'
 share of a decode step on rank 0 (`--tp-repeats 0` leaves it out).
@@ -70,6 +75,7 @@ import adapters  # noqa: E402
 import bench_model  # noqa: E402
 import cache_bench  # noqa: E402
 import cache_scenarios  # noqa: E402
+import embeddings_bench  # noqa: E402
 import families_bench  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
@@ -161,6 +167,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tp-repeats", type=int, default=3,
                    help="repeats of the tensor-parallel block (--num-shard 1 against 2, tp_bench.py; CPU only); "
                         "0: no such block")
+    p.add_argument("--embed-repeats", type=int, default=3,
+                   help="alternating repeats of the embeddings block (embeddings_bench.py); 0: no such block")
+    p.add_argument("--embed-clients", type=int, default=4, help="closed-loop embedding clients")
+    p.add_argument("--embed-batch", type=int, default=16, help="inputs per embedding request")
+    p.add_argument("--embed-input-tokens", type=int, default=128, help="tokens per embedding input")
+    p.add_argument("--embed-requests", type=int, default=4, help="requests per embedding client when alone")
+    p.add_argument("--embed-chat-streams", type=int, default=16, help="chat streams beside the embeddings")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -184,6 +197,8 @@ def parse_args() -> argparse.Namespace:
         args.families_repeats = min(args.families_repeats, 1)
         args.quant_repeats = min(args.quant_repeats, 1)
         args.tp_repeats = min(args.tp_repeats, 1)
+        args.embed_repeats = min(args.embed_repeats, 1)
+        args.embed_requests = min(args.embed_requests, 1)
     return args
 
 
@@ -396,6 +411,13 @@ def main() -> None:
             log(f"{arrivals.name}: --chunked-prefill true against false ({args.repeats} repeats)")
             report["chunked_prefill"] = cache_bench.long_arrivals(model_dir, shape.dtype, args.device, shape.vocab_size,
                                                                   arrivals, args.repeats, Path(tmp))
+    if args.embed_repeats:
+        log(f"embeddings: alone, beside {args.embed_chat_streams} chat streams ({args.embed_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-embeddings-") as tmp:
+            report["embeddings"] = embeddings_bench.run(
+                args.model_root, args.device, shape, args.embed_repeats, args.embed_clients, args.embed_batch,
+                args.embed_input_tokens, args.embed_requests, args.embed_chat_streams, args.max_tokens,
+                args.requests_per_client, Path(tmp))
     if args.real_model_repeats:
         log(f"real model: the demo model in float32 and bfloat16 ({args.real_model_repeats} repeats)")
         with tempfile.TemporaryDirectory(prefix="quiver-bench-real-") as tmp:

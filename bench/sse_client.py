@@ -74,6 +74,19 @@ class SseConnection:
         if headers.get("connection", "").lower() == "close":
             await self.close()
 
+    async def post_json(self, path: str, body: dict) -> dict:
+        """POSTs `body` and returns the JSON answer (a non-streamed endpoint: embeddings)."""
+        payload = json.dumps(body).encode()
+        head = (f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+        status, headers = await self._send(head + payload)
+        answer = await self._read_body(headers)
+        if headers.get("connection", "").lower() == "close":
+            await self.close()
+        if status != 200:
+            raise HttpError(f"HTTP {status}: {answer.decode(errors='replace')}")
+        return json.loads(answer)
+
     async def _send(self, request: bytes) -> tuple[int, dict[str, str]]:
         if self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)

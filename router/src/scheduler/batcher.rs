@@ -107,6 +107,10 @@ impl Keyed for Entry {
     fn key(&self) -> &str {
         &self.request.adapter_id
     }
+
+    fn decodes(&self) -> bool {
+        !self.request.embed
+    }
 }
 
 /// What a request taken from the queue holds before its prefill.

@@ -111,3 +111,40 @@ async fn a_burst_of_new_requests_is_not_held_back() {
     assert_eq!(shard.stats().prefill_tokens[before..], [800]);
     assert_all_released(&shard, &scheduler).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_flood_of_embeddings_is_paced_while_streams_decode() {
+    // One stream decodes; sixteen 32-token embeddings arrive at once. They outnumber it, but no
+    // stream waits on them: each step computes about one decode step's worth (one input of 32
+    // tokens), and the stream's tokens keep coming between them.
+    let shard = shard();
+    let scheduler = start(&shard, paced(1.0));
+    let mut stream = scheduler.submit(request(&[1, 2, 3, 4], 200)).unwrap();
+    next_token(&mut stream).await;
+    next_token(&mut stream).await;
+    let before = shard.stats().prefill_tokens.len();
+    let inputs: Vec<_> = (0..16)
+        .map(|n| super::GenerationRequest::embedding((0..32).map(|i| 20 + n + i).collect(), ""))
+        .collect();
+    let embeddings = tokio::spawn(async move {
+        for events in scheduler.submit_all(inputs).unwrap() {
+            assert_eq!(collect(events).await.finish, Ok(FinishReason::Embedded));
+        }
+        scheduler
+    });
+    let mut longest = Duration::ZERO;
+    let mut last = Instant::now();
+    while !embeddings.is_finished() {
+        next_token(&mut stream).await;
+        longest = longest.max(last.elapsed());
+        last = Instant::now();
+    }
+    let scheduler = embeddings.await.unwrap();
+    assert_eq!(shard.stats().prefill_tokens[before..], [32; 16]);
+    assert!(
+        longest <= DECODE * 2 + Duration::from_millis(1),
+        "{longest:?}"
+    );
+    assert_eq!(collect(stream).await.finish, Ok(FinishReason::Length));
+    assert_all_released(&shard, &scheduler).await;
+}

@@ -13,9 +13,14 @@
 
 use std::collections::{HashMap, VecDeque};
 
-/// What a queued entry must tell the queue: the adapter it runs on.
+/// What a queued entry must tell the queue: the adapter it runs on, and whether it will decode
+/// once prefilled (an embedding does not: prefill pacing does not hold back for it).
 pub trait Keyed {
     fn key(&self) -> &str;
+
+    fn decodes(&self) -> bool {
+        true
+    }
 }
 
 /// The batcher's answer about the entry at the head of one adapter's queue.
@@ -37,6 +42,8 @@ pub struct Queue<T> {
     /// Adapters with waiting entries, in service order (front = offered first).
     ring: VecDeque<String>,
     len: usize,
+    /// Entries that will decode (`Keyed::decodes`).
+    decoding_len: usize,
 }
 
 impl<T> Default for Queue<T> {
@@ -45,6 +52,7 @@ impl<T> Default for Queue<T> {
             queues: HashMap::new(),
             ring: VecDeque::new(),
             len: 0,
+            decoding_len: 0,
         }
     }
 }
@@ -55,6 +63,7 @@ impl<T: Keyed> Queue<T> {
     }
 
     pub fn push(&mut self, entry: T) {
+        self.decoding_len += usize::from(entry.decodes());
         if let Some(queue) = self.queues.get_mut(entry.key()) {
             queue.push_back(entry);
         } else {
@@ -67,6 +76,11 @@ impl<T: Keyed> Queue<T> {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Waiting entries that will decode once prefilled.
+    pub fn decoding_len(&self) -> usize {
+        self.decoding_len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -92,6 +106,12 @@ impl<T: Keyed> Queue<T> {
         let queues = &self.queues;
         self.ring.retain(|key| queues.contains_key(key));
         self.len = self.queues.values().map(VecDeque::len).sum();
+        self.decoding_len = self
+            .queues
+            .values()
+            .flatten()
+            .filter(|e| e.decodes())
+            .count();
     }
 
     /// Removes and returns every entry of `key`, in order.
@@ -101,6 +121,7 @@ impl<T: Keyed> Queue<T> {
         };
         self.ring.retain(|k| k != key);
         self.len -= queue.len();
+        self.decoding_len -= queue.iter().filter(|e| e.decodes()).count();
         queue.into()
     }
 
@@ -125,8 +146,9 @@ impl<T: Keyed> Queue<T> {
             match admit(head) {
                 Admit::Take(admitted) => {
                     if let Some(entry) = queue.pop_front() {
-                        batch.push((entry, admitted));
                         self.len -= 1;
+                        self.decoding_len -= usize::from(entry.decodes());
+                        batch.push((entry, admitted));
                     }
                     let served = self.ring.remove(position);
                     if let Some(served) = served {
@@ -316,5 +338,47 @@ mod tests {
         assert_eq!(queue.len(), 3);
         assert!(queue.take_all("b").is_empty());
         assert_eq!(take_all(&mut queue), vec![("a", 0), ("a", 2), ("a", 4)]);
+    }
+
+    /// (adapter, decodes)
+    struct Job(&'static str, bool);
+
+    impl Keyed for Job {
+        fn key(&self) -> &str {
+            self.0
+        }
+
+        fn decodes(&self) -> bool {
+            self.1
+        }
+    }
+
+    #[test]
+    fn entries_that_decode_are_counted_through_every_change() {
+        let mut queue = Queue::new();
+        for job in [
+            Job("a", true),
+            Job("a", false),
+            Job("b", false),
+            Job("b", true),
+            Job("c", true),
+        ] {
+            queue.push(job);
+        }
+        assert_eq!((queue.len(), queue.decoding_len()), (5, 3));
+        // Round robin: a's head (decodes), then b's head (does not).
+        let taken = queue.next_batch(|job| {
+            if job.0 == "c" {
+                Admit::Stop
+            } else {
+                Admit::Take(())
+            }
+        });
+        assert_eq!(taken.len(), 2);
+        assert_eq!((queue.len(), queue.decoding_len()), (3, 2));
+        queue.retain(|job| job.0 != "c");
+        assert_eq!((queue.len(), queue.decoding_len()), (2, 1));
+        assert_eq!(queue.take_all("b").len(), 1);
+        assert_eq!((queue.len(), queue.decoding_len()), (1, 0));
     }
 }

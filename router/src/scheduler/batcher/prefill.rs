@@ -122,10 +122,12 @@ impl Batcher {
         None
     }
 
-    /// Prompt tokens this step may compute (`batcher/pace.rs`).
+    /// Prompt tokens this step may compute (`batcher/pace.rs`). Waiting embeddings do not
+    /// lift the pacing: no stream waits on them, and a steady flow of them would otherwise
+    /// hold the full budget in every step and stall the decoding streams.
     fn step_budget(&self) -> u32 {
         let decoding = self.running.as_ref().map_or(0, |b| b.request_ids.len());
-        let waiting = self.queue.len() + self.prefilling.len();
+        let waiting = self.queue.decoding_len() + self.prefilling.len();
         let cap = self.config.max_batch_prefill_tokens.max(1);
         self.pace
             .budget(cap, self.config.block_size.max(1), decoding, waiting)
