@@ -4,6 +4,7 @@ chat and completion greedy output equals transformers' on the same directory, to
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ class FamilyStacks:
         if arch not in self.stacks:
             model_dir = build_model_dir(arch, self.root / arch, seed=FAMILY_ARCHS.index(arch) + 11,
                                         eos_boost=2.5, chat_template=family_chat_template(arch))
-            config = StackConfig(model_id=str(model_dir), served_model_name=f"tiny-{arch}", max_total_tokens=512,
+            config = StackConfig(model_id=str(model_dir), served_model_name=f"tiny-{arch}", max_total_tokens=1536,
                                  extra_env=SHARD_ENV)
             self.stacks[arch] = (model_dir, Stack(config, self.root / f"{arch}.log").start())
         return self.stacks[arch]
@@ -68,3 +69,40 @@ def test_family_chat_and_completion_equal_transformers(stacks: FamilyStacks, arc
     assert prompt_token_ids(completion) == prompt_ids
     expected = reference.greedy(str(model_dir), prompt_ids, MAX_TOKENS)
     reference.assert_greedy_parity(token_ids(completion), expected, f"{arch} completion")
+
+
+GRANITE_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city"],
+                   "properties": {"city": {"type": "string", "maxLength": 8}, "days": {"type": "integer",
+                                                                                     "minimum": 1, "maximum": 3}}}}}]
+
+
+def test_granite_writes_and_reads_calls_in_its_own_format(stacks: FamilyStacks) -> None:
+    """Granite 3.2's published template is detected as Granite's call format (`<|tool_call|>`
+    then a JSON list): a forced call on the random model comes back as `tool_calls` whose
+    arguments validate against the tool's schema, whole and streamed alike."""
+    import jsonschema
+
+    _, stack = stacks.get("granite")
+    status, info = stack.get("/info")
+    assert status == 200 and b'"tool_call_parser":"granite"' in info
+    client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    request: dict[str, Any] = {"model": "tiny-granite", "messages": CHATS[0], "tools": GRANITE_TOOLS,
+                               "tool_choice": "required", "max_tokens": 200, "seed": 3, "temperature": 1.0}
+    whole = client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    calls = choice.message.tool_calls or []
+    assert calls and all(call.type == "function" for call in calls)
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), GRANITE_TOOLS[0]["function"]["parameters"])
+    streamed: dict[int, dict[str, str]] = {}
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or "" if delta.function else ""
+            entry["arguments"] += delta.function.arguments or "" if delta.function else ""
+    assert [(e["name"], e["arguments"]) for _, e in sorted(streamed.items())] == [
+        (call.function.name, call.function.arguments) for call in calls]

@@ -13,9 +13,16 @@ pub enum ToolCallParser {
     // (Llama 3.1 to 3.3).
     #[value(name = "llama3_json")]
     Llama3Json,
-    // `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral, Mixtral).
+    // `[TOOL_CALLS]` then a JSON array of `{"name", "arguments"}` (Mistral, Mixtral), or, with
+    // tokenizers from v11 on, `[TOOL_CALLS]name[ARGS]{…}` per call.
     #[value(name = "mistral")]
     Mistral,
+    // `<|tool_call|>` then a JSON array of `{"name", "arguments"}` (IBM Granite 3).
+    #[value(name = "granite")]
+    Granite,
+    // A Python list of calls, `[f(a=1, b="x"), g()]` (Llama 3.2 and 4 with pythonic templates).
+    #[value(name = "pythonic")]
+    Pythonic,
 }
 
 impl ToolCallParser {
@@ -25,6 +32,8 @@ impl ToolCallParser {
             Self::Hermes => "hermes",
             Self::Llama3Json => "llama3_json",
             Self::Mistral => "mistral",
+            Self::Granite => "granite",
+            Self::Pythonic => "pythonic",
         }
     }
 }

@@ -193,6 +193,7 @@ fn load_assets(model_path: &Path) -> Result<ModelAssets, BoxError> {
     Ok(ModelAssets {
         tokenizer,
         template,
+        adapters_own_template: false,
     })
 }
 

@@ -253,11 +253,13 @@ pub async fn start(
         tool_call_parser: parser_for(
             settings.tool_call_parser,
             base.template.as_ref().map(ChatTemplate::source),
+            false,
         )
         .name(),
         reasoning_parser: reasoning_parser_for(
             settings.reasoning_parser,
             base.template.as_ref().map(ChatTemplate::source),
+            false,
         )
         .map(ReasoningParser::name),
         embeddings: EmbeddingsInfo {

@@ -63,6 +63,7 @@ pub fn adapter_assets(
     let own_tokens = SpecialTokens::from_dir(dir)
         .map_err(|error| unusable("tokenizer config", error.to_string()))?;
     let own_template = ChatTemplate::from_dir(dir).map_err(template_error)?;
+    let adapters_own_template = own_template.is_some();
     let base_template = base.template.as_ref();
     let template = match own_template {
         Some(template) => Some(template),
@@ -75,6 +76,7 @@ pub fn adapter_assets(
             return Ok(ModelAssets {
                 tokenizer,
                 template: base.template.clone(),
+                adapters_own_template: false,
             })
         }
     };
@@ -85,6 +87,7 @@ pub fn adapter_assets(
     Ok(ModelAssets {
         tokenizer,
         template,
+        adapters_own_template,
     })
 }
 
@@ -142,6 +145,7 @@ mod tests {
                 )
                 .unwrap(),
             ),
+            adapters_own_template: false,
         }
     }
 
@@ -162,6 +166,7 @@ mod tests {
         assert_eq!(render(&assets), "<s><user>hi");
         let missing = adapter_assets("a", &dir.path().join("elsewhere"), None, &base).unwrap();
         assert_eq!(render(&missing), "<s><user>hi");
+        assert!(!assets.adapters_own_template && !missing.adapters_own_template);
     }
 
     #[test]
@@ -174,6 +179,7 @@ mod tests {
         .unwrap();
         let assets = adapter_assets("a", dir.path(), None, &base()).unwrap();
         assert_eq!(render(&assets), "<s>[user] hi</s>");
+        assert!(assets.adapters_own_template);
     }
 
     #[test]
@@ -186,6 +192,8 @@ mod tests {
         .unwrap();
         let assets = adapter_assets("a", dir.path(), None, &base()).unwrap();
         assert_eq!(render(&assets), "<|start|><user>hi");
+        // The base template spelled with the adapter's tokens is still the base model's.
+        assert!(!assets.adapters_own_template);
     }
 
     #[test]

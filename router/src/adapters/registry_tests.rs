@@ -82,6 +82,7 @@ fn base() -> Arc<ModelAssets> {
     Arc::new(ModelAssets {
         tokenizer: TextTokenizer::from_tokenizer(crate::tokenizer::test_support::byte_level_bpe()),
         template: Some(ChatTemplate::new("{{ messages[0].content }}".into(), None, None).unwrap()),
+        adapters_own_template: false,
     })
 }
 

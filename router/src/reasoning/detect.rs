@@ -21,14 +21,20 @@ pub fn detect_reasoning_parser(template: &str) -> Option<ReasoningParser> {
     }
 }
 
-/// The flag (`none`: no parser), else the template's format, else none.
+/// The flag (`none`: no parser for any model), else the template's format, else none. As for
+/// tool calls, a parser the flag names is the base model's: an adapter that ships its own
+/// template (`adapters_own`) is read as that template shows, when it shows a thinking format.
 pub fn reasoning_parser_for(
     flag: Option<ReasoningParserFlag>,
     template: Option<&str>,
+    adapters_own: bool,
 ) -> Option<ReasoningParser> {
+    let detected = || template.and_then(detect_reasoning_parser);
     match flag {
+        Some(ReasoningParserFlag::None) => None,
+        Some(flag) if adapters_own => detected().or(flag.parser()),
         Some(flag) => flag.parser(),
-        None => template.and_then(detect_reasoning_parser),
+        None => detected(),
     }
 }
 
@@ -89,18 +95,38 @@ mod tests {
     fn the_flag_wins_and_none_turns_the_split_off() {
         let qwen3 = Some("{{ '<think>' }}");
         assert_eq!(
-            reasoning_parser_for(None, qwen3),
+            reasoning_parser_for(None, qwen3, false),
             Some(ReasoningParser::Qwen3)
         );
         assert_eq!(
-            reasoning_parser_for(Some(ReasoningParserFlag::None), qwen3),
+            reasoning_parser_for(Some(ReasoningParserFlag::None), qwen3, true),
             None
         );
         assert_eq!(
-            reasoning_parser_for(Some(ReasoningParserFlag::DeepseekR1), Some("plain")),
+            reasoning_parser_for(Some(ReasoningParserFlag::DeepseekR1), Some("plain"), false),
             Some(ReasoningParser::DeepseekR1)
         );
-        assert_eq!(reasoning_parser_for(None, None), None);
+        assert_eq!(reasoning_parser_for(None, None, false), None);
+    }
+
+    #[test]
+    fn an_adapters_own_template_comes_before_the_flag() {
+        let deepseek = Some("{{ '<｜Assistant｜><think>\n' }}");
+        let flag = Some(ReasoningParserFlag::Qwen3);
+        // The base model (or an adapter with its template) follows the flag...
+        assert_eq!(
+            reasoning_parser_for(flag, deepseek, false),
+            Some(ReasoningParser::Qwen3)
+        );
+        // ...an adapter's own template its own format, and the flag where it shows none.
+        assert_eq!(
+            reasoning_parser_for(flag, deepseek, true),
+            Some(ReasoningParser::DeepseekR1)
+        );
+        assert_eq!(
+            reasoning_parser_for(flag, Some("plain"), true),
+            Some(ReasoningParser::Qwen3)
+        );
     }
 
     /// Where each thinking template's generation prompt leaves the reply, with thinking on (the

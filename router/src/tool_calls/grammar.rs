@@ -15,7 +15,10 @@
 
 use serde_json::{json, Value};
 
-use super::{hermes, llama3_json, mistral, FunctionSpec, ToolCallParser, ToolChoice, ToolRequest};
+use super::{
+    granite, hermes, llama3_json, mistral, pythonic_grammar, FunctionSpec, ToolCallParser,
+    ToolChoice, ToolRequest,
+};
 
 /// Free text, any length (`.` is every character but a newline).
 const TEXT: &str = r"TEXT: /(.|\n)*/";
@@ -43,14 +46,23 @@ pub fn tool_grammar(
     // A named function is one call; `required` one or more unless parallel calls are off.
     let several = request.parallel && !matches!(request.choice, ToolChoice::Named(_));
     let mut lines = vec!["%llguidance {}".to_owned()];
+    // Mistral's tokenizers from v11 on have `[ARGS]` as a token: calls are `[TOOL_CALLS]name[ARGS]{…}`.
+    let mistral_v11 = parser == ToolCallParser::Mistral && special_id(mistral::ARGS).is_some();
     let (start, rules) = match parser {
         ToolCallParser::Hermes => hermes_rules(forced, several, special_id),
         ToolCallParser::Llama3Json => llama_rules(forced, several, special_id),
-        ToolCallParser::Mistral => mistral_rules(forced, several, special_id),
+        ToolCallParser::Mistral if mistral_v11 => mistral_v11_rules(forced, several, special_id),
+        ToolCallParser::Mistral => list_rules(mistral::MARKER, forced, several, special_id),
+        ToolCallParser::Granite => list_rules(granite::MARKER, forced, several, special_id),
+        ToolCallParser::Pythonic => pythonic_grammar::rules(forced, several),
     };
     lines.push(format!("start: {start}"));
     lines.extend(rules);
-    lines.extend(call_rules(parser, &functions));
+    lines.extend(match parser {
+        ToolCallParser::Pythonic => pythonic_grammar::call_rules(&functions),
+        _ if mistral_v11 => v11_call_rules(&functions, special_id),
+        _ => call_rules(parser, &functions),
+    });
     Some(lines.join("\n") + "\n")
 }
 
@@ -60,6 +72,8 @@ fn call_rules(parser: ToolCallParser, functions: &[&FunctionSpec]) -> Vec<String
         ToolCallParser::Hermes => hermes::ARGUMENTS[0],
         ToolCallParser::Llama3Json => llama3_json::ARGUMENTS[0],
         ToolCallParser::Mistral => mistral::ARGUMENTS[0],
+        ToolCallParser::Granite => granite::ARGUMENTS[0],
+        ToolCallParser::Pythonic => unreachable!("pythonic calls have rules of their own"),
     };
     let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("fn_{i}")).collect();
     let mut rules = vec![format!("call: {}", alternatives.join(" | "))];
@@ -91,7 +105,7 @@ fn compact_schema(schema: &Value) -> String {
 }
 
 /// A Lark string literal (JSON's escapes are Lark's).
-fn string(text: &str) -> String {
+pub(super) fn string(text: &str) -> String {
     Value::String(text.to_owned()).to_string()
 }
 
@@ -162,13 +176,15 @@ fn llama_rules(
     (start, rules)
 }
 
-/// `[TOOL_CALLS]` then a JSON array of calls, after free text in `auto`.
-fn mistral_rules(
+/// `marker` then a JSON array of calls, after free text in `auto` (Mistral before v11,
+/// Granite).
+fn list_rules(
+    text_marker: &str,
     forced: bool,
     several: bool,
     special_id: &dyn Fn(&str) -> Option<u32>,
 ) -> (String, Vec<String>) {
-    let open = marker(mistral::MARKER, special_id);
+    let open = marker(text_marker, special_id);
     let calls = match several {
         true => "calls: \"[\" call (\", \" call)* \"]\"",
         false => "calls: \"[\" call \"]\"",
@@ -178,8 +194,51 @@ fn mistral_rules(
         format!("{open} calls")
     } else {
         rules.push(TEXT.to_owned());
+        rules.push(opening_after_text(&open, text_marker));
+        "TEXT | opening calls".to_owned()
+    };
+    (start, rules)
+}
+
+/// Mistral from v11: `[TOOL_CALLS]name[ARGS]{…}` per call, after free text in `auto`.
+fn mistral_v11_rules(
+    forced: bool,
+    several: bool,
+    special_id: &dyn Fn(&str) -> Option<u32>,
+) -> (String, Vec<String>) {
+    let open = marker(mistral::MARKER, special_id);
+    let calls = match several {
+        true => format!("calls: call ({open} call)*"),
+        false => "calls: call".to_owned(),
+    };
+    let mut rules = vec![calls];
+    let start = if forced {
+        format!("{open} calls")
+    } else {
+        rules.push(TEXT.to_owned());
         rules.push(opening_after_text(&open, mistral::MARKER));
         "TEXT | opening calls".to_owned()
     };
     (start, rules)
+}
+
+/// `call` in Mistral's v11 layout: the name, `[ARGS]`, the arguments object.
+fn v11_call_rules(
+    functions: &[&FunctionSpec],
+    special_id: &dyn Fn(&str) -> Option<u32>,
+) -> Vec<String> {
+    let args = marker(mistral::ARGS, special_id);
+    let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("fn_{i}")).collect();
+    let mut rules = vec![format!("call: {}", alternatives.join(" | "))];
+    for (i, function) in functions.iter().enumerate() {
+        rules.push(format!(
+            "fn_{i}: {} {args} args_{i}",
+            string(&function.name)
+        ));
+        rules.push(format!(
+            "args_{i}: %json {}",
+            compact_schema(&function.parameters)
+        ));
+    }
+    rules
 }

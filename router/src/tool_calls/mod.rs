@@ -8,8 +8,12 @@
 //! is returned whole as plain content, as if the model had written no call at all.
 
 mod detect;
+#[cfg(test)]
+mod formats_tests;
 mod grammar;
+mod granite;
 mod hermes;
+mod json_list;
 mod llama3_json;
 mod mistral;
 mod partial;
@@ -17,6 +21,8 @@ mod plan;
 #[cfg(test)]
 mod plan_tests;
 mod prompt;
+mod pythonic;
+mod pythonic_grammar;
 mod request;
 mod stream;
 #[cfg(test)]
@@ -88,6 +94,8 @@ impl ToolCallFormat for ToolCallParser {
             Self::Hermes => hermes::parse(text, declared),
             Self::Llama3Json => llama3_json::parse(text, declared),
             Self::Mistral => mistral::parse(text, declared),
+            Self::Granite => granite::parse(text, declared),
+            Self::Pythonic => pythonic::parse(text, declared),
         };
         parsed.unwrap_or_else(|| ParsedOutput::plain(text))
     }

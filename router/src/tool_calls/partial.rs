@@ -4,7 +4,10 @@
 //! canonical layout the grammar writes (`{"name": …, "arguments": …}`, name first); a call laid
 //! out otherwise is left to the finished reply's parse.
 
-use super::{hermes, llama3_json, mistral, ToolCallParser};
+use std::borrow::Cow;
+
+use super::pythonic::{self, Reader};
+use super::{granite, hermes, llama3_json, mistral, ToolCallParser};
 
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(super) struct Scan<'a> {
@@ -16,8 +19,9 @@ pub(super) struct Scan<'a> {
 pub(super) struct PartialCall<'a> {
     pub name: String,
     /// The arguments object as far as written (empty until it starts, and for arguments written
-    /// as a JSON string, which only the finished parse decodes).
-    pub arguments: &'a str,
+    /// as a JSON string, which only the finished parse decodes). Pythonic calls have theirs
+    /// converted to JSON once the call is complete, and none before.
+    pub arguments: Cow<'a, str>,
 }
 
 /// The scan of `text`, the reply so far.
@@ -26,6 +30,8 @@ pub(super) fn scan(parser: ToolCallParser, text: &str) -> Scan<'_> {
         ToolCallParser::Hermes => scan_hermes(text),
         ToolCallParser::Llama3Json => scan_llama(text),
         ToolCallParser::Mistral => scan_mistral(text),
+        ToolCallParser::Granite => scan_marked_list(text, granite::MARKER, granite::ARGUMENTS),
+        ToolCallParser::Pythonic => scan_pythonic(text),
     }
 }
 
@@ -53,19 +59,91 @@ fn scan_hermes(text: &str) -> Scan<'_> {
 }
 
 fn scan_mistral(text: &str) -> Scan<'_> {
-    let mut scan = Scan::default();
     let Some(start) = text.find(mistral::MARKER) else {
-        scan.content
-            .push_str(without_marker_start(text, mistral::MARKER));
+        return scan_marked_list(text, mistral::MARKER, mistral::ARGUMENTS);
+    };
+    let after = &text[start + mistral::MARKER.len()..];
+    if after.trim_start().is_empty() || after.trim_start().starts_with(['[', '{']) {
+        return scan_marked_list(text, mistral::MARKER, mistral::ARGUMENTS);
+    }
+    // v11 on: `name[ARGS]{…}` after each marker.
+    let mut scan = Scan::default();
+    scan.content.push_str(&text[..start]);
+    for call in after.split(mistral::MARKER) {
+        let Some((name, arguments)) = call.split_once(mistral::ARGS) else {
+            return scan;
+        };
+        let Some(name) = mistral::v11_name(name) else {
+            return scan;
+        };
+        let arguments = arguments.trim_start();
+        let arguments = match value_end(arguments) {
+            Some(end) => &arguments[..end],
+            None if arguments.starts_with('{') => arguments,
+            None => "",
+        };
+        scan.calls.push(PartialCall {
+            name: name.to_owned(),
+            arguments: Cow::Borrowed(arguments),
+        });
+    }
+    scan
+}
+
+/// `marker` then a JSON array of calls (or one object), text before it the content.
+fn scan_marked_list<'a>(text: &'a str, marker: &str, keys: &[&str]) -> Scan<'a> {
+    let mut scan = Scan::default();
+    let Some(start) = text.find(marker) else {
+        scan.content.push_str(without_marker_start(text, marker));
         return scan;
     };
     scan.content.push_str(&text[..start]);
-    let after = text[start + mistral::MARKER.len()..].trim_start();
+    let after = text[start + marker.len()..].trim_start();
     match after.strip_prefix('[') {
-        Some(list) => read_list(list, mistral::ARGUMENTS, ",", &mut scan.calls),
-        None => read_list(after, mistral::ARGUMENTS, "", &mut scan.calls),
+        Some(list) => read_list(list, keys, ",", &mut scan.calls),
+        None => read_list(after, keys, "", &mut scan.calls),
     }
     scan
+}
+
+/// A Python list of calls: each call's name once `name(` is written, its arguments once the
+/// call is complete. Text that cannot open such a list is content.
+fn scan_pythonic(text: &str) -> Scan<'_> {
+    let mut scan = Scan::default();
+    let trimmed = text.trim_start();
+    if trimmed.is_empty() || pythonic::START.starts_with(trimmed) {
+        return scan;
+    }
+    let Some(body) = pythonic::body(text) else {
+        scan.content.push_str(text);
+        return scan;
+    };
+    let mut reader = Reader::new(body);
+    if !reader.take('[') {
+        return scan;
+    }
+    loop {
+        let from = reader.at;
+        if let Some(call) = reader.call() {
+            scan.calls.push(PartialCall {
+                name: call.name,
+                arguments: Cow::Owned(call.arguments),
+            });
+            if reader.take(',') {
+                continue;
+            }
+            return scan;
+        }
+        // Unfinished: its name, if complete.
+        let mut name_reader = Reader::new(&body[from..]);
+        if let (Some(name), true) = (name_reader.identifier(), name_reader.take('(')) {
+            scan.calls.push(PartialCall {
+                name: name.to_owned(),
+                arguments: Cow::Borrowed(""),
+            });
+        }
+        return scan;
+    }
 }
 
 fn scan_llama(text: &str) -> Scan<'_> {
@@ -155,7 +233,10 @@ fn read<'a>(text: &'a str, keys: &[&str]) -> Read<'a> {
     } else {
         ""
     };
-    let call = PartialCall { name, arguments };
+    let call = PartialCall {
+        name,
+        arguments: Cow::Borrowed(arguments),
+    };
     Read::Call(call, value_end(text))
 }
 

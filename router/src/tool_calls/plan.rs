@@ -6,8 +6,8 @@
 
 use super::truncated::parse_reply;
 use super::{
-    hermes, llama3_json, mistral, tool_grammar, ParsedOutput, ToolCallParser, ToolCallStream,
-    ToolChoice, ToolRequest,
+    granite, hermes, llama3_json, mistral, pythonic, tool_grammar, ParsedOutput, ToolCallParser,
+    ToolCallStream, ToolChoice, ToolRequest,
 };
 use crate::tokenizer::TextTokenizer;
 
@@ -86,6 +86,14 @@ pub(super) fn markers(parser: ToolCallParser) -> &'static [&'static str] {
     match parser {
         ToolCallParser::Hermes => &[hermes::START, hermes::END],
         ToolCallParser::Llama3Json => &[llama3_json::PYTHON_TAG],
-        ToolCallParser::Mistral => &[mistral::MARKER],
+        ToolCallParser::Mistral => &[mistral::MARKER, mistral::ARGS, mistral::CALL_ID],
+        ToolCallParser::Granite => &[granite::MARKER],
+        ToolCallParser::Pythonic => &[pythonic::START, pythonic::END],
     }
+}
+
+/// Whether `text` has started writing calls: a family marker, or a pythonic reply's list.
+pub(super) fn opens_calls(parser: ToolCallParser, text: &str) -> bool {
+    markers(parser).iter().any(|marker| text.contains(marker))
+        || (parser == ToolCallParser::Pythonic && pythonic::body(text).is_some())
 }

@@ -11,10 +11,12 @@ use super::{
 };
 use crate::validation::ValidationError;
 
-const PARSERS: [ToolCallParser; 3] = [
+const PARSERS: [ToolCallParser; 5] = [
     ToolCallParser::Hermes,
     ToolCallParser::Llama3Json,
     ToolCallParser::Mistral,
+    ToolCallParser::Granite,
+    ToolCallParser::Pythonic,
 ];
 
 fn weather_tools() -> Value {
@@ -203,16 +205,53 @@ fn parsers_are_detected_from_templates() {
     assert_eq!(detect_parser(llama), Some(ToolCallParser::Llama3Json));
     assert_eq!(detect_parser(llama_tag), Some(ToolCallParser::Llama3Json));
     assert_eq!(detect_parser(mistral), Some(ToolCallParser::Mistral));
+    let mistral_v11 = "{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + arguments }}";
+    assert_eq!(detect_parser(mistral_v11), Some(ToolCallParser::Mistral));
+    // Llama 4's own instruction for its pythonic calls.
+    let llama4 = "you MUST put it in the format of [func_name1(params_name1=params_value1, \
+                  params_name2=params_value2...), func_name2(params)]";
+    assert_eq!(detect_parser(llama4), Some(ToolCallParser::Pythonic));
     assert_eq!(detect_parser("{{ messages }}"), None);
     assert_eq!(
-        parser_for(None, Some("{{ messages }}")),
+        parser_for(None, Some("{{ messages }}"), false),
         ToolCallParser::Hermes
     );
-    assert_eq!(parser_for(None, None), ToolCallParser::Hermes);
+    assert_eq!(parser_for(None, None, false), ToolCallParser::Hermes);
     assert_eq!(
-        parser_for(Some(ToolCallParser::Mistral), Some(qwen)),
+        parser_for(Some(ToolCallParser::Mistral), Some(qwen), false),
         ToolCallParser::Mistral
     );
+    // An adapter's own template: its family before the flag, the flag where it shows none.
+    let flag = Some(ToolCallParser::Granite);
+    assert_eq!(parser_for(flag, Some(qwen), true), ToolCallParser::Hermes);
+    assert_eq!(
+        parser_for(flag, Some("{{ messages }}"), true),
+        ToolCallParser::Granite
+    );
+}
+
+/// The published templates in testdata/chat-templates (copied from the models' repositories)
+/// are detected as their models' families.
+#[test]
+fn published_templates_are_detected_as_their_family() {
+    let template = |name: &str| -> String {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../testdata/chat-templates")
+            .join(format!("{name}.json"));
+        let file: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        file["chat_template"].as_str().unwrap().to_owned()
+    };
+    for (name, parser) in [
+        ("granite-3.2-instruct", ToolCallParser::Granite),
+        ("hermes-2-pro-tool-use", ToolCallParser::Hermes),
+        ("qwen2.5-instruct", ToolCallParser::Hermes),
+        ("llama-3.1-instruct", ToolCallParser::Llama3Json),
+        ("llama-3.2-instruct", ToolCallParser::Llama3Json),
+        ("mistral-7b-instruct-v0.3", ToolCallParser::Mistral),
+        ("mistral-nemo-instruct-2407", ToolCallParser::Mistral),
+    ] {
+        assert_eq!(detect_parser(&template(name)), Some(parser), "{name}");
+    }
 }
 
 // ---- grammars ----
@@ -234,7 +273,13 @@ fn all_grammars() -> Vec<(String, String)> {
         "</tool_call>" => Some(151658),
         "<|python_tag|>" => Some(128010),
         "[TOOL_CALLS]" => Some(5),
+        "<|tool_call|>" => Some(49153),
         _ => None,
+    };
+    // A Mistral tokenizer from v11 on: `[ARGS]` is a token too.
+    let v11 = |text: &str| match text {
+        "[ARGS]" => Some(32),
+        _ => special(text),
     };
     let mut grammars = Vec::new();
     for parser in PARSERS {
@@ -247,10 +292,14 @@ fn all_grammars() -> Vec<(String, String)> {
             ),
         ] {
             for parallel in [true, false] {
-                for (marker_label, lookup) in [
+                let mut lookups = vec![
                     ("text", &no_special as &dyn Fn(&str) -> Option<u32>),
                     ("special", &special),
-                ] {
+                ];
+                if parser == ToolCallParser::Mistral {
+                    lookups.push(("v11", &v11));
+                }
+                for (marker_label, lookup) in lookups {
                     let request = request(choice.clone(), parallel);
                     let grammar = tool_grammar(parser, &request, lookup).expect("a grammar");
                     let label = format!(
@@ -281,14 +330,33 @@ fn grammars_embed_each_schema_and_name_first_openings() {
     for (label, grammar) in all_grammars() {
         assert!(grammar.starts_with("%llguidance {}\nstart: "), "{label}");
         let named = label.contains("-named-");
-        let key = if label.starts_with("llama3_json") {
-            "parameters"
-        } else {
-            "arguments"
-        };
-        let opening = format!(r#""{{\"name\": \"get_weather\", \"{key}\": ""#);
-        assert!(grammar.contains(&opening), "{label}: {grammar}");
+        let format = label.split('-').next().unwrap();
+        let v11 = label.ends_with("-v11");
         assert_eq!(grammar.contains("get_time"), !named, "{label}");
+        let opening = match format {
+            "pythonic" => r#"fn_0: "get_weather(""#.to_owned(),
+            _ if v11 => r#"fn_0: "get_weather" <[32]> args_0"#.to_owned(),
+            "llama3_json" => r#""{\"name\": \"get_weather\", \"parameters\": ""#.to_owned(),
+            _ => r#""{\"name\": \"get_weather\", \"arguments\": ""#.to_owned(),
+        };
+        assert!(grammar.contains(&opening), "{label}: {grammar}");
+        if format == "pythonic" {
+            // Keywords from the parameters, each value of its type.
+            assert!(
+                grammar.contains(r#"kw_0_0: "city=" PY_STRING"#),
+                "{label}: {grammar}"
+            );
+            assert!(
+                grammar.contains(r#"kw_0_1: "days=" PY_INT"#),
+                "{label}: {grammar}"
+            );
+            assert_eq!(
+                grammar.contains("PLAIN"),
+                label.contains("-auto-"),
+                "{label}"
+            );
+            continue;
+        }
         // The schema is embedded whole, with llguidance's compact-JSON option.
         let schema_line = grammar
             .lines()
@@ -298,13 +366,14 @@ fn grammars_embed_each_schema_and_name_first_openings() {
         assert_eq!(schema["x-guidance"], json!({"whitespace_flexible": false}));
         assert_eq!(schema["properties"]["days"]["maximum"], json!(7));
         // Special markers by id, plain ones as text.
-        let special = label.ends_with("-special");
-        let marker = match label.split('-').next().unwrap() {
+        let special = label.ends_with("-special") || v11;
+        let marker = match format {
             "hermes" => ("<[151657]>", "\"<tool_call>\""),
             "llama3_json" => ("<[128010]>", "\"<|python_tag|>\""),
+            "granite" => ("<[49153]>", "\"<|tool_call|>\""),
             _ => ("<[5]>", "\"[TOOL_CALLS]\""),
         };
-        let forced_llama = label.starts_with("llama3_json") && !label.contains("-auto-");
+        let forced_llama = format == "llama3_json" && !label.contains("-auto-");
         if !forced_llama {
             let (by_id, by_text) = marker;
             assert_eq!(grammar.contains(by_id), special, "{label}: {grammar}");
@@ -317,7 +386,7 @@ fn grammars_embed_each_schema_and_name_first_openings() {
             auto,
             "{label}"
         );
-        if auto && !special && !label.starts_with("llama3_json") {
+        if auto && !special && format != "llama3_json" {
             assert!(grammar.contains("opening[lazy]: TEXT"), "{label}");
         }
     }
@@ -343,7 +412,7 @@ fn grammars_are_written_for_llguidance() {
 
 /// Streams `text` in pieces of `size` characters; returns the reassembled content and calls
 /// (name, arguments) and the deltas.
-fn stream(
+pub(super) fn stream(
     parser: ToolCallParser,
     text: &str,
     size: usize,
@@ -387,7 +456,7 @@ fn whole(parser: ToolCallParser, text: &str) -> (Option<String>, Vec<(String, St
 
 /// Streamed in pieces of every size from 1 to 7 characters, `text` adds up to its
 /// non-streamed reading; returns that reading.
-fn assert_stream_adds_up(
+pub(super) fn assert_stream_adds_up(
     parser: ToolCallParser,
     text: &str,
 ) -> (Option<String>, Vec<(String, String)>) {
@@ -406,7 +475,7 @@ fn assert_stream_adds_up(
 /// A reply that is text after all (a call cut short, or not a call of a declared function):
 /// its content adds up to the whole text. Deltas of a call that looked well-formed while it
 /// streamed were already sent and stand (docs/tool-calling.md).
-fn assert_streamed_text(parser: ToolCallParser, text: &str) {
+pub(super) fn assert_streamed_text(parser: ToolCallParser, text: &str) {
     assert_eq!(whole(parser, text), (Some(text.to_owned()), Vec::new()));
     for size in 1..=7 {
         let (content, _, _) = stream(parser, text, size);

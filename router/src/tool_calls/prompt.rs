@@ -52,6 +52,14 @@ pub fn tool_system_prompt(
             "[TOOL_CALLS][{\"name\": <function name>, \"arguments\": <arguments as a JSON \
              object>}] (one list entry per call)."
         }
+        ToolCallParser::Granite => {
+            "<|tool_call|>[{\"name\": <function name>, \"arguments\": <arguments as a JSON \
+             object>}] (one list entry per call)."
+        }
+        ToolCallParser::Pythonic => {
+            "a Python list of calls with keyword arguments, [function_name(argument=value, \
+             ...), ...], and nothing else."
+        }
     });
     Some(text)
 }
@@ -96,6 +104,8 @@ mod tests {
             (ToolCallParser::Hermes, "<tool_call>"),
             (ToolCallParser::Llama3Json, "\"parameters\""),
             (ToolCallParser::Mistral, "[TOOL_CALLS]"),
+            (ToolCallParser::Granite, "<|tool_call|>"),
+            (ToolCallParser::Pythonic, "[function_name(argument=value"),
         ] {
             let text = tool_system_prompt(parser, &request(json!("auto")), Some(template))
                 .expect("a prompt");

@@ -61,7 +61,7 @@ impl ToolCallStream {
                 &mut self.calls_sent,
                 index,
                 &call.name,
-                call.arguments,
+                &call.arguments,
                 &mut deltas,
             );
         }

@@ -303,8 +303,14 @@ fn mistral_malformed_calls_are_text() {
         r#"[TOOL_CALLS] [{"name": null, "arguments": {}}]"#,
         r#"[TOOL_CALLS] [{"name": "get_time", "arguments": true}]"#,
         r#"[TOOL_CALLS] [{"name": "get_time", "arguments": {}}] trailing words"#,
-        // The v11 form is not read.
-        r#"[TOOL_CALLS]get_time[ARGS]{}"#,
+        // The v11 layout, malformed: unfinished, no `[ARGS]`, no name, not an object,
+        // an undeclared function, words after the object.
+        r#"[TOOL_CALLS]get_time[ARGS]{"#,
+        r#"[TOOL_CALLS]get_time{}"#,
+        r#"[TOOL_CALLS][ARGS]{}"#,
+        r#"[TOOL_CALLS]get_time[ARGS][1]"#,
+        r#"[TOOL_CALLS]nope[ARGS]{}"#,
+        r#"[TOOL_CALLS]get_time[ARGS]{} trailing"#,
     ] {
         assert_plain(ToolCallParser::Mistral, text);
     }

@@ -6,7 +6,7 @@
 //! progress (`partial::scan`) is what a cut reply holds.
 
 use super::partial::scan;
-use super::plan::markers;
+use super::plan::opens_calls;
 use super::{ParsedCall, ParsedOutput, ToolCallFormat, ToolCallParser};
 
 /// `text` split into content and calls; `cut`: generation stopped at `max_tokens`.
@@ -27,7 +27,7 @@ pub(super) fn parse_reply(
         .take_while(|call| declared.contains(&call.name))
         .map(|call| ParsedCall {
             name: call.name.clone(),
-            arguments: call.arguments.to_owned(),
+            arguments: call.arguments.to_string(),
         })
         .collect();
     // The scan reads calls in the grammar's layout only; a reply in another that parses whole
@@ -37,7 +37,7 @@ pub(super) fn parse_reply(
     }
     // A cut inside a marker or before the first call's name was complete: no call, and the
     // markup is not content. Without one, the text is the reply's.
-    let in_a_call = markers(parser).iter().any(|marker| text.contains(marker));
+    let in_a_call = opens_calls(parser, text);
     if calls.is_empty() && !in_a_call {
         return parsed;
     }

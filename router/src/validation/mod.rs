@@ -50,6 +50,10 @@ pub const MAX_N: u32 = 128;
 pub struct ModelAssets {
     pub tokenizer: TextTokenizer,
     pub template: Option<ChatTemplate>,
+    /// The template is an adapter's own, not the base model's: its tool-call and reasoning
+    /// formats come before `--tool-call-parser` and `--reasoning-parser`, which name the base
+    /// model's (`tool_calls::parser_for`).
+    pub adapters_own_template: bool,
 }
 
 /// How the response is shaped; everything the HTTP layer needs besides the generations.
@@ -123,12 +127,20 @@ impl Validator {
         let logprob_fields = fields.logprob_fields();
         let template = assets.template.as_ref().map(ChatTemplate::source);
         let reasoning_parser = match F::SPLITS_REASONING {
-            true => reasoning_parser_for(self.reasoning_parser, template),
+            true => reasoning_parser_for(
+                self.reasoning_parser,
+                template,
+                assets.adapters_own_template,
+            ),
             false => None,
         };
         let tools = match fields.tool_request()? {
             Some(request) => {
-                let parser = parser_for(self.tool_call_parser, template);
+                let parser = parser_for(
+                    self.tool_call_parser,
+                    template,
+                    assets.adapters_own_template,
+                );
                 if let Some(text) = tool_system_prompt(parser, &request, template) {
                     fields.add_tool_prompt(text);
                 }

@@ -242,6 +242,7 @@ impl TestApp {
         let assets = ModelAssets {
             tokenizer: TextTokenizer::from_tokenizer(tokenizer()),
             template,
+            adapters_own_template: false,
         };
         let settings = Settings {
             model_id: MODEL_ID.to_owned(),
