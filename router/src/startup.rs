@@ -10,7 +10,9 @@ use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
 };
 use crate::config::RouterArgs;
-use crate::http::{AppState, Cutoff, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
+use crate::http::{
+    AppState, Cutoff, EmbeddingsInfo, Infer, ServedLimits, ServedModels, ServerInfo,
+};
 use crate::metrics::labels::AdapterLabels;
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
@@ -281,7 +283,14 @@ pub async fn start(
         resolver.canonical_root().map(Into::into),
     );
     preload(&adapters, &resolver, &settings.adapters.preload).await?;
+    let cutoff = Cutoff::default();
     Ok(AppState {
+        infer: Infer::new(
+            scheduler.clone(),
+            shard.clone(),
+            metrics.clone(),
+            cutoff.clone(),
+        ),
         scheduler,
         shard,
         validator: Arc::new(Validator {
@@ -309,7 +318,7 @@ pub async fn start(
         tenants: Arc::new(tenants),
         adapters,
         resolver: Arc::new(resolver),
-        cutoff: Cutoff::default(),
+        cutoff,
     })
 }
 

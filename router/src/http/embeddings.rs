@@ -1,6 +1,6 @@
 //! `POST /v1/embeddings`: resolve `model` as the generation endpoints do (an adapter's own
-//! tokenizer included), check and tokenize each input, and run each through the scheduler as
-//! an embedding request: one pass over its prompt in a Prefill beside the generation traffic,
+//! tokenizer included), check and tokenize each input, and have `Infer` run each as an
+//! embedding request: one pass over its prompt in a Prefill beside the generation traffic,
 //! holding no decode slot (`scheduler::GenerationRequest::embed`). The answer lists the
 //! vectors in input order.
 
@@ -15,12 +15,10 @@ use tracing::Instrument;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::state::AppState;
 use crate::error::ApiError;
-use crate::metrics::Metrics;
 use crate::openai::embeddings::{
     Embedding, EmbeddingVector, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage, EMBEDDINGS,
 };
 use crate::openai::fields::{check_fields_of, IGNORED_FIELDS_HEADER};
-use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest};
 use crate::telemetry;
 use crate::tenants::Caller;
 
@@ -48,9 +46,7 @@ pub async fn create_embeddings(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<EmbeddingsBody>,
 ) -> Result<Response, ApiError> {
-    if state.shard.is_unavailable() {
-        return Err(ApiError::shard_gone());
-    }
+    state.infer.check_available()?;
     let EmbeddingsBody { request, ignored } = body;
     if let Some(reason) = &state.info.embeddings.unavailable {
         return Err(ApiError::BadRequestBody {
@@ -76,38 +72,7 @@ pub async fn create_embeddings(
         .instrument(telemetry::span("validate"))
         .await?;
     let prompt_tokens: u32 = inputs.iter().map(|ids| ids.len() as u32).sum();
-    let count = inputs.len() as u64;
-    let requests = inputs
-        .into_iter()
-        .map(|ids| GenerationRequest::embedding(ids, &adapter_id))
-        .collect();
-    let receivers = state.scheduler.submit_all(requests)?;
-    // Admitted work is charged, as a generation's prompt is, whether or not the client waits.
-    caller.charge(u64::from(prompt_tokens), 0);
-    Metrics::add(&state.metrics.prompt_tokens_total, u64::from(prompt_tokens));
-    Metrics::add(
-        &state.metrics.embedding_tokens_total,
-        u64::from(prompt_tokens),
-    );
-    let vectors = tokio::select! {
-        vectors = collect(receivers) => vectors,
-        () = state.cutoff.fired() => {
-            state.cutoff.record_cut();
-            return Err(ApiError::GracePeriodOver);
-        }
-    };
-    let vectors = match vectors {
-        Ok(vectors) => vectors,
-        Err(error) => {
-            Metrics::add(&state.metrics.requests_failed_total, 1);
-            return Err(if state.shard.is_unavailable() {
-                ApiError::shard_gone()
-            } else {
-                error
-            });
-        }
-    };
-    Metrics::add(&state.metrics.embedding_inputs_total, count);
+    let vectors = state.infer.embed(&caller, &adapter_id, inputs).await?;
     let base64 = request.encoding_format.as_deref() == Some("base64");
     let data = vectors
         .into_iter()
@@ -139,26 +104,6 @@ pub async fn create_embeddings(
         }
     }
     Ok(response)
-}
-
-/// Each input's embedding, in input order; the first failure fails the request (dropping the
-/// other receivers cancels what has not run yet).
-async fn collect(receivers: Vec<EventReceiver>) -> Result<Vec<Vec<f32>>, ApiError> {
-    let mut vectors = Vec::with_capacity(receivers.len());
-    for mut receiver in receivers {
-        match receiver.recv().await {
-            Some(Ok(event)) if event.finish == Some(FinishReason::Embedded) => {
-                vectors.push(event.embedding);
-            }
-            Some(Ok(_)) | None => {
-                return Err(ApiError::Internal(
-                    "the scheduler ended an embedding request without its embedding".to_owned(),
-                ))
-            }
-            Some(Err(error)) => return Err(error.into()),
-        }
-    }
-    Ok(vectors)
 }
 
 /// OpenAI's `base64` format: the vector's little-endian float32 bytes, base64-encoded.

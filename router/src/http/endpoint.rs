@@ -13,12 +13,9 @@ use serde::Serialize;
 use serde_json::Value;
 use tracing::Instrument;
 
-use super::generation::{
-    collect_choices, prompt_cached_tokens, start_choices, ChoiceOutput, ChoiceSettings,
-};
-use super::grammar::compile_grammar;
+use super::generation::{prompt_cached_tokens, ChoiceOutput, ChoiceSettings};
+use super::infer::Generation;
 use super::json::{typed, OpenAiJson, RequestBody};
-use super::key_meter::charge_when_done;
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
@@ -140,9 +137,7 @@ pub async fn generate<E: Endpoint<Context = ()>>(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<GenerationBody<E::Fields>>,
 ) -> Result<Response, ApiError> {
-    if state.shard.is_unavailable() {
-        return Err(ApiError::shard_gone());
-    }
+    state.infer.check_available()?;
     let GenerationBody {
         fields,
         params,
@@ -181,15 +176,6 @@ pub(super) async fn answer<E: Endpoint>(
         .validate(&assets, &adapter_id, fields, &params)
         .instrument(telemetry::span("validate"))
         .await?;
-    if let (Some(source), Some(grammar)) = (
-        &valid.grammar,
-        valid
-            .choices
-            .first()
-            .and_then(|choice| choice.grammar.clone()),
-    ) {
-        compile_grammar(state.shard.as_ref(), &adapter_id, source, grammar).await?;
-    }
     let options = valid.options;
     let settings = ChoiceSettings {
         stop: options.stop.clone(),
@@ -205,15 +191,16 @@ pub(super) async fn answer<E: Endpoint>(
                 .is_some_and(ReasoningPlan::keeps_special_tokens),
     };
     let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
-    let choices = start_choices(
-        &state.scheduler,
-        &state.shard,
-        &state.metrics,
-        &assets.tokenizer,
-        valid.choices,
-        &settings,
-    )?;
-    let choices = charge_when_done(caller, valid.prompt_tokens, choices);
+    let generation = Generation {
+        adapter_id,
+        choices: valid.choices,
+        grammar: valid.grammar,
+        prompt_tokens: valid.prompt_tokens,
+    };
+    let choices = state
+        .infer
+        .generate(caller, generation, &assets.tokenizer, &settings)
+        .await?;
     let format = E::new(
         ResponseSetup {
             model: super::response_model(&state, params.model),
@@ -231,17 +218,11 @@ pub(super) async fn answer<E: Endpoint>(
             prompt_tokens: valid.prompt_tokens,
             choices_per_prompt: generated_per_prompt as usize,
             include_usage: options.include_usage,
-            cutoff: state.cutoff.clone(),
+            cutoff: state.infer.cutoff().clone(),
         };
         return Ok(sse_response(format, plan).into_response());
     }
-    let outputs = tokio::select! {
-        outputs = collect_choices(choices) => outputs?,
-        () = state.cutoff.fired() => {
-            state.cutoff.record_cut();
-            return Err(ApiError::GracePeriodOver);
-        }
-    };
+    let outputs = state.infer.finish(choices).await?;
     // Every generated token is billed, also those of choices `best_of` leaves out.
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
     let cached: Vec<u32> = outputs.iter().map(|output| output.cached_tokens).collect();

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use crate::error::ApiError;
 use crate::pb;
+use crate::scheduler::Grammar;
 use crate::shard::{ShardBackend, ShardError};
 use crate::validation::{OutputGrammar, ValidationError};
 
@@ -20,11 +21,11 @@ pub async fn compile_grammar(
     shard: &dyn ShardBackend,
     adapter_id: &str,
     source: &OutputGrammar,
-    grammar: pb::Grammar,
+    grammar: &Grammar,
 ) -> Result<(), ApiError> {
     let request = pb::CompileGrammarRequest {
         adapter_id: adapter_id.to_owned(),
-        grammar: Some(grammar),
+        grammar: Some(grammar.into()),
     };
     let refused =
         |message: String| ApiError::Validation(ValidationError::invalid(source.param, message));

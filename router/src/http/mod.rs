@@ -1,7 +1,8 @@
 //! The axum application: routes, authentication, and the fallbacks that keep every error in
-//! OpenAI's shape. A generation request flows `endpoint` (with `chat` or `completions` saying
-//! how to build its prompts and shape its answer) → `validation` → `generation` (scheduler,
-//! detokenizer, stop strings) → JSON or `sse`.
+//! OpenAI's shape. A generation request flows `endpoint` (with `chat`, `completions` or
+//! `responses` saying how to build its prompts and shape its answer) → `validation` → `infer`
+//! (grammar compile, admission, `generation`'s detokenizer and stop strings, accounting) → JSON
+//! or `sse`; an embeddings request `embeddings` → `validation` → `infer`.
 
 use axum::extract::Request;
 use axum::middleware;
@@ -25,6 +26,7 @@ mod give_back;
 mod grammar;
 mod health;
 pub(crate) mod held_body;
+mod infer;
 mod json;
 mod key_meter;
 mod logprobs;
@@ -38,6 +40,7 @@ mod tokenize;
 
 pub use body_guard::limit_bodies;
 pub use cutoff::Cutoff;
+pub use infer::Infer;
 pub use state::{AppState, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`. The API keys guard every route that takes a body

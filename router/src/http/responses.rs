@@ -59,9 +59,7 @@ pub async fn create_response(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<ResponsesBody>,
 ) -> Result<Response, ApiError> {
-    if state.shard.is_unavailable() {
-        return Err(ApiError::shard_gone());
-    }
+    state.infer.check_available()?;
     let (fields, params, _) = body.chat.into_parts();
     let mut response = answer::<Responses>(state, &caller, fields, params, body.echo)
         .await

@@ -9,6 +9,7 @@ use serde::Serialize;
 use utoipa::ToSchema;
 
 use super::cutoff::Cutoff;
+use super::infer::Infer;
 use crate::adapters::{AdapterRegistry, AdapterSource, Resolver};
 use crate::error::ApiError;
 use crate::metrics::Metrics;
@@ -20,7 +21,11 @@ use crate::validation::{ModelAssets, Validator};
 
 #[derive(Clone)]
 pub struct AppState {
+    /// What the serving handlers go through to run requests.
+    pub infer: Infer,
+    /// For the load figures of `/metrics` and the shutdown's drain.
     pub scheduler: Scheduler,
+    /// For `/health`.
     pub shard: Arc<dyn ShardBackend>,
     pub validator: Arc<Validator>,
     pub base: Arc<ModelAssets>,

@@ -13,7 +13,7 @@
 use serde_json::{json, Value};
 
 use super::{THINK_END, THINK_START};
-use crate::pb::grammar::Kind;
+use crate::scheduler::GrammarKind as Kind;
 use crate::validation::OutputGrammar;
 
 /// The markers' ids where they are added tokens of the request's tokenizer.
@@ -71,7 +71,7 @@ fn embedded(grammar: &OutputGrammar) -> String {
     match grammar.kind {
         Kind::JsonSchema => format!("%json {}", compact_schema(&grammar.text)),
         Kind::Regex => format!("/{}/", regex_literal(&grammar.text)),
-        Kind::Lark | Kind::Unspecified => format!("%lark {{\n{}\n}}", grammar.text),
+        Kind::Lark => format!("%lark {{\n{}\n}}", grammar.text),
     }
 }
 

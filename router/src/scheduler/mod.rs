@@ -22,6 +22,7 @@ use crate::telemetry::RequestTrace;
 
 mod batcher;
 mod blocks;
+mod grammar;
 mod logprobs;
 mod prefix_hash;
 mod queue;
@@ -44,6 +45,7 @@ mod tests;
 
 use batcher::{Batcher, Command, Entry};
 pub use blocks::{blocks_for_tokens, BlockAllocation, BlockAllocator};
+pub use grammar::{Grammar, GrammarKind};
 pub use logprobs::{PromptPosition, TokenLogprob};
 
 /// Sampling settings of one request, already validated.
@@ -106,7 +108,7 @@ pub struct GenerationRequest {
     /// Constrains the output (structured output, tool calls); compiled on the shards before
     /// the request was queued. EOS then ends the request even with `ignore_eos` or before
     /// `min_tokens`: the grammar allows nothing else once the output is complete.
-    pub grammar: Option<crate::pb::Grammar>,
+    pub grammar: Option<Grammar>,
     /// An embedding request: its whole prompt is computed in one Prefill and pooled, and its
     /// one event carries the embedding (`FinishReason::Embedded`). It never decodes, so it
     /// holds no batch slot (`max_batch_size`) and its KV blocks only for that one step; it

@@ -120,8 +120,8 @@ async fn eos_ends_a_constrained_request_despite_ignore_eos_and_min_tokens() {
     constrained.eos_token_ids = vec![eos];
     constrained.ignore_eos = true;
     constrained.min_tokens = 5;
-    constrained.grammar = Some(crate::pb::Grammar {
-        kind: crate::pb::grammar::Kind::Regex as i32,
+    constrained.grammar = Some(Grammar {
+        kind: GrammarKind::Regex,
         text: "[a-z]+".to_owned(),
         eos_token_ids: vec![eos],
     });

@@ -34,9 +34,8 @@ use logprobs::{apply_logprobs, check_best_of_bound};
 use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
-use crate::pb;
 use crate::reasoning::{reasoning_parser_for, ReasoningParserFlag, ReasoningPlan};
-use crate::scheduler::{GenerationRequest, SamplingParams};
+use crate::scheduler::{GenerationRequest, Grammar, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::{parser_for, tool_system_prompt, ToolCallParser, ToolPlan};
@@ -237,8 +236,8 @@ impl Validator {
         self.bounds
             .check_kv_demand(demand, checked.n, prompt_param)?;
         let eos_token_ids = self.eos_token_ids_for(assets);
-        let grammar = checked.grammar.as_ref().map(|grammar| pb::Grammar {
-            kind: grammar.kind as i32,
+        let grammar = checked.grammar.as_ref().map(|grammar| Grammar {
+            kind: grammar.kind,
             text: grammar.text.clone(),
             eos_token_ids: eos_token_ids.clone(),
         });

@@ -7,7 +7,7 @@ use serde_json::{Map, Value};
 
 use super::ValidationError;
 use crate::openai::common::GenerationParams;
-use crate::pb::grammar::Kind;
+use crate::scheduler::GrammarKind as Kind;
 
 /// A request's output constraint, before it knows its tokenizer's EOS ids.
 #[derive(Debug, Clone, PartialEq)]

@@ -414,7 +414,7 @@ impl Running {
             adapter_id: request.adapter_id.clone(),
             // A resumed request reported its prompt's logprobs before it was preempted.
             prompt_logprobs: request.prompt_logprobs.filter(|_| self.resumed_after == 0),
-            grammar: request.grammar.clone(),
+            grammar: request.grammar.as_ref().map(pb::Grammar::from),
             cached_tokens: from,
             prefill_until: if until < self.prompt_len() { until } else { 0 },
             embed: request.embed,

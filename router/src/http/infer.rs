@@ -1,0 +1,176 @@
+//! The one front the serving handlers go through (TGI's `Infer` is the model): a request's
+//! grammar compiled on the shards, its choices or inputs admitted and scheduled as one request,
+//! their events turned into text with the request metrics and the API key's accounting, and the
+//! shutdown's cutoff applied. The chat, completions, Responses and embeddings handlers shape
+//! requests and answers; none of them reaches the scheduler, the shard or the metrics itself.
+
+use std::sync::Arc;
+
+use futures::stream::BoxStream;
+
+use super::cutoff::Cutoff;
+use super::generation::{
+    collect_choices, start_choices, ChoiceEvent, ChoiceOutput, ChoiceSettings,
+};
+use super::grammar::compile_grammar;
+use super::key_meter::charge_when_done;
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest, Scheduler};
+use crate::shard::ShardBackend;
+use crate::tenants::Caller;
+use crate::tokenizer::TextTokenizer;
+use crate::validation::OutputGrammar;
+
+#[derive(Clone)]
+pub struct Infer {
+    scheduler: Scheduler,
+    shard: Arc<dyn ShardBackend>,
+    metrics: Arc<Metrics>,
+    cutoff: Cutoff,
+}
+
+/// One generation request's work, as validation left it.
+pub struct Generation {
+    /// "" for the base model.
+    pub adapter_id: String,
+    /// One per choice, in choice order.
+    pub choices: Vec<GenerationRequest>,
+    /// The constraint every choice carries, with the field it came from.
+    pub grammar: Option<OutputGrammar>,
+    /// Charged to the key, counted once per prompt.
+    pub prompt_tokens: u32,
+}
+
+impl Infer {
+    pub fn new(
+        scheduler: Scheduler,
+        shard: Arc<dyn ShardBackend>,
+        metrics: Arc<Metrics>,
+        cutoff: Cutoff,
+    ) -> Self {
+        Self {
+            scheduler,
+            shard,
+            metrics,
+            cutoff,
+        }
+    }
+
+    /// 503 at once while the shard is known gone, before a request costs anything.
+    pub fn check_available(&self) -> Result<(), ApiError> {
+        match self.shard.is_unavailable() {
+            true => Err(ApiError::shard_gone()),
+            false => Ok(()),
+        }
+    }
+
+    /// The shutdown's cutoff, which a streamed answer watches.
+    pub fn cutoff(&self) -> &Cutoff {
+        &self.cutoff
+    }
+
+    /// Compiles the request's grammar on the shards (one they cannot use is the client's 400,
+    /// named by its field), admits every choice as one request, and returns their event
+    /// streams in choice order, charged to `caller` when the last one ends.
+    pub async fn generate(
+        &self,
+        caller: &Caller,
+        generation: Generation,
+        tokenizer: &TextTokenizer,
+        settings: &ChoiceSettings,
+    ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
+        let Generation {
+            adapter_id,
+            choices,
+            grammar,
+            prompt_tokens,
+        } = generation;
+        let compiled = choices.first().and_then(|choice| choice.grammar.as_ref());
+        if let (Some(source), Some(compiled)) = (&grammar, compiled) {
+            compile_grammar(self.shard.as_ref(), &adapter_id, source, compiled).await?;
+        }
+        let streams = start_choices(
+            &self.scheduler,
+            &self.shard,
+            &self.metrics,
+            tokenizer,
+            choices,
+            settings,
+        )?;
+        Ok(charge_when_done(caller, prompt_tokens, streams))
+    }
+
+    /// Every choice run to its end, unless the shutdown's grace period ends first.
+    pub async fn finish(
+        &self,
+        choices: Vec<BoxStream<'static, ChoiceEvent>>,
+    ) -> Result<Vec<ChoiceOutput>, ApiError> {
+        tokio::select! {
+            outputs = collect_choices(choices) => outputs,
+            () = self.cutoff.fired() => {
+                self.cutoff.record_cut();
+                Err(ApiError::GracePeriodOver)
+            }
+        }
+    }
+
+    /// The embedding of each input (token ids), in input order, on `adapter_id`: admitted as
+    /// one request, each input one whole Prefill that holds no batch slot. Its tokens are
+    /// charged to `caller` once admitted, as a generation's prompt is.
+    pub async fn embed(
+        &self,
+        caller: &Caller,
+        adapter_id: &str,
+        inputs: Vec<Vec<u32>>,
+    ) -> Result<Vec<Vec<f32>>, ApiError> {
+        let tokens: u64 = inputs.iter().map(|ids| ids.len() as u64).sum();
+        let count = inputs.len() as u64;
+        let requests = inputs
+            .into_iter()
+            .map(|ids| GenerationRequest::embedding(ids, adapter_id))
+            .collect();
+        let receivers = self.scheduler.submit_all(requests)?;
+        caller.charge(tokens, 0);
+        Metrics::add(&self.metrics.prompt_tokens_total, tokens);
+        Metrics::add(&self.metrics.embedding_tokens_total, tokens);
+        let vectors = tokio::select! {
+            vectors = collect_embeddings(receivers) => vectors,
+            () = self.cutoff.fired() => {
+                self.cutoff.record_cut();
+                return Err(ApiError::GracePeriodOver);
+            }
+        };
+        match vectors {
+            Ok(vectors) => {
+                Metrics::add(&self.metrics.embedding_inputs_total, count);
+                Ok(vectors)
+            }
+            Err(error) => {
+                Metrics::add(&self.metrics.requests_failed_total, 1);
+                self.check_available()?;
+                Err(error)
+            }
+        }
+    }
+}
+
+/// Each input's embedding, in input order; the first failure fails the request (dropping the
+/// other receivers cancels what has not run yet).
+async fn collect_embeddings(receivers: Vec<EventReceiver>) -> Result<Vec<Vec<f32>>, ApiError> {
+    let mut vectors = Vec::with_capacity(receivers.len());
+    for mut receiver in receivers {
+        match receiver.recv().await {
+            Some(Ok(event)) if event.finish == Some(FinishReason::Embedded) => {
+                vectors.push(event.embedding);
+            }
+            Some(Ok(_)) | None => {
+                return Err(ApiError::Internal(
+                    "the scheduler ended an embedding request without its embedding".to_owned(),
+                ))
+            }
+            Some(Err(error)) => return Err(error.into()),
+        }
+    }
+    Ok(vectors)
+}
