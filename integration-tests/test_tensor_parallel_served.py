@@ -86,3 +86,20 @@ def test_metrics_show_each_rank_holding_half_the_weights(stacks) -> None:
     for rank in (0, 1):
         share = split[f'quiver_shard_weight_bytes{{rank="{rank}"}}'] / whole
         assert 0.45 < share < 0.6, f"rank {rank} holds {share:.3f} of one rank's weight bytes"
+
+
+def test_two_shards_embed_as_one_does(stacks) -> None:
+    """Embeddings (the last token's hidden state, L2-normalized: the tiny base has no
+    sentence-transformers files) on the base and an adapter: over two ranks, the vectors of one."""
+    _, one, two = stacks
+
+    def embed(stack, model: str | None) -> list[list[float]]:
+        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        answer = client.embeddings.create(model=model or SERVED_NAME, input=COMPLETION_PROMPTS,
+                                          encoding_format="float")
+        return [item.embedding for item in answer.data]
+
+    for model in [None, ADAPTERS[1]]:
+        for got, want in zip(embed(two, model), embed(one, model), strict=True):
+            assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= ATOL, model
+            assert sum(a * b for a, b in zip(got, want, strict=True)) >= 0.9999, model
