@@ -62,18 +62,45 @@ def _completion_echo_schema(schemas: dict) -> dict:
     return echo
 
 
-def _closed(node: Any, composed: bool = False) -> Any:
-    """`node` with every object schema that lists its properties closed (`additionalProperties:
-    false` where it says nothing), so a field OpenAI's schema does not have fails validation. Parts
-    of an `allOf` stay open: each lists only its share of the properties."""
+def _closed(document: dict) -> dict:
+    """`document` with every object schema that lists its properties closed, so that a field
+    OpenAI's schema does not have fails validation. `unevaluatedProperties: false` (JSON Schema
+    2020-12) counts the properties an `allOf` brings in, so a composed schema is closed as a
+    whole; the parts it is composed of (inline, or components only ever used in an `allOf`)
+    stay open, since each lists only its share."""
+    document = copy.deepcopy(document)
+    schemas = document["components"]["schemas"]
+    parts = {item["$ref"].rsplit("/", 1)[-1] for item in _all_of_items(document) if "$ref" in item}
+    for name, schema in schemas.items():
+        _close(schema, part=name in parts)
+    return document
+
+
+def _all_of_items(node: Any) -> list[dict]:
     if isinstance(node, list):
-        return [_closed(item, composed) for item in node]
+        return [item for child in node for item in _all_of_items(child)]
     if not isinstance(node, dict):
-        return node
-    closed = {key: _closed(value, key == "allOf") for key, value in node.items()}
-    if "properties" in closed and "additionalProperties" not in closed and not composed:
-        closed["additionalProperties"] = False
-    return closed
+        return []
+    found = [item for item in node.get("allOf", []) if isinstance(item, dict)]
+    return found + [item for value in node.values() for item in _all_of_items(value)]
+
+
+def _close(node: Any, part: bool = False) -> None:
+    if isinstance(node, list):
+        for item in node:
+            _close(item)
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        if key == "allOf":
+            for item in value:
+                _close(item, part=True)
+        else:
+            _close(value)
+    lists_fields = "properties" in node or "allOf" in node
+    if lists_fields and not part and "additionalProperties" not in node:
+        node.setdefault("unevaluatedProperties", False)
 
 
 @lru_cache(maxsize=2)

@@ -481,7 +481,6 @@ fn response_object(
         "parallel_tool_calls": echo.parallel_tool_calls,
         "previous_response_id": null,
         "reasoning": echo.reasoning,
-        "store": false,
         "temperature": echo.temperature,
         "text": echo.text,
         "tool_choice": echo.tool_choice,
