@@ -5,20 +5,20 @@
 //! vectors in input order.
 
 use axum::extract::State;
-use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use base64::Engine as _;
 use serde_json::Value;
 use tracing::Instrument;
 
+use super::ignored_fields::name_ignored_fields;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::embeddings::{
     Embedding, EmbeddingVector, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage, EMBEDDINGS,
 };
-use crate::openai::fields::{check_fields_of, IGNORED_FIELDS_HEADER};
+use crate::openai::fields::check_fields_of;
 use crate::telemetry;
 use crate::tenants::Caller;
 
@@ -87,7 +87,7 @@ pub async fn create_embeddings(
             },
         })
         .collect();
-    let mut response = Json(EmbeddingsResponse {
+    let response = Json(EmbeddingsResponse {
         object: "list",
         data,
         model: super::response_model(&state, request.model),
@@ -97,13 +97,7 @@ pub async fn create_embeddings(
         },
     })
     .into_response();
-    if !ignored.is_empty() {
-        tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
-        if let Ok(value) = HeaderValue::from_str(&ignored.join(", ")) {
-            response.headers_mut().insert(IGNORED_FIELDS_HEADER, value);
-        }
-    }
-    Ok(response)
+    Ok(name_ignored_fields(response, &ignored))
 }
 
 /// OpenAI's `base64` format: the vector's little-endian float32 bytes, base64-encoded.

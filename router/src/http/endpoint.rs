@@ -5,7 +5,6 @@
 //! `PromptSource`), and how its chunks (`ChunkFormat`) and its final response are spelled.
 
 use axum::extract::State;
-use axum::http::HeaderValue;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde::de::DeserializeOwned;
@@ -14,6 +13,7 @@ use serde_json::Value;
 use tracing::Instrument;
 
 use super::generation::{prompt_cached_tokens, ChoiceOutput, ChoiceSettings};
+use super::ignored_fields::name_ignored_fields;
 use super::infer::Generation;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::logprobs::{prompt_logprobs, select_best};
@@ -21,7 +21,7 @@ use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
-use crate::openai::fields::{check_fields, EndpointFields, IGNORED_FIELDS_HEADER};
+use crate::openai::fields::{check_fields, EndpointFields};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::reasoning::ReasoningPlan;
 use crate::scheduler::PromptPosition;
@@ -143,16 +143,8 @@ pub async fn generate<E: Endpoint<Context = ()>>(
         params,
         ignored,
     } = body;
-    let mut response = answer::<E>(state, &caller, fields, params, ()).await?;
-    if !ignored.is_empty() {
-        tracing::warn!(fields = ?ignored, "request fields accepted without effect (unknown)");
-        // Field names are JSON object keys; one that is not a valid header value is left out
-        // of the header (it is still logged).
-        if let Ok(value) = HeaderValue::from_str(&ignored.join(", ")) {
-            response.headers_mut().insert(IGNORED_FIELDS_HEADER, value);
-        }
-    }
-    Ok(response)
+    let response = answer::<E>(state, &caller, fields, params, ()).await?;
+    Ok(name_ignored_fields(response, &ignored))
 }
 
 /// Validates, runs and answers one request.

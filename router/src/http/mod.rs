@@ -26,6 +26,7 @@ mod give_back;
 mod grammar;
 mod health;
 pub(crate) mod held_body;
+mod ignored_fields;
 mod infer;
 mod json;
 mod key_meter;

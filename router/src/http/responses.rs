@@ -11,20 +11,19 @@
 //! Every event carries its `sequence_number`; the stream has no `[DONE]`.
 
 use axum::extract::State;
-use axum::http::HeaderValue;
 use axum::response::Response;
 use axum::Extension;
 use serde_json::{json, Value};
 
 use super::chat::Chat;
 use super::endpoint::{answer, Endpoint, FinishedChoice, GenerationBody, ResponseSetup};
+use super::ignored_fields::name_ignored_fields;
 use super::json::{OpenAiJson, RequestBody};
 use super::sse::{ChoiceStep, ChunkFormat};
 use super::state::AppState;
 use crate::error::ApiError;
 use crate::openai::chat::{AssistantMessage, ChatCompletionChunk, ChatFields};
 use crate::openai::common::{random_id, unix_now, FinishReason, Usage};
-use crate::openai::fields::IGNORED_FIELDS_HEADER;
 use crate::openai::responses_request::{translate, ResponsesEcho};
 use crate::tenants::Caller;
 
@@ -61,16 +60,10 @@ pub async fn create_response(
 ) -> Result<Response, ApiError> {
     state.infer.check_available()?;
     let (fields, params, _) = body.chat.into_parts();
-    let mut response = answer::<Responses>(state, &caller, fields, params, body.echo)
+    let response = answer::<Responses>(state, &caller, fields, params, body.echo)
         .await
         .map_err(in_responses_terms)?;
-    if !body.ignored.is_empty() {
-        tracing::warn!(fields = ?body.ignored, "request fields accepted without effect (unknown)");
-        if let Ok(value) = HeaderValue::from_str(&body.ignored.join(", ")) {
-            response.headers_mut().insert(IGNORED_FIELDS_HEADER, value);
-        }
-    }
-    Ok(response)
+    Ok(name_ignored_fields(response, &body.ignored))
 }
 
 /// An error of the chat request a Responses request was read as, its `param` named as the
