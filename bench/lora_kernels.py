@@ -1,4 +1,4 @@
-"""LoRA kernel micro-benchmark: `add_lora` backends against the memory-bandwidth floor.
+"""LoRA kernel micro-benchmark: the per-part LoRA backends against the memory-bandwidth floor.
 
 For each case (a decode batch or a prefill batch of one LoRA target module: T tokens over
 `adapters` distinct adapters, in -> out features, rank R) it times
@@ -264,7 +264,7 @@ def time_calls_in_graph(calls: Sequence[Callable[[], object]], rounds: int, repe
 
 
 def strategy(name: str):
-    """Adapts a lora_torch strategy to add_lora's signature."""
+    """Adapts a lora_torch strategy to the per-part kernels' signature (`add_lora_reference`'s)."""
     def run(y, x, a, b, s, meta, out_slice):
         if name == "by_segment":
             lora_torch.by_segment(y[:, out_slice], x, a, b, s, meta.seg_indptr, meta.seg_slots)

@@ -16,10 +16,9 @@ use crate::http::{
 use crate::metrics::labels::AdapterLabels;
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
-use crate::pb;
 use crate::reasoning::{reasoning_parser_for, ReasoningParser, ReasoningParserFlag};
 use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::shard::{ShardBackend, ShardError};
+use crate::shard::{ShardBackend, ShardError, ShardInfo, WarmupLimits};
 use crate::template::ChatTemplate;
 use crate::tenants::Tenants;
 use crate::tool_calls::{parser_for, ToolCallParser};
@@ -158,7 +157,7 @@ pub enum StartupError {
 /// Builds the shared state: limits, warmup, scheduler, adapter preload, in that order.
 pub async fn start(
     shard: Arc<dyn ShardBackend>,
-    info: pb::InfoResponse,
+    info: ShardInfo,
     base: ModelAssets,
     settings: Settings,
 ) -> Result<AppState, StartupError> {
@@ -290,7 +289,8 @@ pub async fn start(
             shard.clone(),
             metrics.clone(),
             cutoff.clone(),
-        ),
+        )
+        .refusing_generation(Some(info.generation_refusal.clone()).filter(|r| !r.is_empty())),
         scheduler,
         shard,
         validator: Arc::new(Validator {
@@ -338,7 +338,7 @@ async fn size_kv_cache(
     settings: &Settings,
 ) -> Result<KvCache, StartupError> {
     let warmup = shard
-        .warmup(pb::WarmupRequest {
+        .warmup(WarmupLimits {
             // A prompt that is never chunked (it wants prompt logprobs) is computed whole.
             max_batch_prefill_tokens: limits.max_batch_prefill_tokens.max(limits.max_input_tokens),
             max_total_tokens: limits.max_total_tokens,

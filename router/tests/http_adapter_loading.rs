@@ -261,7 +261,7 @@ async fn requests_for_an_adapter_still_loading_share_one_load_and_block_nobody()
     let loads = app.shard.adapter_load_requests();
     assert_eq!(loads.len(), 1);
     assert_eq!(loads[0].adapter_id, adapter);
-    assert_eq!(loads[0].source, "hub");
+    assert_eq!(loads[0].source.as_str(), "hub");
     assert_eq!(loads[0].revision, "v2");
     assert!(loads[0].path.is_empty());
     app.wait_idle().await;

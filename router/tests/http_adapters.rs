@@ -141,7 +141,7 @@ async fn an_adapter_with_its_own_chat_template_is_rendered_with_it() {
     let loads = app.shard.adapter_load_requests();
     assert_eq!(loads.len(), 1);
     assert_eq!(loads[0].adapter_id, "chatty");
-    assert_eq!(loads[0].source, "local");
+    assert_eq!(loads[0].source.as_str(), "local");
     assert_eq!(Path::new(&loads[0].path), dirs.root.join("chatty"));
 
     // The base model keeps its own template.

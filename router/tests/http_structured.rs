@@ -7,7 +7,7 @@ mod http_common;
 
 use http_common::openapi::assert_schema;
 use http_common::*;
-use quiver_router::pb::grammar::Kind;
+use quiver_router::shard::GrammarKind as Kind;
 use serde_json::{json, Value};
 
 const CHAT: &str = "/v1/chat/completions";
@@ -73,8 +73,8 @@ async fn each_source_reaches_the_shard_as_one_grammar_on_every_choice() {
         );
         let call = compiled.last().unwrap();
         assert_eq!(call.adapter_id, "");
-        let grammar = call.grammar.clone().expect("the grammar");
-        assert_eq!(grammar.kind(), kind, "{body}");
+        let grammar = call.grammar.clone();
+        assert_eq!(grammar.kind, kind, "{body}");
         assert!(grammar.eos_token_ids.contains(&EOS), "{grammar:?}");
         let prefilled = &app.shard.prefilled_grammars()[prefilled_before..];
         assert_eq!(prefilled.len(), 3, "{body}");
@@ -82,6 +82,8 @@ async fn each_source_reaches_the_shard_as_one_grammar_on_every_choice() {
             prefilled.iter().all(|g| g.as_ref() == Some(&grammar)),
             "{prefilled:?}"
         );
+        // Pinned for the request's three choices, released once they are done.
+        app.wait_idle().await;
     }
 }
 

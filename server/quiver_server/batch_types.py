@@ -56,8 +56,8 @@ class RequestSpec:
     adapter_id: str = ""  # "" is the base model
     # Alternatives per prompt position to report; None: no prompt logprobs (last-row logits only).
     prompt_logprobs: int | None = None
-    # Constrains every generated token; None: free.
-    grammar: GrammarSpec | None = None
+    # Constrains every generated token: the id `Engine.compile_grammar` pinned it under; 0: free.
+    grammar_id: int = 0
     # Leading prompt tokens whose K/V is already in `blocks` (prefix cache, earlier chunks).
     cached_tokens: int = 0
     # Chunked prefill: compute up to here only (exclusive); 0 = the whole prompt.
@@ -131,6 +131,9 @@ class ModelInfo:
     embedding_dim: int = 0  # width of a pooled embedding (the hidden size)
     pooling: str = ""  # how embeddings are pooled, in words (`pooling.Pooling.describe`)
     pooling_refusal: str = ""  # non-empty: why this model serves no embeddings
+    # Non-empty: why this model generates nothing (it has no LM head). InfoResponse has no field
+    # for it yet, so the router learns it from the refused Prefill's message.
+    generation_refusal: str = ""
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ batches run eagerly, which is what proves the padding.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -30,8 +29,6 @@ from quiver_server.forward_batch import ForwardBatch
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.models.family import ModelFamily
-
-log = logging.getLogger(__name__)
 
 # Beyond this many rows a step is big enough that launch overhead stops mattering (vLLM's 512
 # is for larger GPUs' batches; the static buffers and graph pool grow with it).

@@ -12,9 +12,10 @@ LoRA adapters (`adapters/`, held by `self.lora`): `load_adapter` reads one into 
 (thread-safe, so the service runs it beside the steps), `activate_adapter` copies it into a
 device slot between steps, and a request names its adapter by id and keeps that slot for life.
 
-Grammars (`grammar/`, held by `self.grammars`): `compile_grammar` builds and caches one for a
-request's tokenizer (thread-safe, so the service runs it off this thread); a request with a
-grammar gets its own matcher at prefill; each step fills the matchers' mask while its forward
+Grammars (`grammar/`, held by `self.grammars`): `compile_grammar` builds (or finds cached) one
+for a request's tokenizer and pins it under the router's id until `release_grammars` (thread-
+safe, so the service runs it off this thread); a request naming a pinned grammar gets its own
+matcher at prefill, and nothing is compiled there; each step fills the matchers' mask while its forward
 pass runs and masks the logits with it; the matchers then consume the sampled tokens in the
 background, before the next step's fill.
 """
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import os
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import llguidance
@@ -55,13 +56,13 @@ from quiver_server.forward_batch import (
 )
 from quiver_server.grammar import Grammars
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
-from quiver_server.grammar.grammars import validate_grammar
 from quiver_server.kernels.ops import select_ops
 from quiver_server.layers.grouped_linear import host_sync_free
 from quiver_server.sampling import SamplingBatch
 from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from quiver_server.models import family_for, load_model
+from quiver_server.models.checkpoint_layout import no_lm_head_refusal
 from quiver_server.penalties import generated_counts, uses_counts
 from quiver_server.pooling import pool, read_pooling
 from quiver_server.parallel import SINGLE, TensorParallel
@@ -163,6 +164,8 @@ class Engine:
         self.kv_spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim,
                                    resolve_kv_cache_dtype(kv_cache_dtype, self.dtype, self.device), BLOCK_SIZE)
         self.pooling = read_pooling(path)
+        # A model without an LM head serves embeddings only (`models.checkpoint_layout`).
+        self.generation_refusal = "" if shape.has_lm_head else no_lm_head_refusal(str(config["model_type"]))
         self.info = ModelInfo(
             model_id=model_id,
             model_type=str(config["model_type"]),
@@ -176,9 +179,11 @@ class Engine:
             embedding_dim=shape.hidden_size,
             pooling=self.pooling.describe(),
             pooling_refusal=self.pooling.refusal,
+            generation_refusal=self.generation_refusal,
         )
         self.kv_cache: PagedKVCache | None = None
-        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
+        self.use_cuda_graphs = (cuda_graphs and self.device.type == "cuda" and not self.ops.decode_gathers
+                                and not self.generation_refusal)  # no decode step to capture
         modules = (module for _, module in self.model.named_modules())
         if self.use_cuda_graphs and not host_sync_free(modules, self.device, self.dtype):
             log.info("CUDA graphs off: the %s experts have no grouped kernel on this device in %s (a per-expert "
@@ -261,7 +266,8 @@ class Engine:
         - as many new tokens again, each sequence now over the first pass's tokens as its cached
           context (a prefix-cache hit or a prompt's next chunk, whose attention reads the cache);
         - a decode step of `max_batch_size` rows through the costliest sampler (temperature,
-          top-k/p, min-p, every penalty, 20 top logprobs)."""
+          top-k/p, min-p, every penalty, 20 top logprobs).
+        A model without an LM head only embeds: the first prefill's hidden states are its step."""
         # Context and new tokens of a sequence fit max_total_tokens (and the positions).
         seq_len = max(1, min(max_total_tokens // 2, (self.max_position_embeddings - 1) // 2, num_tokens))
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
@@ -286,6 +292,9 @@ class Engine:
         costliest = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
                                    presence_penalty=0.5, frequency_penalty=0.5, top_logprobs=logprobs.MAX_LOGPROBS)
         with self.lora.exercising_every_slot_buffer():
+            if self.generation_refusal:
+                self.model.hidden_states(input_ids, fresh, scratch)
+                return
             logprobs.prompt_logprobs(self.model(input_ids, fresh, scratch), list(spans.values()))
             self.model(input_ids, cached, scratch)
             logits = self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decode, scratch)
@@ -566,6 +575,8 @@ class Engine:
             raise ValueError(f"request {rid}: token id {bad} is out of range for vocab size {self.vocab_size}")
         if request.embed:
             self._validate_embed(request)
+        elif self.generation_refusal:
+            raise ValueError(f"request {rid}: {self.generation_refusal}")
         elif request.max_new_tokens < 1:
             raise ValueError(f"request {rid}: max_new_tokens must be >= 1")
         total = len(request.input_ids) + request.max_new_tokens
@@ -583,15 +594,16 @@ class Engine:
         if min(request.blocks) < 0 or max(request.blocks) >= num_blocks:
             raise ValueError(f"request {rid}: block ids must be in [0, {num_blocks})")
         sampling.validate(request.sampling, self.vocab_size, request.prompt_logprobs)
-        if request.grammar is not None:
-            validate_grammar(request.grammar, self.vocab_size)
+        if request.grammar_id and not self.grammars.is_pinned(request.grammar_id):
+            raise ValueError(f"request {rid}: grammar {request.grammar_id} is not pinned on this shard "
+                             "(CompileGrammar pins it, ReleaseGrammars unpins it)")
 
     def _validate_embed(self, request: RequestSpec) -> None:
         """An embedding is pooled over the whole prompt, computed in this one call."""
         if self.pooling.refusal:
             raise ValueError(f"request {request.id}: this model serves no embeddings: {self.pooling.refusal}")
         if request.cached_tokens or request.prefill_until or request.prompt_logprobs is not None \
-                or request.grammar is not None or request.max_new_tokens:
+                or request.grammar_id or request.max_new_tokens:
             raise ValueError(f"request {request.id}: an embed request computes its whole prompt and nothing else "
                              "(no cached_tokens, prefill_until, prompt_logprobs, grammar or max_new_tokens)")
 
@@ -639,21 +651,25 @@ class Engine:
 
     def _new_matcher(self, request: RequestSpec) -> llguidance.LLMatcher | None:
         """The request's matcher, past the tokens a resumed request generated before (the last
-        `draws_done` prompt tokens, as for the penalties). Normally the service compiled the
-        grammar already; after a cache eviction it is compiled here."""
-        if request.grammar is None:
+        `draws_done` prompt tokens, as for the penalties), from the grammar pinned for it."""
+        if not request.grammar_id:
             return None
         draws_done = min(request.sampling.draws_done, len(request.input_ids))
         generated = request.input_ids[len(request.input_ids) - draws_done :]
-        return self.grammars.matcher(request.adapter_id, request.grammar, generated)
+        return self.grammars.matcher(request.grammar_id, generated)
 
     # ---- grammars -----------------------------------------------------------------------------
 
-    def compile_grammar(self, adapter_id: str, grammar: GrammarSpec) -> int:
-        """Compiles and caches a grammar for the tokenizer of `adapter_id` ("" = the base model);
-        returns the ns spent (0 when cached). GrammarError (a ValueError) says why it cannot be
-        used. Safe to call while steps run on another thread."""
-        return self.grammars.compile(adapter_id, grammar)
+    def compile_grammar(self, adapter_id: str, grammar: GrammarSpec, grammar_id: int) -> int:
+        """Compiles a grammar for the tokenizer of `adapter_id` ("" = the base model), or finds
+        it cached, and pins it under `grammar_id` for the requests that name it; returns the ns
+        spent (0 when cached). GrammarError (a ValueError) says why it cannot be used, and
+        nothing is pinned then. Safe to call while steps run on another thread."""
+        return self.grammars.pin(grammar_id, adapter_id, grammar)
+
+    def release_grammars(self, grammar_ids: Sequence[int]) -> None:
+        """Unpins grammars no request will name again. Safe to call while steps run."""
+        self.grammars.release(grammar_ids)
 
     # ---- adapters -----------------------------------------------------------------------------
 

@@ -7,8 +7,8 @@ state and KV cache are not thread-safe, and the router never overlaps steps anyw
 `LoadAdapter` is the exception: a hub download or a disk read must not stall decoding, so it runs
 on a thread of its own (`Engine.load_adapter` is thread-safe); activating and unloading touch the
 device slots and run on the engine thread, between steps. `CompileGrammar` runs on a compile
-pool too (a grammar can take seconds to build), and so does the compile a Prefill with a grammar
-needs when its grammar is no longer cached: the engine thread then finds it ready.
+pool too (a grammar can take seconds to build) and pins the grammar for the Prefills that name
+it, so the engine thread never compiles.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def request_from_pb(request: shard_pb2.Request) -> RequestSpec:
         max_new_tokens=request.max_new_tokens,
         adapter_id=request.adapter_id,
         prompt_logprobs=request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
-        grammar=grammar_from_pb(request.grammar) if request.HasField("grammar") else None,
+        grammar_id=request.grammar_id,
         cached_tokens=request.cached_tokens,
         prefill_until=request.prefill_until,
         embed=request.embed,
@@ -98,6 +98,7 @@ def info_to_pb(info: ModelInfo) -> shard_pb2.InfoResponse:
         embedding_dim=info.embedding_dim,
         pooling=info.pooling,
         pooling_refusal=info.pooling_refusal,
+        generation_refusal=info.generation_refusal,
     )
 
 
@@ -186,9 +187,6 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.PrefillRequest, context: aio.ServicerContext
     ) -> shard_pb2.PrefillResponse:
         specs = [request_from_pb(r) for r in request.requests]
-        # Normally cached by CompileGrammar already; a GrammarError is the request's
-        # INVALID_ARGUMENT, before the engine thread is involved.
-        await asyncio.gather(*(self._compile(s.adapter_id, s.grammar) for s in specs if s.grammar is not None))
         step = await self._run(self._engine.prefill, request.batch_id, specs)
         return shard_pb2.PrefillResponse(
             generations=_generations_to_pb(step),
@@ -249,13 +247,17 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     async def CompileGrammar(
         self, request: shard_pb2.CompileGrammarRequest, context: aio.ServicerContext
     ) -> shard_pb2.CompileGrammarResponse:
+        grammar = grammar_from_pb(request.grammar)
         try:
-            compile_ns = await self._compile(request.adapter_id, grammar_from_pb(request.grammar))
+            compile_ns = await asyncio.get_running_loop().run_in_executor(
+                self._compiler, self._engine.compile_grammar, request.adapter_id, grammar, request.grammar_id
+            )
         except GrammarError as error:
             return shard_pb2.CompileGrammarResponse(error=str(error))
         return shard_pb2.CompileGrammarResponse(compile_ns=compile_ns)
 
-    async def _compile(self, adapter_id: str, grammar: GrammarSpec) -> int:
-        return await asyncio.get_running_loop().run_in_executor(
-            self._compiler, self._engine.compile_grammar, adapter_id, grammar
-        )
+    async def ReleaseGrammars(
+        self, request: shard_pb2.ReleaseGrammarsRequest, context: aio.ServicerContext
+    ) -> shard_pb2.ReleaseGrammarsResponse:
+        self._engine.release_grammars(list(request.grammar_ids))
+        return shard_pb2.ReleaseGrammarsResponse()

@@ -41,6 +41,15 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     raise ValueError(f"{model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
+def tensor_names(model_dir: Path) -> list[str]:
+    """The names of a safetensors checkpoint's tensors, from its files' headers (no tensor is read)."""
+    names: list[str] = []
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 @dataclass
 class ReadTally:
     """Bytes of a checkpoint's tensors, and of what a loader read of them."""

@@ -7,6 +7,7 @@ The tokenizer is the demo model's trainer (an input to both sides); outputs are 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,6 +56,11 @@ def json_grammar(schema: object) -> GrammarSpec:
     return GrammarSpec("json_schema", json.dumps(schema), (EOS,))
 
 
+# Grammar ids as the router hands them out, and what each one stands for until it is pinned.
+_GRAMMAR_IDS = itertools.count(1)
+_UNPINNED: dict[int, tuple[str, GrammarSpec]] = {}
+
+
 def request(
     rid: int,
     prompt: Sequence[int],
@@ -64,27 +70,46 @@ def request(
     adapter_id: str = "",
     **sampling: object,
 ) -> RequestSpec:
+    """A request; its grammar gets an id of its own, pinned by `pin` (which `generate` calls)."""
+    grammar_id = 0
+    if grammar is not None:
+        grammar_id = next(_GRAMMAR_IDS)
+        _UNPINNED[grammar_id] = (adapter_id, grammar)
     return RequestSpec(
         id=rid, input_ids=list(prompt), blocks=blocks.table(len(prompt) + max_new_tokens),
         sampling=SamplingParams(**sampling),  # type: ignore[arg-type]
-        max_new_tokens=max_new_tokens, adapter_id=adapter_id, grammar=grammar,
+        max_new_tokens=max_new_tokens, adapter_id=adapter_id, grammar_id=grammar_id,
     )
+
+
+def pin(engine: Engine, requests: list[RequestSpec]) -> list[RequestSpec]:
+    """Compiles and pins the requests' grammars on `engine`, as the router's CompileGrammar does
+    before their Prefill."""
+    for r in requests:
+        if r.grammar_id in _UNPINNED:
+            adapter_id, grammar = _UNPINNED.pop(r.grammar_id)
+            engine.compile_grammar(adapter_id, grammar, r.grammar_id)
+    return requests
 
 
 def generate(
     engine: Engine, requests: list[RequestSpec], batch_id: int = 1, steps: int | None = None
 ) -> dict[int, list[int]]:
-    """Runs `requests` as one batch as the router would: a request leaves the batch after EOS or
-    its max_new_tokens (or after `steps` tokens, to preempt it). Returns each one's tokens."""
+    """Runs `requests` as one batch as the router would: their grammars pinned first and released
+    at the end; a request leaves the batch after EOS or its max_new_tokens (or after `steps`
+    tokens, to preempt it). Returns each one's tokens."""
     limits = {r.id: r.max_new_tokens if steps is None else min(steps, r.max_new_tokens) for r in requests}
     out: dict[int, list[int]] = {r.id: [] for r in requests}
-    step = engine.prefill(batch_id, requests)
+    # What this call pins it releases; a grammar pinned by the caller stays pinned.
+    pinned_here = [r.grammar_id for r in requests if r.grammar_id in _UNPINNED]
+    step = engine.prefill(batch_id, pin(engine, requests))
     while True:
         for generation in step.generations:
             out[generation.request_id].append(generation.token_id)
         running = [rid for rid in step.request_ids if out[rid][-1] != EOS and len(out[rid]) < limits[rid]]
         if not running:
             engine.clear_cache(batch_id)
+            engine.release_grammars(pinned_here)
             return out
         engine.filter_batch(batch_id, running)
         step = engine.decode([batch_id])

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 from block_tables import Blocks
-from grammar_models import EOS, build_grammar_model, generate, json_grammar, new_engine, request, text
+from grammar_models import EOS, build_grammar_model, generate, json_grammar, new_engine, pin, request, text
 from tokenizers import Tokenizer
 
 from quiver_server.batch_types import GrammarSpec
@@ -226,7 +226,7 @@ def test_logprobs_stay_raw(engine: Engine) -> None:
     """The grammar's token has the logprob the unconstrained model gives it after the same prompt
     (read as a prompt logprob of prompt + token, no grammar involved)."""
     grammar = json_grammar(SCHEMAS["flat"])
-    step = engine.prefill(1, [request(1, PROMPT, Blocks(), grammar=grammar, top_logprobs=3)])
+    step = engine.prefill(1, pin(engine, [request(1, PROMPT, Blocks(), grammar=grammar, top_logprobs=3)]))
     engine.clear_cache(1)
     token, logprob = step.generations[0].token_id, step.generations[0].logprob
     assert step.grammar_ns > 0
@@ -244,7 +244,7 @@ def test_grammar_time_is_reported_only_with_a_grammar(engine: Engine) -> None:
     free = engine.prefill(1, [request(1, PROMPT, blocks)])
     assert free.grammar_ns == 0
     engine.decode([1])
-    constrained = engine.prefill(2, [request(2, PROMPT, blocks, grammar=json_grammar(SCHEMAS["flat"]))])
+    constrained = engine.prefill(2, pin(engine, [request(2, PROMPT, blocks, grammar=json_grammar(SCHEMAS["flat"]))]))
     assert 0 < constrained.grammar_ns <= constrained.forward_ns
     merged = engine.decode([1, 2])
     assert 0 < merged.grammar_ns <= merged.forward_ns
@@ -253,7 +253,8 @@ def test_grammar_time_is_reported_only_with_a_grammar(engine: Engine) -> None:
 
 def _error(engine: Engine, grammar: GrammarSpec) -> str:
     with pytest.raises(GrammarError) as caught:
-        engine.compile_grammar("", grammar)
+        engine.compile_grammar("", grammar, 999)
+    assert not engine.grammars.is_pinned(999)
     return str(caught.value)
 
 
@@ -282,9 +283,13 @@ def test_bad_grammars_are_errors_that_say_why(engine: Engine, model: tuple[Path,
     assert "eos_token_ids" in messages["no eos"]
     for message in messages.values():
         assert str(model[0]) not in message and "/tmp" not in message, message
-    # A refused grammar fails its prefill as a bad request (ValueError), before any step.
-    with pytest.raises(ValueError, match="integr"):
-        engine.prefill(7, [request(1, PROMPT, Blocks(), grammar=json_grammar({"type": "integr"}))])
+    # A refused grammar is never pinned, so a prefill naming it is a bad request (ValueError)
+    # before any step.
+    refused = request(1, PROMPT, Blocks(), grammar=json_grammar({"type": "integr"}))
+    with pytest.raises(GrammarError, match="integr"):
+        pin(engine, [refused])
+    with pytest.raises(ValueError, match="not pinned"):
+        engine.prefill(7, [refused])
     assert 7 not in engine.batches
 
 
@@ -304,15 +309,52 @@ def test_a_compile_over_the_time_budget_is_refused(model: tuple[Path, Tokenizer]
         holder.result()
     # The build goes on once a thread is free and is cached: asking again succeeds.
     engine.grammars.compiler.budget_s = 60.0
-    engine.compile_grammar("", json_grammar(SCHEMAS["nested"]))
+    engine.compile_grammar("", json_grammar(SCHEMAS["nested"]), 1)
 
 
 def test_compiles_are_cached_and_each_request_has_its_own_state(engine: Engine) -> None:
     grammar = GrammarSpec("regex", "cached-[0-9]{2}", (EOS,))
-    assert engine.compile_grammar("", grammar) > 0
-    assert engine.compile_grammar("", grammar) == 0
+    assert engine.compile_grammar("", grammar, 1) > 0
+    assert engine.compile_grammar("", grammar, 2) == 0
+    engine.release_grammars([1, 2])
     # Two requests of the same grammar, both greedy on the same prompt: the same output, so
     # neither advanced the other's state.
     blocks = Blocks()
     outputs = generate(engine, [request(rid, PROMPT, blocks, grammar=grammar) for rid in (1, 2)])
     assert outputs[1] == outputs[2] and outputs[1][-1] == EOS
+
+
+def test_a_pinned_grammar_outlives_the_cache_and_is_never_compiled_again(model: tuple[Path, Tokenizer]) -> None:
+    """With room for one compiled grammar, another compile evicts the first from the cache; the
+    request pinned under it still prefills (a resumed one too) from the pin, with no compile:
+    the build threads are held, so any compile there would fail over its budget."""
+    engine = new_engine(model[0], grammar_cache_size=1, grammar_budget_s=0.05)
+    pinned_schema = json_grammar(SCHEMAS["array_of_objects"])
+    engine.grammars.compiler.budget_s = 60.0
+    engine.compile_grammar("", pinned_schema, 1)
+    engine.compile_grammar("", GrammarSpec("regex", "evicts-[0-9]", (EOS,)), 2)
+    engine.release_grammars([2])
+    engine.grammars.compiler.budget_s = 0.05
+    compiler = engine.grammars.compiler
+    release = threading.Event()
+    holders = [compiler._builders.submit(release.wait) for _ in range(compiler._builders._max_workers)]
+    try:
+        def run(prompt: list[int], steps: int | None, max_new_tokens: int = 160, **resume: int) -> list[int]:
+            spec = dataclasses.replace(
+                request(1, prompt, Blocks(), max_new_tokens=max_new_tokens, **resume), grammar_id=1
+            )
+            return generate(engine, [spec], steps=steps)[1]
+
+        whole = run(PROMPT, None)
+        cut = len(whole) // 2
+        rest = run(PROMPT + whole[:cut], None, max_new_tokens=160 - cut, draws_done=cut)
+    finally:
+        release.set()
+    for holder in holders:
+        holder.result()
+    assert whole[:cut] + rest == whole
+    jsonschema.validate(json.loads(text(model[1], whole)), SCHEMAS["array_of_objects"])
+    engine.release_grammars([1])
+    assert engine.grammars.pinned_count == 0
+    with pytest.raises(ValueError, match="grammar 1 is not pinned"):
+        engine.prefill(3, [dataclasses.replace(request(1, PROMPT, Blocks()), grammar_id=1)])

@@ -68,4 +68,5 @@ def test_grammars_for_an_adapter_that_is_not_loaded_are_refused(tmp_path: Path) 
     base_dir, _ = build_grammar_model(tmp_path / "base")
     engine = new_engine(base_dir)
     with pytest.raises(ValueError, match="adapter 'ghost' is not loaded"):
-        engine.compile_grammar("ghost", json_grammar(SCHEMA))
+        engine.compile_grammar("ghost", json_grammar(SCHEMA), 1)
+    assert engine.grammars.pinned_count == 0

@@ -23,7 +23,7 @@ from float_error import lora_error_bound
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.kernels import LoraBatchMeta, add_lora, add_lora_parts, cpu_ops, lora_torch  # noqa: E402
+from quiver_server.kernels import LoraBatchMeta, LoraProjection, cpu_ops, lora_torch  # noqa: E402
 from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
 from lora_parts_cases import assert_within_parts_bound, fused_parts, random_batch, reference_per_part  # noqa: E402
@@ -99,6 +99,13 @@ def float64_expected(case: Case) -> torch.Tensor:
             y[rows, case.out_slice] += delta
         start += count
     return y
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: torch.Tensor,
+             meta: LoraBatchMeta, out_slice: slice, *, backend: str | None = None) -> None:
+    """One part as a layer serves a single-part projection (o_proj, down_proj): a `LoraProjection`
+    of that part, on `backend` (None: the one QUIVER_LORA_BACKEND or the device picks)."""
+    LoraProjection([(lora_a, lora_b, scaling, out_slice, None)], backend).add(y, x, meta)
 
 
 def run(fn, case: Case) -> torch.Tensor:
@@ -192,7 +199,7 @@ TORCH_STRATEGIES = {
     # The C++ kernel on every batch (prefill rows too: its semantics are per row), and as served.
     "cpu_bgmv": lambda y, x, a, b, s, m, sl: cpu_ops.lora_bgmv(y[:, sl], x, a, b, s, m.token_slots),
     "add_lora_cpu": lora_torch.add_lora_cpu,
-    "dispatcher": add_lora,  # on CPU tensors "auto" is the C++ kernel path (see test below)
+    "dispatcher": add_lora,  # LoraProjection: on CPU tensors "auto" is the C++ kernel path (see test below)
 }
 # The strategies and backends that run the C++ kernels: `make test` runs them once per vector ISA
 # and leaves them out of its QUIVER_CPU_KERNELS=0 pass (pyproject's cpu_kernels marker).
@@ -320,7 +327,7 @@ def test_triton_sgmv_without_max_seg_len_hint() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Dispatcher
+# Dispatcher: a single-part LoraProjection picks the backend and checks shapes
 @pytest.mark.cpu_kernels
 def test_all_base_batch_is_a_no_op_for_every_backend() -> None:
     case = make_case([3, 1], [-1, -1], 32, 16, num_slots=2, max_rank=8)
@@ -370,7 +377,7 @@ def test_fused_parts_equal_one_reference_call_per_part(dtype, rank_major_b, back
     if not with_ranks:
         parts = [(*part[:4], None) for part in parts]
     actual = y.clone()
-    add_lora_parts(actual, x, parts, meta, backend=backend)
+    LoraProjection(parts, backend).add(actual, x, meta)
     # Columns outside every part and base rows are untouched, bit for bit.
     assert torch.equal(actual[:, :3], y[:, :3]) and torch.equal(actual[:, -5:], y[:, -5:])
     base_rows = meta.token_slots < 0
@@ -402,11 +409,11 @@ def test_slot_ranks_bound_what_the_kernel_reads(rank_major_b: bool, backend: str
             b[slot, :, rank:] = 1e3
         polluted.append((a, b, scaling, out_slice, ranks))
     actual = y.clone()
-    add_lora_parts(actual, x, polluted, meta, backend=backend)
+    LoraProjection(polluted, backend).add(actual, x, meta)
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
     # The same buffers without slot_ranks read the padding (the control).
     control = y.clone()
-    add_lora_parts(control, x, [(*part[:4], None) for part in polluted], meta, backend=backend)
+    LoraProjection([(*part[:4], None) for part in polluted], backend).add(control, x, meta)
     assert (control - expected).abs().max() > 1.0
 @pytest.mark.cpu_kernels
 def test_fused_parts_kernel_rejects_bad_input() -> None:
@@ -428,11 +435,11 @@ def test_fused_parts_kernel_rejects_bad_input() -> None:
         cpu_ops.lora_bgmv_parts(y, x, a, b, [r[0], r[1].long(), r[2]], [3, 51, 75], s[0], slots)
     # The Python entry point checks the per-step shapes before the kernel sees them.
     with pytest.raises(ValueError, match="do not fit parts of in_features 64"):
-        add_lora_parts(y, x[:, :40].contiguous(), parts, meta, backend="cpu")
+        LoraProjection(parts, "cpu").add(y, x[:, :40].contiguous(), meta)
     with pytest.raises(ValueError, match="slot_ranks must be int32"):
-        add_lora_parts(y, x, [(*parts[0][:4], r[0].long())], meta, backend="cpu")
+        LoraProjection([(*parts[0][:4], r[0].long())], "cpu").add(y, x, meta)
     with pytest.raises(ValueError, match="in_features"):  # parts that disagree on x's width
-        add_lora_parts(y, x, [parts[0], (a[1][:, :, :40], *parts[1][1:])], meta, backend="cpu")
+        LoraProjection([parts[0], (a[1][:, :, :40], *parts[1][1:])], "cpu").add(y, x, meta)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,7 +488,7 @@ def test_cpu_sgmv_matches_reference(dtype: torch.dtype, in_features: int, widths
     assert_within_parts_bound(actual, expected, y, x, parts, meta)
     # As served: a fused projection's prefill on the CPU backend takes this kernel.
     served = y.clone()
-    add_lora_parts(served, x, parts, meta, backend="cpu")
+    LoraProjection(parts, "cpu").add(served, x, meta)
     assert torch.equal(served, actual)
 @pytest.mark.cpu_kernels
 def test_cpu_sgmv_rejects_bad_input() -> None:

@@ -61,18 +61,21 @@ def build_tiny_model(
     seed: int = 0,
     tie_word_embeddings: bool = False,
     max_shard_size: str | None = None,
+    base_model: bool = False,
     **config_overrides: Any,
 ) -> Path:
     """Writes a float32 model of architecture `arch` into `dir` (created if needed); returns it.
-    `max_shard_size` (e.g. "100KB") writes sharded safetensors with an index; `config_overrides`
-    go to the transformers config (e.g. sliding_window=8 for mistral)."""
+    `max_shard_size` (e.g. "100KB") writes sharded safetensors with an index; `base_model`: the
+    bare backbone (`AutoModel`: Qwen3Model, MistralModel), saved without an LM head and without
+    the `model.` prefix, as decoder embedding models are; `config_overrides` go to the
+    transformers config (e.g. sliding_window=8 for mistral)."""
     if arch not in _CONFIGS:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
     config_cls, model_cls = _CONFIGS[arch]
     config = config_cls(**{**TINY_SHAPE, **_ARCH_SHAPE.get(arch, {}), "tie_word_embeddings": tie_word_embeddings,
                            **config_overrides})
     generator = torch.Generator().manual_seed(seed)
-    model = model_cls(config).to(torch.float32)
+    model = (transformers.AutoModel.from_config(config) if base_model else model_cls(config)).to(torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)

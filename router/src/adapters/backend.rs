@@ -10,17 +10,13 @@ use futures::FutureExt;
 use tracing::Instrument;
 
 use crate::metrics::Metrics;
-use crate::pb;
 use crate::scheduler::Scheduler;
-use crate::shard::{ShardBackend, ShardResult};
+use crate::shard::{AdapterLoad, LoadedAdapter, ShardBackend, ShardResult};
 use crate::telemetry;
 
 pub trait AdapterBackend: Send + Sync {
     /// `LoadAdapter` on every rank (the shard client sends a hub load to rank 0 first).
-    fn load(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>>;
+    fn load(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>>;
 
     /// Hands the adapter to the scheduler for unloading: its running and queued requests
     /// finish, then its slot is freed and the shards forget it. Resolves once that is done.
@@ -36,13 +32,10 @@ pub struct ServingBackend {
 }
 
 impl AdapterBackend for ServingBackend {
-    fn load(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
+    fn load(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>> {
         let load = self
             .shard
-            .load_adapter(request)
+            .load_adapter(load)
             .instrument(telemetry::span("adapter.load"));
         let metrics = self.metrics.clone();
         async move {

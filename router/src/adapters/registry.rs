@@ -19,7 +19,7 @@ use super::{
     adapter_assets, AdapterBackend, AdapterError, AdapterLocation, AdapterSource, AdapterSpec,
 };
 use crate::openai::common::unix_now;
-use crate::pb;
+use crate::shard::AdapterLoad;
 use crate::validation::ModelAssets;
 
 /// A loaded adapter.
@@ -353,9 +353,9 @@ impl Inner {
             }
             AdapterLocation::Local { path } => (path.display().to_string(), String::new()),
         };
-        let request = pb::LoadAdapterRequest {
+        let request = AdapterLoad {
             adapter_id: spec.id.clone(),
-            source: spec.location.source().as_str().to_owned(),
+            source: spec.location.source(),
             path,
             revision,
         };

@@ -8,7 +8,7 @@ use futures::FutureExt;
 use tokio::sync::Semaphore;
 
 use super::*;
-use crate::shard::{ShardError, ShardResult};
+use crate::shard::{AdapterLoad, LoadedAdapter, ShardError, ShardResult};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 
@@ -16,7 +16,7 @@ use crate::tokenizer::TextTokenizer;
 /// while it is set; unloads wait for `unload_gate`.
 struct TestBackend {
     loads: AtomicUsize,
-    requests: Mutex<Vec<pb::LoadAdapterRequest>>,
+    requests: Mutex<Vec<AdapterLoad>>,
     unloads: Mutex<Vec<String>>,
     gate: Arc<Semaphore>,
     unload_gate: Arc<Semaphore>,
@@ -47,10 +47,7 @@ impl TestBackend {
 }
 
 impl AdapterBackend for TestBackend {
-    fn load(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
+    fn load(&self, request: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>> {
         async move {
             self.loads.fetch_add(1, Ordering::SeqCst);
             self.requests.lock().unwrap().push(request);
@@ -58,7 +55,7 @@ impl AdapterBackend for TestBackend {
             if let Some(error) = self.fail.lock().unwrap().clone() {
                 return Err(error);
             }
-            Ok(pb::LoadAdapterResponse {
+            Ok(LoadedAdapter {
                 path: self.path.lock().unwrap().clone(),
                 rank: 8,
                 scaling: 2.0,
@@ -317,7 +314,7 @@ async fn local_loads_send_the_resolved_path_and_read_the_adapter_assets() {
     };
     let entry = registry.load(spec).await.unwrap();
     let request = backend.requests.lock().unwrap()[0].clone();
-    assert_eq!(request.source, "local");
+    assert_eq!(request.source.as_str(), "local");
     assert_eq!(Path::new(&request.path), adapter);
     // The shard answered no path: the resolved directory is read.
     assert_eq!(entry.path, adapter);

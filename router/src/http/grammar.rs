@@ -1,13 +1,12 @@
 //! A request's grammar is compiled on the shards before the request is queued: a schema,
 //! regex or grammar the engine cannot use is the client's 400, named by the field it came
-//! from, and never a failure in the middle of a running batch. The shards cache what they
-//! compiled, so the Prefill that carries the grammar finds it ready.
+//! from, and never a failure in the middle of a running batch. The shards pin what they
+//! compiled under the pin's id until the request is done, so its every Prefill finds it.
 
 use std::time::Duration;
 
 use crate::error::ApiError;
-use crate::pb;
-use crate::scheduler::Grammar;
+use crate::scheduler::PinnedGrammar;
 use crate::shard::{ShardBackend, ShardError};
 use crate::validation::{OutputGrammar, ValidationError};
 
@@ -15,22 +14,18 @@ use crate::validation::{OutputGrammar, ValidationError};
 /// well before this; it only bounds a shard that stopped answering.
 const COMPILE_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Compiles `grammar` (the constraint of every choice of one request) for the tokenizer of
-/// `adapter_id` on every shard.
+/// Compiles the pinned grammar (the constraint of every choice of one request) for the
+/// tokenizer of `adapter_id` on every shard. However this ends, dropping the pin releases it.
 pub async fn compile_grammar(
     shard: &dyn ShardBackend,
     adapter_id: &str,
     source: &OutputGrammar,
-    grammar: &Grammar,
+    pin: &PinnedGrammar,
 ) -> Result<(), ApiError> {
-    let request = pb::CompileGrammarRequest {
-        adapter_id: adapter_id.to_owned(),
-        grammar: Some(grammar.into()),
-    };
+    let compile = shard.compile_grammar(adapter_id.to_owned(), pin.grammar().clone(), pin.id());
     let refused =
         |message: String| ApiError::Validation(ValidationError::invalid(source.param, message));
-    let response = match tokio::time::timeout(COMPILE_TIMEOUT, shard.compile_grammar(request)).await
-    {
+    let response = match tokio::time::timeout(COMPILE_TIMEOUT, compile).await {
         Ok(Ok(response)) => response,
         Ok(Err(ShardError::InvalidArgument(message))) => {
             return Err(refused(describe(source, &message)))
@@ -46,15 +41,16 @@ pub async fn compile_grammar(
             )))
         }
     };
-    if response.error.is_empty() {
-        tracing::debug!(
-            param = source.param,
-            compile_us = response.compile_ns / 1000,
-            "grammar compiled"
-        );
-        Ok(())
-    } else {
-        Err(refused(describe(source, &response.error)))
+    match response.error {
+        None => {
+            tracing::debug!(
+                param = source.param,
+                compile_us = response.compile_ns / 1000,
+                "grammar compiled"
+            );
+            Ok(())
+        }
+        Some(error) => Err(refused(describe(source, &error))),
     }
 }
 

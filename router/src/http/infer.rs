@@ -16,7 +16,7 @@ use super::grammar::compile_grammar;
 use super::key_meter::charge_when_done;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest, Scheduler};
+use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest, Grammar, Scheduler};
 use crate::shard::ShardBackend;
 use crate::tenants::Caller;
 use crate::tokenizer::TextTokenizer;
@@ -28,6 +28,8 @@ pub struct Infer {
     shard: Arc<dyn ShardBackend>,
     metrics: Arc<Metrics>,
     cutoff: Cutoff,
+    /// Why the model cannot generate (an embedding checkpoint without an LM head), if so.
+    generation_refusal: Option<String>,
 }
 
 /// One generation request's work, as validation left it.
@@ -54,7 +56,14 @@ impl Infer {
             shard,
             metrics,
             cutoff,
+            generation_refusal: None,
         }
+    }
+
+    /// Refuses every generation with `reason` (the model serves embeddings only).
+    pub fn refusing_generation(mut self, reason: Option<String>) -> Self {
+        self.generation_refusal = reason;
+        self
     }
 
     /// 503 at once while the shard is known gone, before a request costs anything.
@@ -80,15 +89,34 @@ impl Infer {
         tokenizer: &TextTokenizer,
         settings: &ChoiceSettings,
     ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
+        if let Some(reason) = &self.generation_refusal {
+            return Err(ApiError::BadRequestBody {
+                message: format!("this model serves no generation: {reason}"),
+                param: Some("model".to_owned()),
+                code: "generation_unavailable",
+            });
+        }
         let Generation {
             adapter_id,
-            choices,
+            mut choices,
             grammar,
             prompt_tokens,
         } = generation;
-        let compiled = choices.first().and_then(|choice| choice.grammar.as_ref());
-        if let (Some(source), Some(compiled)) = (&grammar, compiled) {
-            compile_grammar(self.shard.as_ref(), &adapter_id, source, compiled).await?;
+        if let Some(source) = &grammar {
+            // The choices' EOS ids end the output once the grammar is complete.
+            let eos_token_ids = choices
+                .first()
+                .map(|choice| choice.eos_token_ids.clone())
+                .unwrap_or_default();
+            let pin = self.scheduler.pin_grammar(Grammar {
+                kind: source.kind,
+                text: source.text.clone(),
+                eos_token_ids,
+            });
+            compile_grammar(self.shard.as_ref(), &adapter_id, source, &pin).await?;
+            for choice in &mut choices {
+                choice.grammar = Some(pin.clone());
+            }
         }
         let streams = start_choices(
             &self.scheduler,

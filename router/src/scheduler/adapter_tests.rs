@@ -7,10 +7,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use quiver_flags::AdapterSource;
+
 use super::test_support::*;
 use super::*;
-use crate::pb;
-use crate::shard::{fake_adapter_shift, FakeShard};
+use crate::shard::{fake_adapter_shift, AdapterLoad, FakeShard};
 
 /// The reference output of `prompt` on `adapter` ("" = base model).
 fn reference(adapter: &str, prompt: &[u32], n: usize) -> Vec<u32> {
@@ -49,9 +50,9 @@ async fn shard_with(slots: u32, adapters: &[String], step_delay: Duration) -> Ar
         .with_step_delay(step_delay);
     for id in adapters {
         shard
-            .load_adapter(pb::LoadAdapterRequest {
+            .load_adapter(AdapterLoad {
                 adapter_id: id.clone(),
-                source: "local".to_string(),
+                source: AdapterSource::Local,
                 path: format!("/adapters/{id}"),
                 revision: String::new(),
             })

@@ -27,8 +27,7 @@ use super::{
     FinishReason, Gauges, GenerationError, GenerationRequest, SchedulerConfig, TokenEvent,
     UnloadError,
 };
-use crate::pb;
-use crate::shard::{ShardBackend, ShardError};
+use crate::shard::{CachedBatch, Generation, ShardBackend, ShardError};
 use crate::telemetry::{within_step, RequestTrace, StepSpan};
 
 mod adapters;
@@ -53,6 +52,8 @@ pub(super) enum Command {
         adapter_id: String,
         done: oneshot::Sender<Result<(), UnloadError>>,
     },
+    /// No request uses this pinned grammar any more.
+    ReleaseGrammar(u64),
 }
 
 /// An admitted request waiting in the queue.
@@ -197,24 +198,6 @@ impl Resources {
     }
 }
 
-/// `draws_done`: tokens generated before a preemption, whose draws the shard's generator skips.
-fn sampling_to_pb(request: &GenerationRequest, draws_done: u32) -> pb::SamplingParams {
-    let s = &request.sampling;
-    pb::SamplingParams {
-        temperature: s.temperature,
-        top_p: s.top_p,
-        top_k: s.top_k,
-        min_p: s.min_p,
-        repetition_penalty: s.repetition_penalty,
-        seed: s.seed,
-        draws_done,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        logit_bias: s.logit_bias.iter().copied().collect(),
-        top_logprobs: s.top_logprobs,
-    }
-}
-
 pub(super) struct Batcher {
     pub(super) shard: Arc<dyn ShardBackend>,
     pub(super) config: SchedulerConfig,
@@ -223,10 +206,12 @@ pub(super) struct Batcher {
     pub(super) resources: Resources,
     /// Adapters to unload once their requests are done.
     unloads: Vec<PendingUnload>,
+    /// Pinned grammars to release on the shards before the next step.
+    grammar_releases: Vec<u64>,
     /// Every request the shard holds KV for, by id.
     pub(super) active: HashMap<u64, Running>,
     /// The shard's running batch (between steps, all of `active` but `prefilling`).
-    pub(super) running: Option<pb::CachedBatch>,
+    pub(super) running: Option<CachedBatch>,
     /// Active requests whose prompt is prefilled in chunks and not done yet, oldest first;
     /// they are in no shard batch.
     pub(super) prefilling: Vec<u64>,
@@ -261,6 +246,7 @@ impl Batcher {
             incoming,
             queue: Queue::new(),
             unloads: Vec::new(),
+            grammar_releases: Vec::new(),
             active: HashMap::new(),
             running: None,
             prefilling: Vec::new(),
@@ -279,6 +265,9 @@ impl Batcher {
             }
             if !self.unloads.is_empty() {
                 self.finish_unloads().await;
+            }
+            if !self.grammar_releases.is_empty() {
+                self.release_grammars().await;
             }
             if self.running.is_none() && self.queue.is_empty() && self.prefilling.is_empty() {
                 // Idle: sleep until a command arrives, or stop once every handle is gone.
@@ -345,7 +334,7 @@ impl Batcher {
     }
 
     /// One decode step over the running batch and the newly prefilled one.
-    async fn decode(&mut self, new_batch: Option<pb::CachedBatch>) {
+    async fn decode(&mut self, new_batch: Option<CachedBatch>) {
         let mut batches = Vec::with_capacity(2);
         batches.extend(self.running.take());
         batches.extend(new_batch);
@@ -363,11 +352,7 @@ impl Batcher {
                 .filter_map(|(id, running)| Some((*id, running.trace.as_ref()?))),
         );
         let started = Instant::now();
-        let outcome = within_step(
-            step.as_ref(),
-            self.shard.decode(pb::DecodeRequest { batches }),
-        )
-        .await;
+        let outcome = within_step(step.as_ref(), self.shard.decode(batches)).await;
         if outcome.is_ok() {
             self.pace.record_decode(started.elapsed());
         }
@@ -383,7 +368,7 @@ impl Batcher {
                     "decode step"
                 );
                 self.gauges.record_grammar(response.grammar_ns);
-                self.on_generations(&response.generations);
+                self.on_generations(response.generations);
                 match response.batch {
                     Some(batch) => self.running = self.drop_finished(batch).await,
                     None => {
@@ -403,7 +388,7 @@ impl Batcher {
     }
 
     /// Sends each generated token to its request; finished requests are released here.
-    fn on_generations(&mut self, generations: &[pb::Generation]) {
+    fn on_generations(&mut self, generations: Vec<Generation>) {
         for generation in generations {
             let id = generation.request_id;
             let Some(running) = self.active.get_mut(&id) else {
@@ -424,10 +409,10 @@ impl Batcher {
                 cached_tokens: if first { running.cached_tokens } else { 0 },
                 token_id: generation.token_id,
                 logprob: generation.logprob,
-                top_logprobs: generation.top_logprobs.iter().map(Into::into).collect(),
-                prompt_logprobs: generation.prompt_logprobs.iter().map(Into::into).collect(),
+                top_logprobs: generation.top_logprobs,
+                prompt_logprobs: generation.prompt_logprobs,
                 finish,
-                embedding: generation.embedding.clone(),
+                embedding: generation.embedding,
             };
             if finish.is_none() && running.events.send(Ok(event.clone())).is_ok() {
                 continue;
@@ -449,7 +434,7 @@ impl Batcher {
 
     /// Takes requests that are no longer active (finished, or client gone) out of `batch` on
     /// the shard. Returns what is left of the batch, `None` if nothing is.
-    async fn drop_finished(&mut self, mut batch: pb::CachedBatch) -> Option<pb::CachedBatch> {
+    async fn drop_finished(&mut self, mut batch: CachedBatch) -> Option<CachedBatch> {
         // Clients that left without a failed send this step (e.g. between steps).
         for id in &batch.request_ids {
             if self.active.get(id).is_some_and(|r| r.events.is_closed()) {
@@ -468,12 +453,9 @@ impl Batcher {
             self.clear_cache(Some(batch.id)).await;
             return None;
         }
-        let request = pb::FilterBatchRequest {
-            batch_id: batch.id,
-            request_ids: batch.request_ids.clone(),
-        };
-        match self.shard.filter_batch(request).await {
-            Ok(response) => Some(response.batch.unwrap_or(batch)),
+        let filter = self.shard.filter_batch(batch.id, batch.request_ids.clone());
+        match filter.await {
+            Ok(kept) => Some(kept.unwrap_or(batch)),
             Err(error) => {
                 self.fail_batch(batch.id, &batch.request_ids, &error).await;
                 None
@@ -512,10 +494,18 @@ impl Batcher {
         self.clear_cache(None).await;
     }
 
+    /// Unpins the grammars no request uses any more. Best effort: a shard that cannot answer
+    /// has failed its batches already, and a pin it keeps costs memory, not correctness.
+    async fn release_grammars(&mut self) {
+        let ids = std::mem::take(&mut self.grammar_releases);
+        if let Err(error) = self.shard.release_grammars(ids).await {
+            tracing::warn!(%error, "ReleaseGrammars failed");
+        }
+    }
+
     /// Best effort: after a failure the batch may not exist on the shard any more.
     pub(super) async fn clear_cache(&self, batch_id: Option<u64>) {
-        let request = pb::ClearCacheRequest { batch_id };
-        if let Err(error) = self.shard.clear_cache(request).await {
+        if let Err(error) = self.shard.clear_cache(batch_id).await {
             tracing::warn!(?batch_id, %error, "ClearCache failed");
         }
     }

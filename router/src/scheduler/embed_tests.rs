@@ -5,10 +5,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use quiver_flags::AdapterSource;
+
 use super::test_support::*;
 use super::*;
-use crate::pb;
-use crate::shard::{fake_adapter_shift, FakeShard, ShardBackend};
+use crate::shard::{fake_adapter_shift, AdapterLoad, FakeShard, ShardBackend};
 
 fn expected(prompt: &[u32], adapter: &str) -> Vec<f32> {
     let sum: u32 = prompt.iter().sum::<u32>() % VOCAB;
@@ -89,9 +90,9 @@ async fn embeddings_run_under_their_adapter_and_never_touch_the_prefix_cache() {
     let adapter = "team/embedder";
     let shard = FakeShard::new(VOCAB).with_adapter_slots(1);
     shard
-        .load_adapter(pb::LoadAdapterRequest {
+        .load_adapter(AdapterLoad {
             adapter_id: adapter.to_string(),
-            source: "local".to_string(),
+            source: AdapterSource::Local,
             path: "/adapters/embedder".to_string(),
             revision: String::new(),
         })

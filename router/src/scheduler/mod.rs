@@ -22,8 +22,7 @@ use crate::telemetry::RequestTrace;
 
 mod batcher;
 mod blocks;
-mod grammar;
-mod logprobs;
+mod grammar_pin;
 mod prefix_hash;
 mod queue;
 mod slots;
@@ -45,47 +44,9 @@ mod tests;
 
 use batcher::{Batcher, Command, Entry};
 pub use blocks::{blocks_for_tokens, BlockAllocation, BlockAllocator};
-pub use grammar::{Grammar, GrammarKind};
-pub use logprobs::{PromptPosition, TokenLogprob};
-
-/// Sampling settings of one request, already validated.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SamplingParams {
-    /// 0 means greedy.
-    pub temperature: f32,
-    pub top_p: f32,
-    /// 0 disables.
-    pub top_k: u32,
-    pub min_p: f32,
-    pub repetition_penalty: f32,
-    /// Always set: the client's seed, or one drawn by the router.
-    pub seed: u64,
-    /// OpenAI's penalties over the generated tokens; 0 disables.
-    pub presence_penalty: f32,
-    pub frequency_penalty: f32,
-    /// Added to these tokens' logits before sampling (ids checked against the vocabulary).
-    pub logit_bias: Vec<(u32, f32)>,
-    /// Most likely alternatives reported with each generated token (0..=20).
-    pub top_logprobs: u32,
-}
-
-impl Default for SamplingParams {
-    /// Greedy, nothing disabled turned on.
-    fn default() -> Self {
-        Self {
-            temperature: 0.0,
-            top_p: 1.0,
-            top_k: 0,
-            min_p: 0.0,
-            repetition_penalty: 1.0,
-            seed: 0,
-            presence_penalty: 0.0,
-            frequency_penalty: 0.0,
-            logit_bias: Vec::new(),
-            top_logprobs: 0,
-        }
-    }
-}
+pub use grammar_pin::PinnedGrammar;
+// The shard contract's value types, which requests carry and events report.
+pub use crate::shard::{Grammar, GrammarKind, PromptPosition, SamplingParams, TokenLogprob};
 
 /// A request that passed validation; the only thing the scheduler accepts.
 #[derive(Debug, Clone)]
@@ -105,10 +66,11 @@ pub struct GenerationRequest {
     pub adapter_id: String,
     /// Report the prompt's logprobs (with this many alternatives) on the first event.
     pub prompt_logprobs: Option<u32>,
-    /// Constrains the output (structured output, tool calls); compiled on the shards before
-    /// the request was queued. EOS then ends the request even with `ignore_eos` or before
-    /// `min_tokens`: the grammar allows nothing else once the output is complete.
-    pub grammar: Option<Grammar>,
+    /// Constrains the output (structured output, tool calls); compiled and pinned on the shards
+    /// before the request was queued (`Scheduler::pin_grammar`). EOS then ends the request even
+    /// with `ignore_eos` or before `min_tokens`: the grammar allows nothing else once the
+    /// output is complete.
+    pub grammar: Option<Arc<PinnedGrammar>>,
     /// An embedding request: its whole prompt is computed in one Prefill and pooled, and its
     /// one event carries the embedding (`FinishReason::Embedded`). It never decodes, so it
     /// holds no batch slot (`max_batch_size`) and its KV blocks only for that one step; it
@@ -328,6 +290,8 @@ struct Inner {
     usable_blocks: u32,
     shutting_down: AtomicBool,
     next_request_id: AtomicU64,
+    /// The last grammar id handed out (ids start at 1).
+    last_grammar_id: AtomicU64,
     gauges: Arc<Gauges>,
 }
 
@@ -378,6 +342,7 @@ impl Scheduler {
                 usable_blocks,
                 shutting_down: AtomicBool::new(false),
                 next_request_id: AtomicU64::new(0),
+                last_grammar_id: AtomicU64::new(0),
                 gauges,
             }),
         }
@@ -441,6 +406,13 @@ impl Scheduler {
             receivers.push(receiver);
         }
         Ok(receivers)
+    }
+
+    /// A new pin for `grammar`: its id is for `ShardBackend::compile_grammar`, and the shards
+    /// are told to release it once the pin and every request carrying it are gone.
+    pub fn pin_grammar(&self, grammar: Grammar) -> Arc<PinnedGrammar> {
+        let id = self.inner.last_grammar_id.fetch_add(1, Ordering::Relaxed) + 1;
+        Arc::new(PinnedGrammar::new(id, grammar, self.inner.commands.clone()))
     }
 
     /// Stops admitting new requests; those already admitted run to completion.

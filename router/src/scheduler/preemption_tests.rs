@@ -193,3 +193,45 @@ async fn a_requests_choices_share_one_admission_permit() {
     assert_eq!(collect(last).await.tokens, reference_tokens(&[3], 220));
     assert_all_released(&shard, &scheduler).await;
 }
+
+/// A constrained request that is preempted resumes under the grammar pinned for it: its second
+/// Prefill names the same pin (the fake refuses a pin that was released), nothing is compiled
+/// again, and the pins are released once the requests are done.
+#[tokio::test(start_paused = true)]
+async fn a_preempted_request_resumes_under_its_pinned_grammar() {
+    let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(STEP));
+    let scheduler = start(&shard, full_cache_config(Duration::from_millis(50)));
+    let mut longs = Vec::new();
+    for (prompt, pattern) in [([1u32], "[a-z]+"), ([2], "[0-9]+")] {
+        let grammar = Grammar {
+            kind: GrammarKind::Regex,
+            text: pattern.to_owned(),
+            eos_token_ids: vec![VOCAB - 1],
+        };
+        let mut constrained = request(&prompt, 63);
+        constrained.grammar = Some(pinned(&scheduler, &shard, grammar).await);
+        let mut events = scheduler.submit(constrained).unwrap();
+        next_token(&mut events).await;
+        longs.push((prompt, events));
+    }
+    let short = collect(scheduler.submit(request(&[9], 3)).unwrap()).await;
+    assert_eq!(short.finish, Ok(FinishReason::Length));
+    assert!(scheduler.stats().preemptions >= 1);
+    for (prompt, events) in longs {
+        let outcome = collect(events).await;
+        assert_eq!(outcome.tokens, reference_tokens(&prompt, 63)[1..]);
+        assert_eq!(outcome.finish, Ok(FinishReason::Length));
+    }
+    assert_eq!(shard.compiled_grammars().len(), 2);
+    let prefilled: Vec<String> = shard
+        .prefilled_grammars()
+        .into_iter()
+        .flatten()
+        .map(|grammar| grammar.text)
+        .collect();
+    // Each long request's first Prefill, then at least one resumed one, under its own grammar.
+    assert!(prefilled.len() > 2, "{prefilled:?}");
+    assert!(prefilled.iter().any(|text| text == "[a-z]+"));
+    assert!(prefilled.iter().any(|text| text == "[0-9]+"));
+    assert_all_released(&shard, &scheduler).await;
+}

@@ -5,10 +5,11 @@
 
 use std::sync::Arc;
 
+use quiver_flags::AdapterSource;
+
 use super::test_support::{assert_all_released, config, request, start};
 use super::{EventReceiver, FinishReason, GenerationRequest, Scheduler, SchedulerConfig};
-use crate::pb;
-use crate::shard::{fake_next_token, FakeRpc, FakeShard, ShardBackend};
+use crate::shard::{fake_next_token, AdapterLoad, FakeRpc, FakeShard, ShardBackend};
 
 const VOCAB: u32 = 1000;
 
@@ -140,9 +141,9 @@ async fn adapters_never_share_blocks_with_the_base_or_each_other() {
             .with_adapter_slots(2),
     );
     shard
-        .load_adapter(pb::LoadAdapterRequest {
+        .load_adapter(AdapterLoad {
             adapter_id: "a".into(),
-            source: "local".into(),
+            source: AdapterSource::Local,
             path: "/adapters/a".into(),
             revision: String::new(),
         })

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::timeout;
 
 use super::*;
-use crate::shard::FakeShard;
+use crate::shard::{FakeShard, ShardBackend};
 
 pub(super) const VOCAB: u32 = 256;
 pub(super) const DEADLINE: Duration = Duration::from_secs(20);
@@ -105,6 +105,7 @@ pub(super) async fn eventually(what: &str, condition: impl Fn() -> bool) {
 pub(super) async fn assert_all_released(shard: &FakeShard, scheduler: &Scheduler) {
     eventually("shard holds no request", || shard.live_requests() == 0).await;
     eventually("shard holds no batch", || shard.live_batches() == 0).await;
+    eventually("shard pins no grammar", || shard.pinned_grammars() == 0).await;
     eventually("all blocks free and nothing in flight", || {
         let stats = scheduler.stats();
         stats.free_blocks == stats.total_blocks && stats.in_flight == 0 && stats.running == 0
@@ -119,4 +120,19 @@ pub(super) async fn next_token(events: &mut EventReceiver) -> TokenEvent {
         .expect("no token in time")
         .expect("the stream ended")
         .expect("the request failed")
+}
+
+/// `grammar` pinned by `scheduler` and compiled on `shard` under that pin, as `Infer` does.
+pub(super) async fn pinned(
+    scheduler: &Scheduler,
+    shard: &FakeShard,
+    grammar: Grammar,
+) -> Arc<PinnedGrammar> {
+    let pin = scheduler.pin_grammar(grammar);
+    let compiled = shard
+        .compile_grammar(String::new(), pin.grammar().clone(), pin.id())
+        .await
+        .unwrap();
+    assert_eq!(compiled.error, None);
+    pin
 }

@@ -120,11 +120,12 @@ async fn eos_ends_a_constrained_request_despite_ignore_eos_and_min_tokens() {
     constrained.eos_token_ids = vec![eos];
     constrained.ignore_eos = true;
     constrained.min_tokens = 5;
-    constrained.grammar = Some(Grammar {
+    let regex = Grammar {
         kind: GrammarKind::Regex,
         text: "[a-z]+".to_owned(),
         eos_token_ids: vec![eos],
-    });
+    };
+    constrained.grammar = Some(pinned(&scheduler, &shard, regex).await);
     let outcome = collect(scheduler.submit(constrained).unwrap()).await;
     assert_eq!(outcome.tokens, reference_tokens(&prompt, 3));
     assert_eq!(outcome.finish, Ok(FinishReason::Eos));

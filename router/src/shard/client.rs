@@ -16,12 +16,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::{try_join_all, BoxFuture};
-use futures::FutureExt;
+use futures::{FutureExt, TryFutureExt};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
 use tonic::transport::{Channel, Endpoint, Uri};
 
-use super::{ShardBackend, ShardError, ShardResult};
+use super::wire;
+use super::{
+    AdapterLoad, CachedBatch, Grammar, GrammarCompiled, KvLayout, LoadedAdapter, PrefillEntry,
+    ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
+};
 use crate::pb;
 use crate::pb::shard_client::ShardClient as RankClient;
 use crate::telemetry;
@@ -94,7 +98,7 @@ impl ShardClient {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> ShardResult<pb::LoadAdapterResponse> {
-        let downloads = request.source == "hub" && request.path.is_empty();
+        let downloads = wire::is_hub(&request) && request.path.is_empty();
         let all = 0..self.ranks.len();
         if !downloads || self.ranks.len() == 1 {
             return self.load_on(all, request).await;
@@ -222,100 +226,137 @@ impl ShardBackend for ShardClient {
         self.unavailable.load(Ordering::Acquire)
     }
 
-    fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
+    fn info(&self) -> BoxFuture<'_, ShardResult<ShardInfo>> {
         self.fan_out(
             pb::InfoRequest {},
             |mut c, r| async move { c.info(r).await },
         )
+        .map_ok(ShardInfo::from)
         .boxed()
     }
 
-    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<pb::InfoResponse>>> {
+    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<ShardInfo>>> {
         let calls = self.ranks.iter().enumerate().map(|(rank, client)| {
             let mut client = client.clone();
             self.on_rank(rank, async move {
                 client.info(traced(pb::InfoRequest {})).await
             })
+            .map_ok(ShardInfo::from)
         });
         try_join_all(calls).boxed()
     }
 
-    fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>> {
+    fn health(&self) -> BoxFuture<'_, ShardResult<()>> {
         self.fan_out(
             pb::HealthRequest {},
             |mut c, r| async move { c.health(r).await },
         )
+        .map_ok(drop)
         .boxed()
     }
 
-    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>> {
-        self.fan_out(request, |mut c, r| async move { c.warmup(r).await })
-            .boxed()
+    fn warmup(&self, limits: WarmupLimits) -> BoxFuture<'_, ShardResult<KvLayout>> {
+        self.fan_out(pb::WarmupRequest::from(limits), |mut c, r| async move {
+            c.warmup(r).await
+        })
+        .map_ok(KvLayout::from)
+        .boxed()
     }
 
     fn prefill(
         &self,
-        request: pb::PrefillRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>> {
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<Step>> {
+        let request = pb::PrefillRequest {
+            batch_id,
+            requests: requests.into_iter().map(pb::Request::from).collect(),
+        };
         self.fan_out(request, |mut c, r| async move { c.prefill(r).await })
+            .map_ok(|r| wire::step(r.generations, r.batch, r.forward_ns, r.grammar_ns))
             .boxed()
     }
 
-    fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>> {
+    fn decode(&self, batches: Vec<CachedBatch>) -> BoxFuture<'_, ShardResult<Step>> {
+        let request = pb::DecodeRequest {
+            batches: batches.into_iter().map(pb::CachedBatch::from).collect(),
+        };
         self.fan_out(request, |mut c, r| async move { c.decode(r).await })
+            .map_ok(|r| wire::step(r.generations, r.batch, r.forward_ns, r.grammar_ns))
             .boxed()
     }
 
     fn filter_batch(
         &self,
-        request: pb::FilterBatchRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::FilterBatchResponse>> {
+        batch_id: u64,
+        keep: Vec<u64>,
+    ) -> BoxFuture<'_, ShardResult<Option<CachedBatch>>> {
+        let request = pb::FilterBatchRequest {
+            batch_id,
+            request_ids: keep,
+        };
         self.fan_out(request, |mut c, r| async move { c.filter_batch(r).await })
+            .map_ok(|r| r.batch.map(CachedBatch::from))
             .boxed()
     }
 
-    fn clear_cache(
-        &self,
-        request: pb::ClearCacheRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
-        self.fan_out(request, |mut c, r| async move { c.clear_cache(r).await })
+    fn clear_cache(&self, batch_id: Option<u64>) -> BoxFuture<'_, ShardResult<()>> {
+        self.fan_out(pb::ClearCacheRequest { batch_id }, |mut c, r| async move {
+            c.clear_cache(r).await
+        })
+        .map_ok(drop)
+        .boxed()
+    }
+
+    fn load_adapter(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>> {
+        self.load_adapter_on_ranks(load.into())
+            .map_ok(LoadedAdapter::from)
             .boxed()
     }
 
-    fn load_adapter(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
-        self.load_adapter_on_ranks(request).boxed()
-    }
-
-    fn activate_adapter(
-        &self,
-        request: pb::ActivateAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>> {
+    fn activate_adapter(&self, adapter_id: String, slot: u32) -> BoxFuture<'_, ShardResult<bool>> {
+        let request = pb::ActivateAdapterRequest { adapter_id, slot };
         self.fan_out(
             request,
             |mut c, r| async move { c.activate_adapter(r).await },
         )
+        .map_ok(|r| r.host_cache_hit)
         .boxed()
     }
 
-    fn unload_adapter(
-        &self,
-        request: pb::UnloadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>> {
+    fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>> {
+        let request = pb::UnloadAdapterRequest { adapter_id };
         self.fan_out(request, |mut c, r| async move { c.unload_adapter(r).await })
+            .map_ok(drop)
             .boxed()
     }
 
     fn compile_grammar(
         &self,
-        request: pb::CompileGrammarRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
+        adapter_id: String,
+        grammar: Grammar,
+        grammar_id: u64,
+    ) -> BoxFuture<'_, ShardResult<GrammarCompiled>> {
+        let request = pb::CompileGrammarRequest {
+            adapter_id,
+            grammar: Some(grammar.into()),
+            grammar_id,
+        };
         self.fan_out(
             request,
             |mut c, r| async move { c.compile_grammar(r).await },
         )
+        .map_ok(GrammarCompiled::from)
+        .boxed()
+    }
+
+    fn release_grammars(&self, grammar_ids: Vec<u64>) -> BoxFuture<'_, ShardResult<()>> {
+        let request = pb::ReleaseGrammarsRequest { grammar_ids };
+        self.fan_out(
+            request,
+            |mut c, r| async move { c.release_grammars(r).await },
+        )
+        .map_ok(drop)
         .boxed()
     }
 }

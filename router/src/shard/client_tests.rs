@@ -6,113 +6,13 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use quiver_flags::AdapterSource;
 use tokio::net::UnixListener;
 use tokio_stream::wrappers::UnixListenerStream;
-use tonic::{Request, Response, Status};
 
+use super::served_fake::Served;
 use super::*;
-use crate::pb::shard_server::{Shard, ShardServer};
-
-/// Serves a `FakeShard` over gRPC, as the Python shard serves its engine.
-struct Served(Arc<FakeShard>);
-
-fn to_status(error: ShardError) -> Status {
-    Status::new(error.code(), error.message())
-}
-
-type Answer<T> = Result<Response<T>, Status>;
-
-#[tonic::async_trait]
-impl Shard for Served {
-    async fn info(&self, _: Request<pb::InfoRequest>) -> Answer<pb::InfoResponse> {
-        self.0.info().await.map(Response::new).map_err(to_status)
-    }
-    async fn health(&self, _: Request<pb::HealthRequest>) -> Answer<pb::HealthResponse> {
-        self.0.health().await.map(Response::new).map_err(to_status)
-    }
-    async fn warmup(&self, r: Request<pb::WarmupRequest>) -> Answer<pb::WarmupResponse> {
-        let r = r.into_inner();
-        self.0.warmup(r).await.map(Response::new).map_err(to_status)
-    }
-    async fn prefill(&self, r: Request<pb::PrefillRequest>) -> Answer<pb::PrefillResponse> {
-        let r = r.into_inner();
-        self.0
-            .prefill(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn decode(&self, r: Request<pb::DecodeRequest>) -> Answer<pb::DecodeResponse> {
-        let r = r.into_inner();
-        self.0.decode(r).await.map(Response::new).map_err(to_status)
-    }
-    async fn filter_batch(
-        &self,
-        r: Request<pb::FilterBatchRequest>,
-    ) -> Answer<pb::FilterBatchResponse> {
-        let r = r.into_inner();
-        self.0
-            .filter_batch(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn clear_cache(
-        &self,
-        r: Request<pb::ClearCacheRequest>,
-    ) -> Answer<pb::ClearCacheResponse> {
-        let r = r.into_inner();
-        self.0
-            .clear_cache(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn load_adapter(
-        &self,
-        r: Request<pb::LoadAdapterRequest>,
-    ) -> Answer<pb::LoadAdapterResponse> {
-        let r = r.into_inner();
-        self.0
-            .load_adapter(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn activate_adapter(
-        &self,
-        r: Request<pb::ActivateAdapterRequest>,
-    ) -> Answer<pb::ActivateAdapterResponse> {
-        let r = r.into_inner();
-        self.0
-            .activate_adapter(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn unload_adapter(
-        &self,
-        r: Request<pb::UnloadAdapterRequest>,
-    ) -> Answer<pb::UnloadAdapterResponse> {
-        let r = r.into_inner();
-        self.0
-            .unload_adapter(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-    async fn compile_grammar(
-        &self,
-        r: Request<pb::CompileGrammarRequest>,
-    ) -> Answer<pb::CompileGrammarResponse> {
-        let r = r.into_inner();
-        self.0
-            .compile_grammar(r)
-            .await
-            .map(Response::new)
-            .map_err(to_status)
-    }
-}
+use crate::pb::shard_server::ShardServer;
 
 /// A fresh socket directory per test (no tempfile crate in the workspace).
 struct SocketDir(PathBuf);
@@ -173,21 +73,20 @@ async fn ranks_with(
     (shards, client)
 }
 
-fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> pb::Request {
-    pb::Request {
+fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32) -> PrefillEntry {
+    PrefillEntry {
         id,
         input_ids: prompt,
         blocks,
-        sampling: Some(pb::SamplingParams {
-            top_p: 1.0,
-            repetition_penalty: 1.0,
+        sampling: SamplingParams {
             seed: 7,
-            ..Default::default()
-        }),
+            ..SamplingParams::default()
+        },
+        draws_done: 0,
         max_new_tokens,
         adapter_id: String::new(),
         prompt_logprobs: None,
-        grammar: None,
+        grammar_id: None,
         cached_tokens: 0,
         prefill_until: 0,
         embed: false,
@@ -198,20 +97,20 @@ fn one_request(id: u64, prompt: Vec<u32>, blocks: Vec<u32>, max_new_tokens: u32)
 async fn every_rank_sees_each_call_and_rank_zero_answers() {
     let dir = SocketDir::new();
     let (shards, client) = ranks(&dir, 2).await;
-    assert_eq!(client.world_size(), 2);
+    assert_eq!(client.rank_infos().await.unwrap().len(), 2);
     client.health().await.unwrap();
     let info = client.info().await.unwrap();
     assert_eq!((info.rank, info.world_size, info.vocab_size), (0, 2, 256));
     assert_eq!(info.eos_token_ids, vec![1]);
 
     let prefill = client
-        .prefill(pb::PrefillRequest {
-            batch_id: 3,
-            requests: vec![
+        .prefill(
+            3,
+            vec![
                 one_request(10, vec![5], vec![0], 4),
                 one_request(11, vec![6, 2], vec![1], 4),
             ],
-        })
+        )
         .await
         .unwrap();
     // (31 t + 7) mod 256 of each prompt's last token.
@@ -220,29 +119,15 @@ async fn every_rank_sees_each_call_and_rank_zero_answers() {
     let batch = prefill.batch.unwrap();
     assert!(shards.iter().all(|s| s.live_requests() == 2));
 
-    let decode = client
-        .decode(pb::DecodeRequest {
-            batches: vec![batch],
-        })
-        .await
-        .unwrap();
+    let decode = client.decode(vec![batch]).await.unwrap();
     let tokens: Vec<u32> = decode.generations.iter().map(|g| g.token_id).collect();
     assert_eq!(tokens, vec![(162 * 31 + 7) % 256, (69 * 31 + 7) % 256]);
 
-    let filtered = client
-        .filter_batch(pb::FilterBatchRequest {
-            batch_id: 3,
-            request_ids: vec![11],
-        })
-        .await
-        .unwrap();
-    assert_eq!(filtered.batch.unwrap().request_ids, vec![11]);
+    let filtered = client.filter_batch(3, vec![11]).await.unwrap();
+    assert_eq!(filtered.unwrap().request_ids, vec![11]);
     assert!(shards.iter().all(|s| s.live_requests() == 1));
 
-    client
-        .clear_cache(pb::ClearCacheRequest { batch_id: None })
-        .await
-        .unwrap();
+    client.clear_cache(None).await.unwrap();
     assert!(shards
         .iter()
         .all(|s| s.live_requests() == 0 && s.live_batches() == 0));
@@ -254,11 +139,8 @@ async fn errors_keep_their_code_message_and_rank() {
     let (shards, client) = ranks(&dir, 2).await;
 
     // 1 prompt token + 40 new tokens do not fit one 16-token block.
-    let short_table = pb::PrefillRequest {
-        batch_id: 0,
-        requests: vec![one_request(1, vec![5], vec![0], 40)],
-    };
-    let error = client.prefill(short_table).await.unwrap_err();
+    let short_table = vec![one_request(1, vec![5], vec![0], 40)];
+    let error = client.prefill(0, short_table).await.unwrap_err();
     assert_eq!(error.code(), tonic::Code::InvalidArgument);
     assert!(matches!(&error, ShardError::InvalidArgument(m) if m.contains("block table")));
 
@@ -295,7 +177,7 @@ async fn the_scheduler_runs_over_grpc() {
     let dir = SocketDir::new();
     let (shards, client) = ranks(&dir, 2).await;
     let warmup = client
-        .warmup(pb::WarmupRequest {
+        .warmup(WarmupLimits {
             max_batch_prefill_tokens: 64,
             max_total_tokens: 64,
             max_batch_size: 8,
@@ -358,10 +240,10 @@ async fn the_scheduler_runs_over_grpc() {
     }
 }
 
-fn adapter_load(adapter_id: &str, source: &str, path: &str) -> pb::LoadAdapterRequest {
-    pb::LoadAdapterRequest {
+fn adapter_load(adapter_id: &str, source: &str, path: &str) -> AdapterLoad {
+    AdapterLoad {
         adapter_id: adapter_id.to_string(),
-        source: source.to_string(),
+        source: AdapterSource::parse(source).unwrap(),
         path: path.to_string(),
         revision: "main".to_string(),
     }
@@ -487,30 +369,19 @@ async fn local_loads_activation_and_unload_reach_every_rank_at_once() {
     }
 
     client
-        .activate_adapter(pb::ActivateAdapterRequest {
-            adapter_id: "team/a".to_string(),
-            slot: 1,
-        })
+        .activate_adapter("team/a".to_string(), 1)
         .await
         .unwrap();
     assert!(shards
         .iter()
         .all(|s| s.active_adapters() == vec![None, Some("team/a".to_string())]));
     let error = client
-        .activate_adapter(pb::ActivateAdapterRequest {
-            adapter_id: "team/a".to_string(),
-            slot: 2,
-        })
+        .activate_adapter("team/a".to_string(), 2)
         .await
         .unwrap_err();
     assert_eq!(error.code(), tonic::Code::InvalidArgument);
 
-    client
-        .unload_adapter(pb::UnloadAdapterRequest {
-            adapter_id: "team/a".to_string(),
-        })
-        .await
-        .unwrap();
+    client.unload_adapter("team/a".to_string()).await.unwrap();
     for shard in &shards {
         assert_eq!(shard.active_adapters(), vec![None, None]);
         assert_eq!(shard.loaded_adapters(), vec!["owner/b".to_string()]);

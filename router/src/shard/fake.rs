@@ -29,7 +29,8 @@
 //! KV of that adapter and those exact prompt tokens (`fake/kv_content.rs`: every written slot
 //! keeps a digest of what its real KV would depend on). Blocks may be shared only within a
 //! request's cached prefix. A chunk (`prefill_until` short of the prompt) writes its KV and
-//! is not kept. A call that fails changes nothing (except a failed
+//! is not kept. A request's `grammar_id` must name a grammar a `CompileGrammar` pinned and no
+//! `ReleaseGrammars` released (`pinned_grammars` counts them). A call that fails changes nothing (except a failed
 //! activation, which leaves its slot empty, as a half-written slot would be on a real shard).
 //! The adapter RPCs and their own checks are described in `fake/adapters.rs`; Prefill is in
 //! `fake/prefill.rs`.
@@ -45,8 +46,10 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 
-use super::{ShardBackend, ShardError, ShardResult};
-use crate::pb;
+use super::{
+    AdapterLoad, CachedBatch, Generation, Grammar, GrammarCompiled, KvLayout, LoadedAdapter,
+    PrefillEntry, ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
+};
 
 mod adapters;
 mod kv_content;
@@ -177,9 +180,19 @@ struct State {
 struct GrammarLog {
     /// `CompileGrammar` answers this error when set.
     refusal: Option<String>,
-    compiled: Vec<pb::CompileGrammarRequest>,
+    compiled: Vec<CompiledGrammar>,
     /// The grammar of every prefilled request, in order (`None`: free).
-    prefilled: Vec<Option<pb::Grammar>>,
+    prefilled: Vec<Option<Grammar>>,
+    /// Pinned grammars by id, from a compile until their release.
+    pinned: HashMap<u64, Grammar>,
+}
+
+/// One `CompileGrammar` call the fake received.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompiledGrammar {
+    /// "" is the base model.
+    pub adapter_id: String,
+    pub grammar: Grammar,
 }
 
 /// The in-memory shard; see the module documentation for its rules.
@@ -300,12 +313,17 @@ impl FakeShard {
     }
 
     /// The `CompileGrammar` calls so far.
-    pub fn compiled_grammars(&self) -> Vec<pb::CompileGrammarRequest> {
+    pub fn compiled_grammars(&self) -> Vec<CompiledGrammar> {
         self.lock().grammars.compiled.clone()
     }
 
+    /// Grammars pinned and not released yet.
+    pub fn pinned_grammars(&self) -> usize {
+        self.lock().grammars.pinned.len()
+    }
+
     /// The grammar of every request prefilled so far (`None` for a free one).
-    pub fn prefilled_grammars(&self) -> Vec<Option<pb::Grammar>> {
+    pub fn prefilled_grammars(&self) -> Vec<Option<Grammar>> {
         self.lock().grammars.prefilled.clone()
     }
 
@@ -336,9 +354,9 @@ impl FakeShard {
         }
     }
 
-    fn generation(&self, request_id: u64, previous: u32, shift: u32, top: u32) -> pb::Generation {
+    fn generation(&self, request_id: u64, previous: u32, shift: u32, top: u32) -> Generation {
         let token_id = next_token(previous, shift, self.vocab_size);
-        pb::Generation {
+        Generation {
             request_id,
             token_id,
             logprob: fake_logprob(token_id, self.vocab_size),
@@ -348,16 +366,16 @@ impl FakeShard {
         }
     }
 
-    fn decode_now(&self, request: pb::DecodeRequest) -> ShardResult<pb::DecodeResponse> {
+    fn decode_now(&self, batches: Vec<CachedBatch>) -> ShardResult<Step> {
         let mut guard = self.begin(FakeRpc::Decode)?;
         let state = &mut *guard;
         state.stats.decode_calls += 1;
-        let Some(first) = request.batches.first() else {
+        let Some(first) = batches.first() else {
             return Err(invalid("decode of no batches".to_string()));
         };
         let merged_id = first.id;
         let mut seen = HashSet::new();
-        for batch in &request.batches {
+        for batch in &batches {
             if !seen.insert(batch.id) {
                 return Err(invalid(format!("batch {} listed twice", batch.id)));
             }
@@ -383,7 +401,7 @@ impl FakeShard {
             }
         }
         let mut merged = Vec::new();
-        for batch in &request.batches {
+        for batch in &batches {
             if let Some(ids) = state.batches.remove(&batch.id) {
                 merged.extend(ids);
             }
@@ -408,9 +426,9 @@ impl FakeShard {
             distinct_adapters(merged.iter().filter_map(|id| state.requests.get(id)));
         state.stats.max_decode_adapters = state.stats.max_decode_adapters.max(decode_adapters);
         state.batches.insert(merged_id, merged.clone());
-        Ok(pb::DecodeResponse {
+        Ok(Step {
             generations,
-            batch: Some(pb::CachedBatch {
+            batch: Some(CachedBatch {
                 id: merged_id,
                 request_ids: merged,
             }),
@@ -419,26 +437,23 @@ impl FakeShard {
         })
     }
 
-    fn filter_now(&self, request: pb::FilterBatchRequest) -> ShardResult<pb::FilterBatchResponse> {
+    fn filter_now(&self, batch_id: u64, keep_ids: Vec<u64>) -> ShardResult<Option<CachedBatch>> {
         let mut guard = self.begin(FakeRpc::FilterBatch)?;
         let state = &mut *guard;
         state.stats.filter_calls += 1;
-        let Some(held) = state.batches.get(&request.batch_id) else {
-            return Err(invalid(format!("unknown batch {}", request.batch_id)));
+        let Some(held) = state.batches.get(&batch_id) else {
+            return Err(invalid(format!("unknown batch {batch_id}")));
         };
         let mut keep = HashSet::new();
-        for id in &request.request_ids {
+        for id in &keep_ids {
             if !held.contains(id) {
-                return Err(invalid(format!(
-                    "request {id} is not in batch {}",
-                    request.batch_id
-                )));
+                return Err(invalid(format!("request {id} is not in batch {batch_id}")));
             }
             if !keep.insert(*id) {
                 return Err(invalid(format!("request {id} listed twice")));
             }
         }
-        let held = state.batches.remove(&request.batch_id).unwrap_or_default();
+        let held = state.batches.remove(&batch_id).unwrap_or_default();
         let (kept, dropped): (Vec<u64>, Vec<u64>) =
             held.into_iter().partition(|id| keep.contains(id));
         for id in dropped {
@@ -446,22 +461,20 @@ impl FakeShard {
         }
         if kept.is_empty() {
             // Keeping nothing drops the batch.
-            return Ok(pb::FilterBatchResponse { batch: None });
+            return Ok(None);
         }
-        state.batches.insert(request.batch_id, kept.clone());
-        Ok(pb::FilterBatchResponse {
-            batch: Some(pb::CachedBatch {
-                id: request.batch_id,
-                request_ids: kept,
-            }),
-        })
+        state.batches.insert(batch_id, kept.clone());
+        Ok(Some(CachedBatch {
+            id: batch_id,
+            request_ids: kept,
+        }))
     }
 
-    fn clear_now(&self, request: pb::ClearCacheRequest) -> ShardResult<pb::ClearCacheResponse> {
+    fn clear_now(&self, batch_id: Option<u64>) -> ShardResult<()> {
         let mut guard = self.begin(FakeRpc::ClearCache)?;
         let state = &mut *guard;
         state.stats.clear_calls += 1;
-        let ids: Vec<u64> = match request.batch_id {
+        let ids: Vec<u64> = match batch_id {
             Some(batch_id) => match state.batches.remove(&batch_id) {
                 Some(ids) => ids,
                 None => return Err(invalid(format!("unknown batch {batch_id}"))),
@@ -474,7 +487,7 @@ impl FakeShard {
         for id in ids {
             release(state, id);
         }
-        Ok(pb::ClearCacheResponse {})
+        Ok(())
     }
 }
 
@@ -505,10 +518,10 @@ fn distinct_adapters<'a>(requests: impl Iterator<Item = &'a LiveRequest>) -> usi
 }
 
 impl ShardBackend for FakeShard {
-    fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>> {
+    fn info(&self) -> BoxFuture<'_, ShardResult<ShardInfo>> {
         async move {
             drop(self.begin(FakeRpc::Info)?);
-            Ok(pb::InfoResponse {
+            Ok(ShardInfo {
                 model_id: "fake".to_string(),
                 model_type: "fake".to_string(),
                 dtype: "float32".to_string(),
@@ -523,29 +536,30 @@ impl ShardBackend for FakeShard {
                 embedding_dim: FAKE_EMBEDDING_DIM,
                 pooling: "fake".to_string(),
                 pooling_refusal: String::new(),
+                generation_refusal: String::new(),
             })
         }
         .boxed()
     }
 
-    fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>> {
+    fn health(&self) -> BoxFuture<'_, ShardResult<()>> {
         async move {
             drop(self.begin(FakeRpc::Health)?);
-            Ok(pb::HealthResponse {})
+            Ok(())
         }
         .boxed()
     }
 
-    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>> {
+    fn warmup(&self, limits: WarmupLimits) -> BoxFuture<'_, ShardResult<KvLayout>> {
         async move {
             self.begin(FakeRpc::Warmup)?
                 .adapters
-                .set_slot_count(request.max_active_adapters);
+                .set_slot_count(limits.max_active_adapters);
             let mut num_blocks = self.num_blocks;
-            if request.max_batch_total_tokens > 0 {
-                num_blocks = num_blocks.min(request.max_batch_total_tokens / self.block_size);
+            if limits.max_batch_total_tokens > 0 {
+                num_blocks = num_blocks.min(limits.max_batch_total_tokens / self.block_size);
             }
-            Ok(pb::WarmupResponse {
+            Ok(KvLayout {
                 block_size: self.block_size,
                 num_blocks,
             })
@@ -555,83 +569,97 @@ impl ShardBackend for FakeShard {
 
     fn prefill(
         &self,
-        request: pb::PrefillRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>> {
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<Step>> {
         async move {
             self.delay().await;
-            let computed = computed_tokens(&request);
+            let computed = computed_tokens(&requests);
             if !self.prefill_token_delay.is_zero() {
                 tokio::time::sleep(self.prefill_token_delay * computed).await;
             }
-            self.prefill_now(request)
+            self.prefill_now(batch_id, requests)
         }
         .boxed()
     }
 
-    fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>> {
+    fn decode(&self, batches: Vec<CachedBatch>) -> BoxFuture<'_, ShardResult<Step>> {
         async move {
             self.delay().await;
             if !self.decode_delay.is_zero() {
                 tokio::time::sleep(self.decode_delay).await;
             }
-            self.decode_now(request)
+            self.decode_now(batches)
         }
         .boxed()
     }
 
     fn filter_batch(
         &self,
-        request: pb::FilterBatchRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::FilterBatchResponse>> {
-        async move { self.filter_now(request) }.boxed()
+        batch_id: u64,
+        keep: Vec<u64>,
+    ) -> BoxFuture<'_, ShardResult<Option<CachedBatch>>> {
+        async move { self.filter_now(batch_id, keep) }.boxed()
     }
 
-    fn clear_cache(
-        &self,
-        request: pb::ClearCacheRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>> {
-        async move { self.clear_now(request) }.boxed()
+    fn clear_cache(&self, batch_id: Option<u64>) -> BoxFuture<'_, ShardResult<()>> {
+        async move { self.clear_now(batch_id) }.boxed()
     }
 
-    fn load_adapter(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>> {
+    fn load_adapter(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>> {
         async move {
             if !self.adapter_load_delay.is_zero() {
                 tokio::time::sleep(self.adapter_load_delay).await;
             }
-            self.load_adapter_now(request)
+            self.load_adapter_now(load)
         }
         .boxed()
     }
 
-    fn activate_adapter(
-        &self,
-        request: pb::ActivateAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>> {
-        async move { self.activate_adapter_now(request) }.boxed()
+    fn activate_adapter(&self, adapter_id: String, slot: u32) -> BoxFuture<'_, ShardResult<bool>> {
+        async move { self.activate_adapter_now(adapter_id, slot) }.boxed()
     }
 
-    fn unload_adapter(
-        &self,
-        request: pb::UnloadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>> {
-        async move { self.unload_adapter_now(request) }.boxed()
+    fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>> {
+        async move { self.unload_adapter_now(adapter_id) }.boxed()
     }
 
     fn compile_grammar(
         &self,
-        request: pb::CompileGrammarRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>> {
+        adapter_id: String,
+        grammar: Grammar,
+        grammar_id: u64,
+    ) -> BoxFuture<'_, ShardResult<GrammarCompiled>> {
         async move {
             let mut state = self.lock();
-            state.grammars.compiled.push(request);
-            let error = state.grammars.refusal.clone().unwrap_or_default();
-            Ok(pb::CompileGrammarResponse {
+            if grammar_id == 0 {
+                return Err(invalid(
+                    "a grammar is pinned under a nonzero id".to_string(),
+                ));
+            }
+            let error = state.grammars.refusal.clone();
+            if error.is_none() {
+                state.grammars.pinned.insert(grammar_id, grammar.clone());
+            }
+            state.grammars.compiled.push(CompiledGrammar {
+                adapter_id,
+                grammar,
+            });
+            Ok(GrammarCompiled {
                 error,
                 compile_ns: 0,
             })
+        }
+        .boxed()
+    }
+
+    fn release_grammars(&self, grammar_ids: Vec<u64>) -> BoxFuture<'_, ShardResult<()>> {
+        async move {
+            let mut state = self.lock();
+            for id in grammar_ids {
+                state.grammars.pinned.remove(&id);
+            }
+            Ok(())
         }
         .boxed()
     }

@@ -4,6 +4,8 @@
 
 use std::collections::HashSet;
 
+use quiver_flags::AdapterSource;
+
 use super::*;
 
 const VOCAB: u32 = 256;
@@ -21,45 +23,29 @@ fn documented_shift(adapter_id: &str) -> u32 {
     1 + (hash % (VOCAB as u64 - 1)) as u32
 }
 
-fn req(id: u64, prompt: u32, block: u32, adapter_id: &str) -> pb::Request {
-    pb::Request {
+fn req(id: u64, prompt: u32, block: u32, adapter_id: &str) -> PrefillEntry {
+    PrefillEntry {
         id,
         input_ids: vec![prompt],
         blocks: vec![block],
-        sampling: None,
+        sampling: SamplingParams::default(),
+        draws_done: 0,
         max_new_tokens: 4,
         adapter_id: adapter_id.to_string(),
         prompt_logprobs: None,
-        grammar: None,
+        grammar_id: None,
         cached_tokens: 0,
         prefill_until: 0,
         embed: false,
     }
 }
 
-fn prefill(batch_id: u64, requests: Vec<pb::Request>) -> pb::PrefillRequest {
-    pb::PrefillRequest { batch_id, requests }
-}
-
-fn load(adapter_id: &str) -> pb::LoadAdapterRequest {
-    pb::LoadAdapterRequest {
+fn load(adapter_id: &str) -> AdapterLoad {
+    AdapterLoad {
         adapter_id: adapter_id.to_string(),
-        source: "local".to_string(),
+        source: AdapterSource::Local,
         path: format!("/adapters/{adapter_id}"),
         revision: String::new(),
-    }
-}
-
-fn activate(adapter_id: &str, slot: u32) -> pb::ActivateAdapterRequest {
-    pb::ActivateAdapterRequest {
-        adapter_id: adapter_id.to_string(),
-        slot,
-    }
-}
-
-fn unload(adapter_id: &str) -> pb::UnloadAdapterRequest {
-    pb::UnloadAdapterRequest {
-        adapter_id: adapter_id.to_string(),
     }
 }
 
@@ -102,13 +88,13 @@ async fn each_request_follows_its_own_adapters_rule_in_one_batch() {
     for id in ["a", "b"] {
         shard.load_adapter(load(id)).await.unwrap();
     }
-    shard.activate_adapter(activate("a", 0)).await.unwrap();
-    shard.activate_adapter(activate("b", 1)).await.unwrap();
+    shard.activate_adapter("a".into(), 0).await.unwrap();
+    shard.activate_adapter("b".into(), 1).await.unwrap();
     let first = shard
-        .prefill(prefill(
+        .prefill(
             0,
             vec![req(1, 9, 0, ""), req(2, 9, 1, "a"), req(3, 9, 2, "b")],
-        ))
+        )
         .await
         .unwrap();
     let expected: Vec<u32> = ["", "a", "b"]
@@ -117,12 +103,7 @@ async fn each_request_follows_its_own_adapters_rule_in_one_batch() {
         .collect();
     let tokens: Vec<u32> = first.generations.iter().map(|g| g.token_id).collect();
     assert_eq!(tokens, expected);
-    let second = shard
-        .decode(pb::DecodeRequest {
-            batches: vec![first.batch.unwrap()],
-        })
-        .await
-        .unwrap();
+    let second = shard.decode(vec![first.batch.unwrap()]).await.unwrap();
     let tokens: Vec<u32> = second.generations.iter().map(|g| g.token_id).collect();
     let expected: Vec<u32> = ["", "a", "b"]
         .iter()
@@ -138,73 +119,64 @@ async fn each_request_follows_its_own_adapters_rule_in_one_batch() {
 async fn a_request_needs_its_adapter_in_a_slot() {
     let shard = FakeShard::new(VOCAB).with_adapter_slots(1);
     assert_invalid(
-        shard.prefill(prefill(0, vec![req(1, 9, 0, "a")])).await,
+        shard.prefill(0, vec![req(1, 9, 0, "a")]).await,
         "not active in any slot",
     );
     shard.load_adapter(load("a")).await.unwrap();
     // Loaded is not enough.
     assert_invalid(
-        shard.prefill(prefill(0, vec![req(1, 9, 0, "a")])).await,
+        shard.prefill(0, vec![req(1, 9, 0, "a")]).await,
         "not active in any slot",
     );
     assert_eq!(shard.live_requests(), 0);
-    shard.activate_adapter(activate("a", 0)).await.unwrap();
-    shard
-        .prefill(prefill(0, vec![req(1, 9, 0, "a")]))
-        .await
-        .unwrap();
+    shard.activate_adapter("a".into(), 0).await.unwrap();
+    shard.prefill(0, vec![req(1, 9, 0, "a")]).await.unwrap();
 }
 
 #[tokio::test]
 async fn activation_is_refused_under_running_requests_and_for_bad_slots() {
     let shard = FakeShard::new(VOCAB);
     shard
-        .warmup(pb::WarmupRequest {
+        .warmup(WarmupLimits {
             max_active_adapters: 2,
             ..Default::default()
         })
         .await
         .unwrap();
     assert_eq!(shard.active_adapters(), vec![None, None]);
-    assert_invalid(shard.activate_adapter(activate("a", 0)).await, "not loaded");
+    assert_invalid(shard.activate_adapter("a".into(), 0).await, "not loaded");
     for id in ["a", "b"] {
         shard.load_adapter(load(id)).await.unwrap();
     }
     assert_invalid(
-        shard.activate_adapter(activate("a", 2)).await,
+        shard.activate_adapter("a".into(), 2).await,
         "outside the 2 adapter slots",
     );
-    shard.activate_adapter(activate("a", 0)).await.unwrap();
+    shard.activate_adapter("a".into(), 0).await.unwrap();
     assert_invalid(
-        shard.activate_adapter(activate("a", 1)).await,
+        shard.activate_adapter("a".into(), 1).await,
         "already active in slot 0",
     );
     shard
-        .prefill(prefill(0, vec![req(1, 9, 0, "a"), req(2, 9, 1, "")]))
+        .prefill(0, vec![req(1, 9, 0, "a"), req(2, 9, 1, "")])
         .await
         .unwrap();
     // Neither another adapter nor the same one again may overwrite a slot in use.
     assert_invalid(
-        shard.activate_adapter(activate("b", 0)).await,
+        shard.activate_adapter("b".into(), 0).await,
         "running requests [1]",
     );
     assert_invalid(
-        shard.activate_adapter(activate("a", 0)).await,
+        shard.activate_adapter("a".into(), 0).await,
         "running requests [1]",
     );
     assert_invalid(
-        shard.unload_adapter(unload("a")).await,
+        shard.unload_adapter("a".into()).await,
         "running requests [1]",
     );
     // Once request 1 left the batch, slot 0 is free to take.
-    shard
-        .filter_batch(pb::FilterBatchRequest {
-            batch_id: 0,
-            request_ids: vec![2],
-        })
-        .await
-        .unwrap();
-    shard.activate_adapter(activate("b", 0)).await.unwrap();
+    shard.filter_batch(0, vec![2]).await.unwrap();
+    shard.activate_adapter("b".into(), 0).await.unwrap();
     assert_eq!(shard.active_adapters(), vec![Some("b".to_string()), None]);
     assert_eq!(
         shard.activations(),
@@ -220,9 +192,9 @@ async fn a_failed_activation_leaves_the_slot_empty() {
     for id in ["a", "b"] {
         shard.load_adapter(load(id)).await.unwrap();
     }
-    shard.activate_adapter(activate("a", 0)).await.unwrap();
+    shard.activate_adapter("a".into(), 0).await.unwrap();
     shard.fail_adapter_activation("b");
-    let error = shard.activate_adapter(activate("b", 0)).await.unwrap_err();
+    let error = shard.activate_adapter("b".into(), 0).await.unwrap_err();
     assert_eq!(error.code(), tonic::Code::Internal);
     assert_eq!(shard.active_adapters(), vec![None]);
     assert_eq!(shard.activations(), vec![("a".to_string(), 0)]);
@@ -231,9 +203,9 @@ async fn a_failed_activation_leaves_the_slot_empty() {
 #[tokio::test]
 async fn loads_answer_paths_and_injected_failures() {
     let shard = FakeShard::new(VOCAB).with_adapter_path("owner/own-template", "/tmp/assets");
-    let hub = |id: &str| pb::LoadAdapterRequest {
+    let hub = |id: &str| AdapterLoad {
         adapter_id: id.to_string(),
-        source: "hub".to_string(),
+        source: AdapterSource::Hub,
         ..Default::default()
     };
     assert_eq!(
@@ -252,7 +224,7 @@ async fn loads_answer_paths_and_injected_failures() {
         shard.load_adapter(load("team/x")).await.unwrap().path,
         "/adapters/team/x"
     );
-    let no_path = pb::LoadAdapterRequest {
+    let no_path = AdapterLoad {
         path: String::new(),
         ..load("team/y")
     };
@@ -271,8 +243,8 @@ async fn loads_answer_paths_and_injected_failures() {
         "only rank 0 downloads",
     );
 
-    shard.unload_adapter(unload("team/x")).await.unwrap();
-    shard.unload_adapter(unload("never-loaded")).await.unwrap();
+    shard.unload_adapter("team/x".into()).await.unwrap();
+    shard.unload_adapter("never-loaded".into()).await.unwrap();
     assert_eq!(shard.unloaded_adapters(), vec!["team/x", "never-loaded"]);
     assert_eq!(
         shard.loaded_adapters(),

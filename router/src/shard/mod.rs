@@ -3,19 +3,19 @@
 //! router tests run against (only with the `test-support` feature, which the crate's own tests
 //! turn on: it is not in the release binary).
 //!
-//! The trait speaks the `crate::pb` messages of `proto/quiver/v1/shard.proto` directly, so the
-//! real client adds no conversion layer and the fake implements exactly the contract the Python
-//! shard does.
+//! The trait speaks the router's own types (`messages.rs`); protobuf stays behind the gRPC
+//! client (`wire.rs` converts), so the scheduler, the adapter registry and the fake know nothing
+//! of it.
 
 use std::path::PathBuf;
 
 use futures::future::BoxFuture;
 
-use crate::pb;
-
 mod client;
 #[cfg(any(test, feature = "test-support"))]
 mod fake;
+mod messages;
+mod wire;
 
 #[cfg(test)]
 mod client_tests;
@@ -23,12 +23,21 @@ mod client_tests;
 mod fake_adapter_tests;
 #[cfg(test)]
 mod fake_tests;
+#[cfg(test)]
+mod served_fake;
+#[cfg(test)]
+mod wire_tests;
 
 pub use client::ShardClient;
 #[cfg(any(test, feature = "test-support"))]
 pub use fake::{
     fake_adapter_shift, fake_embedding, fake_logprob, fake_next_token, fake_next_token_for,
-    fake_seeded_first_token, FakeRpc, FakeShard, FakeShardStats,
+    fake_seeded_first_token, CompiledGrammar, FakeRpc, FakeShard, FakeShardStats,
+};
+pub use messages::{
+    AdapterLoad, CachedBatch, Generation, Grammar, GrammarCompiled, GrammarKind, KvLayout,
+    LoadedAdapter, PrefillEntry, PromptPosition, SamplingParams, ShardInfo, Step, TokenLogprob,
+    WarmupLimits,
 };
 
 /// Result of one shard call.
@@ -95,47 +104,48 @@ pub trait ShardBackend: Send + Sync {
     fn is_unavailable(&self) -> bool {
         false
     }
-    fn info(&self) -> BoxFuture<'_, ShardResult<pb::InfoResponse>>;
+    fn info(&self) -> BoxFuture<'_, ShardResult<ShardInfo>>;
     /// Every rank's `Info`, by rank (rank 0's alone where there is one rank).
-    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<pb::InfoResponse>>> {
+    fn rank_infos(&self) -> BoxFuture<'_, ShardResult<Vec<ShardInfo>>> {
         Box::pin(async move { Ok(vec![self.info().await?]) })
     }
-    fn health(&self) -> BoxFuture<'_, ShardResult<pb::HealthResponse>>;
-    fn warmup(&self, request: pb::WarmupRequest) -> BoxFuture<'_, ShardResult<pb::WarmupResponse>>;
+    fn health(&self) -> BoxFuture<'_, ShardResult<()>>;
+    /// Sizes the KV cache and the adapter slots for what the router will ask.
+    fn warmup(&self, limits: WarmupLimits) -> BoxFuture<'_, ShardResult<KvLayout>>;
+    /// Runs `requests` (prompts, or chunks of them) and keeps the finished prompts as the
+    /// cached batch `batch_id`.
     fn prefill(
         &self,
-        request: pb::PrefillRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::PrefillResponse>>;
-    fn decode(&self, request: pb::DecodeRequest) -> BoxFuture<'_, ShardResult<pb::DecodeResponse>>;
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<Step>>;
+    /// One decode step over the union of `batches`, merged into the first one's id.
+    fn decode(&self, batches: Vec<CachedBatch>) -> BoxFuture<'_, ShardResult<Step>>;
+    /// Keeps only `keep` of batch `batch_id`; `None` when nothing is left of it.
     fn filter_batch(
         &self,
-        request: pb::FilterBatchRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::FilterBatchResponse>>;
-    fn clear_cache(
-        &self,
-        request: pb::ClearCacheRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ClearCacheResponse>>;
+        batch_id: u64,
+        keep: Vec<u64>,
+    ) -> BoxFuture<'_, ShardResult<Option<CachedBatch>>>;
+    /// Drops one cached batch, or all of them.
+    fn clear_cache(&self, batch_id: Option<u64>) -> BoxFuture<'_, ShardResult<()>>;
     /// Loads an adapter into every rank's host memory. A hub adapter with no `path` is
     /// downloaded by rank 0 only; the other ranks then load rank 0's returned path.
-    fn load_adapter(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::LoadAdapterResponse>>;
+    fn load_adapter(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>>;
     /// Copies a loaded adapter into a device slot; the scheduler calls it between steps, never
-    /// for a slot that running requests use.
-    fn activate_adapter(
-        &self,
-        request: pb::ActivateAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::ActivateAdapterResponse>>;
+    /// for a slot that running requests use. True when its weights were still in host memory.
+    fn activate_adapter(&self, adapter_id: String, slot: u32) -> BoxFuture<'_, ShardResult<bool>>;
     /// Forgets an adapter (slot and host copy); called once no request uses it.
-    fn unload_adapter(
-        &self,
-        request: pb::UnloadAdapterRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::UnloadAdapterResponse>>;
-    /// Compiles (and caches) a request's grammar on every rank before the request is admitted;
-    /// a grammar that does not compile comes back in the response's `error` (rank 0's).
+    fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>>;
+    /// Compiles a request's grammar on every rank before the request is admitted, and pins it
+    /// under `grammar_id` until `release_grammars`; a grammar that does not compile comes back
+    /// in `error` (rank 0's) and is not pinned.
     fn compile_grammar(
         &self,
-        request: pb::CompileGrammarRequest,
-    ) -> BoxFuture<'_, ShardResult<pb::CompileGrammarResponse>>;
+        adapter_id: String,
+        grammar: Grammar,
+        grammar_id: u64,
+    ) -> BoxFuture<'_, ShardResult<GrammarCompiled>>;
+    /// Unpins grammars no request uses any more (ids not pinned are ignored).
+    fn release_grammars(&self, grammar_ids: Vec<u64>) -> BoxFuture<'_, ShardResult<()>>;
 }

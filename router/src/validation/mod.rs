@@ -35,7 +35,7 @@ use params::{check_params, CheckedParams};
 
 use crate::openai::common::GenerationParams;
 use crate::reasoning::{reasoning_parser_for, ReasoningParserFlag, ReasoningPlan};
-use crate::scheduler::{GenerationRequest, Grammar, SamplingParams};
+use crate::scheduler::{GenerationRequest, SamplingParams};
 use crate::template::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::{parser_for, tool_system_prompt, ToolCallParser, ToolPlan};
@@ -236,11 +236,6 @@ impl Validator {
         self.bounds
             .check_kv_demand(demand, checked.n, prompt_param)?;
         let eos_token_ids = self.eos_token_ids_for(assets);
-        let grammar = checked.grammar.as_ref().map(|grammar| Grammar {
-            kind: grammar.kind,
-            text: grammar.text.clone(),
-            eos_token_ids: eos_token_ids.clone(),
-        });
         let mut choices = Vec::with_capacity(prompts.len() * checked.n as usize);
         let mut prompt_tokens = 0u32;
         let prompt_logprobs = checked.options.logprobs.shard_prompt_logprobs();
@@ -266,7 +261,8 @@ impl Validator {
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
                     prompt_logprobs,
-                    grammar: grammar.clone(),
+                    // Pinned once the shards compiled it (`Infer::generate`).
+                    grammar: None,
                     embed: false,
                 });
             }

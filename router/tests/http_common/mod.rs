@@ -349,17 +349,24 @@ impl TestApp {
         (status, sse_data(&text))
     }
 
-    /// Waits until the fake shard holds no request and the scheduler has none in flight.
+    /// Waits until the fake shard holds no request and no pinned grammar, and the scheduler
+    /// has none in flight.
     pub async fn wait_idle(&self) {
+        let idle = || {
+            self.shard.live_requests() == 0
+                && self.shard.pinned_grammars() == 0
+                && self.state.scheduler.in_flight() == 0
+        };
         for _ in 0..200 {
-            if self.shard.live_requests() == 0 && self.state.scheduler.in_flight() == 0 {
+            if idle() {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!(
-            "still busy: {} live requests in the shard, {} in flight",
+            "still busy: {} live requests and {} pinned grammars in the shard, {} in flight",
             self.shard.live_requests(),
+            self.shard.pinned_grammars(),
             self.state.scheduler.in_flight()
         );
     }

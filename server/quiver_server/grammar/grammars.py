@@ -1,10 +1,12 @@
 """What the engine and the service ask of the grammar package: is this Grammar well-formed,
-compile it for a request's tokenizer, and hand a request its own matcher."""
+compile it for a request's tokenizer and pin it under the router's id, hand each request under
+that id its own matcher, and release the pin when the router says its requests are done."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import llguidance
@@ -46,17 +48,45 @@ class Grammars:
         self._locate_adapter = locate_adapter
         self.compiler = GrammarCompiler(TokenizerCache(vocab_size), budget_s, cache_size)
         self.masks = GrammarMasks(vocab_size)
+        # grammar id -> its compiled prototype, out of the cache's reach until released.
+        self._pinned: dict[int, llguidance.LLMatcher] = {}
+        self._pins_lock = threading.Lock()
 
-    def compile(self, adapter_id: str, spec: GrammarSpec) -> int:
-        """Compiles and caches `spec` for the tokenizer of `adapter_id` ("" = the base model);
-        returns the ns spent (0 when cached). Thread-safe; meant for a compile thread."""
+    def pin(self, grammar_id: int, adapter_id: str, spec: GrammarSpec) -> int:
+        """Compiles `spec` for the tokenizer of `adapter_id` ("" = the base model), or finds it
+        cached, and pins it under `grammar_id`; returns the ns spent compiling (0 when cached).
+        A grammar that does not compile raises GrammarError and pins nothing. Thread-safe;
+        meant for a compile thread."""
+        if grammar_id <= 0:
+            raise ValueError("a grammar is pinned under a positive id")
         validate_grammar(spec, self.vocab_size)
-        return self.compiler.compile(self._source(adapter_id), spec)[1]
+        prototype, spent = self.compiler.compile(self._source(adapter_id), spec)
+        with self._pins_lock:
+            self._pinned[grammar_id] = prototype
+        return spent
 
-    def matcher(self, adapter_id: str, spec: GrammarSpec, generated: Sequence[int] = ()) -> llguidance.LLMatcher:
-        """A request's own matcher, past the tokens it `generated` before a preemption."""
-        validate_grammar(spec, self.vocab_size)
-        prototype, _ = self.compiler.compile(self._source(adapter_id), spec)
+    def release(self, grammar_ids: Iterable[int]) -> None:
+        """Unpins grammars whose requests are all done (ids not pinned are ignored)."""
+        with self._pins_lock:
+            for grammar_id in grammar_ids:
+                self._pinned.pop(grammar_id, None)
+
+    def is_pinned(self, grammar_id: int) -> bool:
+        with self._pins_lock:
+            return grammar_id in self._pinned
+
+    @property
+    def pinned_count(self) -> int:
+        with self._pins_lock:
+            return len(self._pinned)
+
+    def matcher(self, grammar_id: int, generated: Sequence[int] = ()) -> llguidance.LLMatcher:
+        """A request's own matcher of the grammar pinned under `grammar_id`, past the tokens it
+        `generated` before a preemption. Nothing is compiled here."""
+        with self._pins_lock:
+            prototype = self._pinned.get(grammar_id)
+        if prototype is None:
+            raise ValueError(f"grammar {grammar_id} is not pinned on this shard")
         matcher = prototype.deep_copy()
         if generated and not matcher.consume_tokens(list(generated)):
             # The router replays what this grammar allowed, so this is a bug somewhere; the

@@ -37,11 +37,6 @@ class StepMask:
         self.ns = ns
         self._index: torch.Tensor | None = None
 
-    @property
-    def allowed(self) -> torch.Tensor:
-        """[len(rows), V] bool."""
-        return self.bias == 0
-
     def index(self) -> torch.Tensor:
         """`rows` as a long tensor on the mask's device."""
         if self._index is None:
@@ -115,28 +110,14 @@ class GrammarMasks:
         advancing, self._advancing = self._advancing, None
         return PendingMask(self, rows, words, fill, advancing)
 
-    def step_mask(self, matchers: Sequence[llguidance.LLMatcher | None], device: torch.device) -> StepMask | None:
-        """The mask of a batch, filled and waited for at once (None when no row has a matcher)."""
-        pending = self.start(matchers, pinned=device.type == "cuda")
-        return pending.wait(device) if pending is not None else None
-
     def advance_in_background(self, matchers: Sequence[llguidance.LLMatcher | None], tokens: Sequence[int]) -> None:
-        """`advance`, on the fill's thread: it runs while the step's results travel to the router
-        and the next step is prepared, and the next `start` queues its fill behind it. Its error,
-        if any, is raised by the next `wait`."""
+        """Each matcher consumes its row's token, on the fill's thread: it runs while the step's
+        results travel to the router and the next step is prepared, and the next `start` queues
+        its fill behind it. Its error, if any, is raised by the next `wait`. A token a matcher
+        refuses (which the mask prevents) leaves it in its error state: only EOS from then on."""
         pairs = [(matcher, token) for matcher, token in zip(matchers, tokens, strict=True) if matcher is not None]
         if pairs:
             self._advancing = self._filler.submit(self.executor.consume_token_par, pairs)
-
-    def advance(self, matchers: Sequence[llguidance.LLMatcher | None], tokens: Sequence[int]) -> int:
-        """Each matcher consumes its row's token; returns the ns it took. A token a matcher refuses
-        (which the mask prevents) leaves it in its error state: only EOS from then on."""
-        pairs = [(matcher, token) for matcher, token in zip(matchers, tokens, strict=True) if matcher is not None]
-        if not pairs:
-            return 0
-        start = time.perf_counter_ns()
-        self.executor.consume_token_par(pairs)
-        return time.perf_counter_ns() - start
 
     def unpack(self, words: torch.Tensor) -> torch.Tensor:
         """[R, W] int32 words -> [R, V] float32 bias: 0 where the token's bit is set, else -inf."""

@@ -1,10 +1,10 @@
-"""Batched multi-LoRA compute: `add_lora` (one projection) and `add_lora_parts` (the parts of a
-fused projection, which share x), over interchangeable backends.
+"""Batched multi-LoRA compute: `LoraProjection`, the LoRA deltas of one projection's parts (one
+part, or the parts of a fused projection, which share x), over interchangeable backends.
 
-- "triton" (`lora_triton`): fused shrink+expand kernels; the default on CUDA. A fused
-  projection (`LoraProjection`) runs all its parts in one launch over row segments grouped by
-  adapter (`lora_triton.FusedLora`: decode rows sorted by slot, prefill segments); `add_lora`
-  alone runs BGMV for decode rows and SGMV for prefill segments.
+- "triton" (`lora_triton`): fused shrink+expand kernels; the default on CUDA. A projection runs
+  all its parts in one launch over row segments grouped by adapter (`lora_triton.FusedLora`:
+  decode rows sorted by slot, prefill segments); parts whose columns overlap run one at a time,
+  BGMV for decode rows and SGMV for prefill segments.
 - "cpu" (`cpu_ops.lora_bgmv_parts` for decode rows, `cpu_ops.lora_sgmv_parts` for prefill
   segments when lora_B is in the CPU slots' rank-major layout, `lora_torch` otherwise): the default
   on CPU where the C++ kernels build.
@@ -14,8 +14,8 @@ fused projection, which share x), over interchangeable backends.
 A shard chooses its backend once at load (`ops.select_ops`: QUIVER_LORA_BACKEND,
 auto|triton|cpu|torch|reference, else the device's default; e.g. to debug a suspected kernel bug
 in a running server with the reference); each layer's `LoraProjection` binds its kernel to it
-when built, so a step dispatches on nothing. A call without one resolves it the same way
-(`ops.lora_backend`), for tests and benchmarks.
+when built, so a step dispatches on nothing. One built without a backend resolves it the same
+way (`ops.lora_backend`), for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from quiver_server.kernels.ops import BACKENDS, lora_backend
 if TYPE_CHECKING:  # triton is imported only when the triton backend is chosen
     from quiver_server.kernels.lora_triton import FusedLora
 
-__all__ = ["LoraBatchMeta", "LoraProjection", "add_lora", "add_lora_parts", "BACKENDS"]
+__all__ = ["LoraBatchMeta", "LoraProjection", "BACKENDS"]
 
 def _check(
     y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -71,7 +71,7 @@ def _check(
         problems.append(f"dtypes differ: x {x.dtype}, A {lora_a.dtype}, B {lora_b.dtype}, y {y.dtype}")
     if scaling.dtype != torch.float32:
         problems.append(f"scaling must be float32, got {scaling.dtype}")
-    raise ValueError("add_lora: " + "; ".join(problems))
+    raise ValueError("LoRA: " + "; ".join(problems))
 
 
 def _resolve(backend: str | None, device: torch.device) -> str:
@@ -80,24 +80,6 @@ def _resolve(backend: str | None, device: torch.device) -> str:
     if backend is not None and backend != "auto" and backend in BACKENDS:
         return backend
     return lora_backend(device, backend)
-
-
-def add_lora(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-    scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice, *, backend: str | None = None,
-    slot_ranks: torch.Tensor | None = None,
-) -> None:
-    """In place: for every token t with s = token_slots[t] >= 0:
-       y[t, out_slice] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))
-    x [T, in], lora_a [S, R, in], lora_b [S, out, R] (out = width of out_slice), scaling [S] float32,
-    y [T, out_total]. Ranks below R are zero-padded in the buffers. x, A, B and y share one dtype
-    (float32, bfloat16 or float16); products are accumulated in float32. slot_ranks (int32 [S],
-    optional) promises that slot s's rows past slot_ranks[s] are zero: the CPU and torch
-    prefill paths then skip them."""
-    if not meta.has_lora or x.shape[0] == 0:
-        return
-    _check(y, x, lora_a, lora_b, scaling, meta, out_slice)
-    _per_part(_resolve(backend, x.device))(y, x, lora_a, lora_b, scaling, meta, out_slice, slot_ranks)
 
 
 PerPart = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LoraBatchMeta, slice,
@@ -139,7 +121,7 @@ class LoraProjection:
             probe_x = torch.empty(0, self.in_features, dtype=first_a.dtype, device=lora_a.device)
             _check(probe_y, probe_x, lora_a, lora_b, scaling, _NO_TOKENS, out_slice)
             if ranks is not None and (ranks.dtype != torch.int32 or ranks.shape != (lora_a.shape[0],)):
-                raise ValueError(f"add_lora_parts: slot_ranks must be int32 [{lora_a.shape[0]}], got "
+                raise ValueError(f"LoraProjection: slot_ranks must be int32 [{lora_a.shape[0]}], got "
                                  f"{ranks.dtype} {tuple(ranks.shape)}")
             self.end = max(self.end, out_slice.start + width)
         # The one-call CPU kernel takes one scaling vector and per-part ranks for all parts.
@@ -163,7 +145,13 @@ class LoraProjection:
                 self._triton = None
 
     def add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
-        """In place, for every part: `add_lora(y, x, lora_a, lora_b, scaling, meta, out_slice)`.
+        """In place, for every part (lora_a, lora_b, scaling, out_slice, slot_ranks) and every
+        token t with s = meta.token_slots[t] >= 0:
+           y[t, out_slice] += scaling[s] * (lora_b[s] @ (lora_a[s] @ x[t]))
+        x [T, in], lora_a [S, R, in], lora_b [S, out, R] (out = width of out_slice), scaling [S]
+        float32, y [T, out_total]. Ranks below R are zero-padded in the buffers. x, A, B and y
+        share one dtype (float32, bfloat16 or float16); products are accumulated in float32
+        (`lora_reference.add_lora_reference` is the semantics, one part at a time).
         On the CPU backend a batch runs every part in one kernel call (x read once, one parallel
         region, a slot's padded ranks and untargeted parts not read): BGMV for decode rows, SGMV
         for prefill segments. On Triton every part runs in one launch over row segments grouped
@@ -191,7 +179,7 @@ class LoraProjection:
         """What the one-call kernels need of a step's tensors (the parts were checked once)."""
         if not (x.dim() == 2 and x.shape[1] == self.in_features and y.shape[0] == x.shape[0] == meta.num_tokens
                 and y.shape[1] >= self.end and x.dtype == y.dtype == self.dtype):
-            raise ValueError(f"add_lora_parts: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
+            raise ValueError(f"LoraProjection: x {tuple(x.shape)} {x.dtype}, y {tuple(y.shape)} {y.dtype} and "
                              f"{meta.num_tokens} tokens do not fit parts of in_features {self.in_features}, "
                              f"dtype {self.dtype}, columns up to {self.end}")
 
@@ -205,13 +193,3 @@ class _NoTokens:
 
 _NO_TOKENS = _NoTokens()
 
-
-def add_lora_parts(
-    y: torch.Tensor, x: torch.Tensor,
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice, torch.Tensor | None]],
-    meta: LoraBatchMeta, *, backend: str | None = None,
-) -> None:
-    """`add_lora` for each (lora_a, lora_b, scaling, out_slice, slot_ranks) of one fused
-    projection, which all read the same x (`LoraProjection`, built for this one call)."""
-    if parts:
-        LoraProjection(parts, backend).add(y, x, meta)

@@ -1,4 +1,4 @@
-"""The plain-torch reference of `add_lora`: the semantics every LoRA kernel must reproduce.
+"""The plain-torch reference of a LoRA delta: the semantics every LoRA kernel must reproduce.
 
     for t in range(T):
         s = token_slots[t]

@@ -1,6 +1,6 @@
 """Triton kernels for batched LoRA: `FusedLora` (every part of a fused projection, rows grouped
 by adapter: what the serving path runs), and BGMV (decode rows) and SGMV (prefill segments) for
-one part (`add_lora`; the baselines `bench/lora_kernels.py` and `bench/lora_compile_report.py`
+one part (`add_lora_triton`; the baselines `bench/lora_kernels.py` and `bench/lora_compile_report.py`
 measure).
 
 `FusedLora` runs q|k|v or gate|up in one launch: grid (segments, row programs, column splits of
@@ -326,7 +326,8 @@ def add_lora_triton(
     scaling: torch.Tensor, meta: LoraBatchMeta, out_slice: slice,
     config: LaunchConfig = LaunchConfig(),
 ) -> None:
-    """`add_lora` on Triton: BGMV when every request has one token, SGMV otherwise."""
+    """One part's delta (`lora_reference.add_lora_reference`) on Triton: BGMV when every request
+    has one token, SGMV otherwise."""
     y_part = y[:, out_slice]
     if meta.is_decode:
         bgmv(y_part, x, lora_a, lora_b, scaling, meta.token_slots, config)
@@ -441,7 +442,7 @@ class FusedLora:
             h = (scaling_p[s] * (lora_a_p[s, :r] @ x[t])).to(dtype)          (float32 accumulate)
             y[t, out_slice_p] += lora_b_p[s, :, :r] @ h
 
-    i.e. `add_lora` per part, with a slot's padded ranks and untargeted parts never read. A
+    i.e. `lora_reference.add_lora_reference` per part, with a slot's padded ranks and untargeted parts never read. A
     program takes BLOCK_M rows of one segment, so an adapter's A and B tiles are read once per
     row block, not once per row: a decode batch built by `LoraBatchMeta.build` groups its rows
     by adapter (`adapter_groups`, gathered and scattered through the sorted row list), prefill

@@ -53,8 +53,6 @@ import triton.language as tl
 
 from quiver_server.kv_cache_dtype import cache_fits
 
-LOG2E = 1.4426950408889634
-
 
 @triton.jit
 def _soft_cap(scores, softcap):

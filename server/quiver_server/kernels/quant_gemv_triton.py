@@ -17,7 +17,7 @@ ranges, and integer adds run at full rate where conversions run at a quarter. A 
 and offset are applied to its sums (SCALE_AFTER, the plan's choice: x * q summed over the
 block, times s, plus sum(x) * o) or to each weight (w = q * s + o); per-channel scales are
 applied once after the loop. Groups of 16 (per-half scales) and groups that are no multiple of
-16 stay on the dot kernel (`supports`).
+16 stay on the dot kernel (`preferred` never picks this one for them).
 """
 
 from __future__ import annotations
@@ -42,11 +42,6 @@ from quiver_server.kernels.quant_matmul_triton import (
 )
 
 MAX_ROWS = 4  # what the kernel takes (one accumulator set per row, unrolled)
-
-
-def supports(packed: TritonQuantWeight, rows: int) -> bool:
-    """Whether the kernel can run these rows of this weight (a `GemvConfig` forces it)."""
-    return 0 < rows <= MAX_ROWS and packed.scale_mode in (PER_CHANNEL, PER_BLOCK)
 
 
 def preferred(packed: TritonQuantWeight, rows: int) -> bool:
@@ -279,7 +274,8 @@ def gemv_plan(m: int, packed: TritonQuantWeight, device: torch.device, config: G
 
 def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor | None, y: torch.Tensor,
                config: GemvConfig = GemvConfig()) -> None:
-    """y [m, N] = rows [m, K] @ dequant(W)^T + bias for 1 <= m <= MAX_ROWS (`supports`)."""
+    """y [m, N] = rows [m, K] @ dequant(W)^T + bias for 1 <= m <= MAX_ROWS, of per-channel or per-block scales
+    (what `preferred` picks it for; a `GemvConfig` forces it)."""
     m, k = rows.shape
     n = packed.out_features
     plan = gemv_plan(m, packed, rows.device, config)

@@ -6,7 +6,8 @@ sparse MLP) and its weight names in a `ProjectionLayout`; `DecoderForCausalLM` s
 only that (see `models/llama.py` for the smallest). Module and parameter names mirror
 transformers' (model.layers.N.self_attn...), except that q/k/v and gate/up are fused into one
 `Linear` each where the checkpoint stores them apart; `load_weights` maps checkpoint names onto
-the fused parts. The ops (C++ kernels on CPU, torch elsewhere) are the shard's `KernelOps`,
+the fused parts (a bare base model's names first get the causal LM's `model.` prefix:
+`checkpoint_layout`). The ops (C++ kernels on CPU, torch elsewhere) are the shard's `KernelOps`,
 chosen once at load and handed to every layer.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
@@ -29,6 +31,7 @@ from quiver_server.layers.activation import gated_activation
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.norm import make_norm
 from quiver_server.layers.rotary import RotaryEmbedding
+from quiver_server.models.checkpoint_layout import CAUSAL_LM, CheckpointLayout, checkpoint_layout, no_lm_head_refusal
 from quiver_server.models.decoder_config import DecoderConfig
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.moe import SparseMoe
@@ -203,7 +206,8 @@ class DecoderForCausalLM(nn.Module):
         self.tp = tp
         self.model = Backbone(self.config, ops, tp, layer_splits(cfg, tp))
         self.vocab_rows = vocab_rows(cfg.vocab_size, tp)
-        self.lm_head = nn.Linear(cfg.hidden_size, self.vocab_rows.stop - self.vocab_rows.start, bias=False)
+        self.lm_head = (nn.Linear(cfg.hidden_size, self.vocab_rows.stop - self.vocab_rows.start, bias=False)
+                        if cfg.has_lm_head else None)
         self.rotaries: list[RotaryEmbedding] = []  # built on the target device by `load`
         self.lm_head_packed: cpu_gemm.PackedWeight | None = None  # CPU: the LM head prepacked, see `load`
         self.lm_head_quant: quant_gemm.PackedQuantWeight | None = None  # --quantize-lm-head
@@ -223,6 +227,8 @@ class DecoderForCausalLM(nn.Module):
         (decode: logits_indices is every row). A prefill without logits rows (every sequence a
         chunk of an unfinished prompt) only writes the K/V: the last layer stops there and the
         LM head does not run."""
+        if self.lm_head is None:  # the engine refuses generating requests before they get here
+            raise ValueError(no_lm_head_refusal(self.config.model_type))
         x, ropes = self._inputs(input_ids, batch)
         cfg = self.config
         layers = self.model.layers
@@ -290,6 +296,10 @@ class DecoderForCausalLM(nn.Module):
         quantize: QuantizeSpec | None = None, tp: TensorParallel = SINGLE,
     ) -> DecoderForCausalLM:
         cfg = cls.config_from_hf(config)
+        layout = checkpoint_layout(model_dir)
+        if layout.bare and not cfg.tie_word_embeddings:
+            log.warning("%s", no_lm_head_refusal(cfg.model_type))
+            cfg = replace(cfg, has_lm_head=False)
         device = ops.device
         # Before any weight is read: an unsupported quantization_config fails here, by name.
         prequantized = checkpoint_quantization(config)
@@ -301,7 +311,7 @@ class DecoderForCausalLM(nn.Module):
             model = cls(cfg, ops, tp)
         # Allocate uninitialised storage directly in the target dtype; the checkpoint fills it.
         model = model.to(dtype).to_empty(device=device)
-        if cfg.tie_word_embeddings:
+        if cfg.tie_word_embeddings and model.lm_head is not None:
             model.lm_head.weight = model.model.embed_tokens.weight
         model.rotaries = [RotaryEmbedding(rope, cfg.head_dim, device) for rope in cfg.ropes]
         tensors: Iterable[tuple[str, CheckpointTensor]]
@@ -311,7 +321,7 @@ class DecoderForCausalLM(nn.Module):
             tensors = group_quantized_tensors(iter_tensors(model_dir, device), packed)
         else:  # each tensor unread until a loader reads its share (a split model's rank: its rows)
             tensors = iter_tensors(model_dir, device, unread_into=model.checkpoint_read)
-        model.load_weights(tensors)
+        model.load_weights(tensors, layout)
         if tp.size > 1 and model.checkpoint_read.total:
             log.info("rank %d read %.1f MiB of the checkpoint's %.1f MiB", tp.rank,
                      model.checkpoint_read.read / 2**20, model.checkpoint_read.total / 2**20)
@@ -327,6 +337,8 @@ class DecoderForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_weight(quantize)
+        if self.lm_head is None:
+            return
         if quantize is not None and quantize.lm_head:
             self.lm_head_quant = self.ops.pack_quantized(quantize.apply(self.lm_head.weight.data))
         else:
@@ -357,17 +369,19 @@ class DecoderForCausalLM(nn.Module):
             loaders.pop("lm_head.weight", None)
         return loaders
 
-    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]]) -> None:
-        """Every checkpoint tensor into place. A quantized one (GGUF, AWQ/GPTQ) stays quantized
-        where it is a projection's weight (`Linear`); anywhere else (embeddings, MoE experts) it
-        is dequantized into the model's float parameter."""
+    def load_weights(self, tensors: Iterable[tuple[str, CheckpointTensor]],
+                     layout: CheckpointLayout = CAUSAL_LM) -> None:
+        """Every checkpoint tensor into place, its name read in the checkpoint's `layout`. A
+        quantized one (GGUF, AWQ/GPTQ) stays quantized where it is a projection's weight
+        (`Linear`); anywhere else (embeddings, MoE experts) it is dequantized into the model's
+        float parameter."""
         loaders = self.checkpoint_loaders()
         quantized_loaders = self._quantized_loaders()
         loaded: set[str] = set()
         for checkpoint_name, tensor in tensors:
             if checkpoint_name.endswith("rotary_emb.inv_freq"):
                 continue  # old checkpoints store the (recomputed) RoPE buffer
-            name = self.checkpoint_name(checkpoint_name)
+            name = self.checkpoint_name(layout.causal_lm_name(checkpoint_name))
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still carry a copy
             loader = loaders.get(name)

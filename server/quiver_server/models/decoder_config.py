@@ -39,6 +39,7 @@ class DecoderConfig:
     layer_ropes: tuple[int, ...]  # per layer: its index into `ropes`
     sliding_windows: tuple[int | None, ...]  # per layer; None = full causal attention
     tie_word_embeddings: bool = False
+    has_lm_head: bool = True  # False: a bare base model's untied checkpoint, embeddings only (checkpoint_layout)
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

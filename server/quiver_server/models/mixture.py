@@ -19,8 +19,6 @@ from quiver_server.models.family import EXPERT_DOWN, EXPERT_GATE, EXPERT_UP, Exp
 from quiver_server.models.layouts import sparse
 from quiver_server.models.llama import qwen_windows
 
-MODEL_TYPES = ("mixtral", "qwen3_moe")
-
 # Mixtral checkpoints: block_sparse_moe.experts.E.w1 (gate), w3 (up), w2 (down).
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "3": "up_proj", "2": "down_proj"}

@@ -54,14 +54,6 @@ class QuantizeSpec:
         return quantize_int4(weight, group)
 
 
-def quantize(weight: torch.Tensor, method: str, group_size: int = DEFAULT_INT4_GROUP) -> QuantizedWeight:
-    if method == "int8":
-        return quantize_int8(weight)
-    if method == "int4":
-        return quantize_int4(weight, group_size)
-    raise ValueError(f"unknown quantization {method!r}, expected one of {', '.join(METHODS)}")
-
-
 def quantize_int8(weight: torch.Tensor, row_absmax: torch.Tensor | None = None) -> QuantizedWeight:
     """Per output row: scale = max |w| / 127 over the row (or `row_absmax` [out, 1] given)."""
     w = weight.detach().to(torch.float32)

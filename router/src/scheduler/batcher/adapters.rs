@@ -8,7 +8,6 @@ use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
 use super::{Admission, Batcher, Command, Entry};
-use crate::pb;
 use crate::scheduler::UnloadError;
 use crate::telemetry::{within_step, StepSpan};
 
@@ -55,6 +54,7 @@ impl Batcher {
                     }),
                 }
             }
+            Command::ReleaseGrammar(id) => self.grammar_releases.push(id),
         }
     }
 
@@ -71,10 +71,6 @@ impl Batcher {
             evicted,
         } in activations
         {
-            let request = pb::ActivateAdapterRequest {
-                adapter_id: adapter.clone(),
-                slot: slot as u32,
-            };
             let started = std::time::Instant::now();
             // Traced under the requests that wait for it (the oldest is the parent).
             let step = StepSpan::start(
@@ -85,17 +81,21 @@ impl Batcher {
                     .filter(|(entry, _)| entry.request.adapter_id == adapter)
                     .filter_map(|(entry, _)| Some((entry.id, entry.trace.as_ref()?))),
             );
-            let outcome = within_step(step.as_ref(), self.shard.activate_adapter(request)).await;
+            let outcome = within_step(
+                step.as_ref(),
+                self.shard.activate_adapter(adapter.clone(), slot as u32),
+            )
+            .await;
             if let Some(step) = step {
                 step.end(outcome.as_ref().err().map(|e| e as _));
             }
             let error = match outcome {
-                Ok(response) => {
+                Ok(host_cache_hit) => {
                     self.gauges.observed.activated(
                         &adapter,
                         evicted.as_deref(),
                         started.elapsed(),
-                        response.host_cache_hit,
+                        host_cache_hit,
                     );
                     tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
                     continue;
@@ -137,13 +137,10 @@ impl Batcher {
                 continue;
             }
             let PendingUnload { adapter_id, done } = self.unloads.swap_remove(index);
-            let request = pb::UnloadAdapterRequest {
-                adapter_id: adapter_id.clone(),
-            };
             // Whatever happens on the shard, KV cached for this id is not reused: an adapter
             // loaded again under it may have other weights.
             *self.adapter_epochs.entry(adapter_id.clone()).or_default() += 1;
-            let result = match self.shard.unload_adapter(request).await {
+            let result = match self.shard.unload_adapter(adapter_id.clone()).await {
                 Ok(_) => {
                     tracing::info!(adapter = ?adapter_id, "adapter unloaded");
                     Ok(())

@@ -21,7 +21,6 @@ use std::sync::atomic::Ordering;
 use tokio::time::Instant;
 
 use super::{Batcher, Entry, Running};
-use crate::pb;
 use crate::scheduler::GenerationError;
 
 /// What the starved queue head needs.
@@ -110,12 +109,9 @@ impl Batcher {
         if batch.request_ids.is_empty() {
             self.clear_cache(Some(batch.id)).await;
         } else {
-            let request = pb::FilterBatchRequest {
-                batch_id: batch.id,
-                request_ids: batch.request_ids.clone(),
-            };
-            match self.shard.filter_batch(request).await {
-                Ok(response) => self.running = Some(response.batch.unwrap_or(batch)),
+            let filter = self.shard.filter_batch(batch.id, batch.request_ids.clone());
+            match filter.await {
+                Ok(kept) => self.running = Some(kept.unwrap_or(batch)),
                 Err(error) => {
                     // The batch's state on the shard is unknown now: fail all of it.
                     let mut ids = batch.request_ids.clone();

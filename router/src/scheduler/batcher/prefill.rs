@@ -8,14 +8,12 @@ use tokio::time::Instant;
 
 use super::adapters::Activation;
 use super::preemption::Starved;
-use super::{
-    protocol_error, sampling_to_pb, step_attributes, Admission, Batcher, Entry, Resources, Running,
-};
-use crate::pb;
+use super::{protocol_error, step_attributes, Admission, Batcher, Entry, Resources, Running};
 use crate::scheduler::blocks::{BlockAllocator, BlockHash};
 use crate::scheduler::prefix_hash::block_hashes;
 use crate::scheduler::queue::Admit;
 use crate::scheduler::GenerationRequest;
+use crate::shard::{CachedBatch, PrefillEntry};
 use crate::telemetry::{within_step, StepSpan};
 
 impl Batcher {
@@ -23,7 +21,7 @@ impl Batcher {
     /// requests that fit, within `max_batch_prefill_tokens` computed tokens (prefix-cache hits
     /// are not computed). Returns the new cached batch of the requests whose prompt is done, if
     /// any is left after its first token.
-    pub(super) async fn prefill_waiting(&mut self) -> Option<pb::CachedBatch> {
+    pub(super) async fn prefill_waiting(&mut self) -> Option<CachedBatch> {
         self.drop_gone_prefilling();
         if self.queue.is_empty() && self.prefilling.is_empty() {
             return None;
@@ -49,14 +47,14 @@ impl Batcher {
         let mut prefill_tokens = 0u64;
         for (id, from, until) in chunks {
             let running = &self.active[&id];
-            requests.push(running.to_pb(id, from, until));
+            requests.push(running.prefill_entry(id, from, until));
             prefill_tokens += u64::from(until - from);
             ids.push(id);
         }
         for (entry, admission) in admitted {
             let id = entry.id;
             let running = self.start_running(entry, admission);
-            requests.push(running.to_pb(id, running.cached_tokens, running.prefilled));
+            requests.push(running.prefill_entry(id, running.cached_tokens, running.prefilled));
             prefill_tokens += u64::from(running.prefilled - running.cached_tokens);
             if running.prefilled < running.prompt_len() {
                 self.prefilling.push(id);
@@ -79,7 +77,6 @@ impl Batcher {
         );
 
         self.gauges.observed.prefill_batch(requests.len());
-        let request = pb::PrefillRequest { batch_id, requests };
         self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
         let step = StepSpan::start(
             "prefill",
@@ -87,7 +84,7 @@ impl Batcher {
             ids.iter().filter_map(|id| self.traced(*id)),
         );
         let started = Instant::now();
-        let outcome = within_step(step.as_ref(), self.shard.prefill(request)).await;
+        let outcome = within_step(step.as_ref(), self.shard.prefill(batch_id, requests)).await;
         if outcome.is_ok() {
             self.pace.record_prefill(started.elapsed(), prefill_tokens);
         }
@@ -98,7 +95,7 @@ impl Batcher {
             Ok(response) => {
                 self.prefilling.retain(|id| !finals.contains(id));
                 self.gauges.record_grammar(response.grammar_ns);
-                self.on_generations(&response.generations);
+                self.on_generations(response.generations);
                 match response.batch {
                     Some(batch) if batch.request_ids == finals => {
                         if finals.is_empty() {
@@ -403,18 +400,20 @@ impl Batcher {
 
 impl Running {
     /// The shard's view of this request for a Prefill computing prompt tokens `from..until`.
-    fn to_pb(&self, id: u64, from: u32, until: u32) -> pb::Request {
+    fn prefill_entry(&self, id: u64, from: u32, until: u32) -> PrefillEntry {
         let request = &self.request;
-        pb::Request {
+        PrefillEntry {
             id,
             input_ids: request.input_ids.clone(),
             blocks: self.blocks.ids().to_vec(),
-            sampling: Some(sampling_to_pb(request, self.resumed_after)),
+            sampling: request.sampling.clone(),
+            // The draws its generator made before it was preempted.
+            draws_done: self.resumed_after,
             max_new_tokens: request.max_new_tokens,
             adapter_id: request.adapter_id.clone(),
             // A resumed request reported its prompt's logprobs before it was preempted.
             prompt_logprobs: request.prompt_logprobs.filter(|_| self.resumed_after == 0),
-            grammar: request.grammar.as_ref().map(pb::Grammar::from),
+            grammar_id: request.grammar.as_ref().map(|pin| pin.id()),
             cached_tokens: from,
             prefill_until: if until < self.prompt_len() { until } else { 0 },
             embed: request.embed,

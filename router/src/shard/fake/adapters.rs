@@ -21,9 +21,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use quiver_flags::AdapterSource;
+
 use super::{invalid, FakeRpc, FakeShard, State};
-use crate::pb;
-use crate::shard::{ShardError, ShardResult};
+use crate::shard::{AdapterLoad, LoadedAdapter, ShardError, ShardResult};
 
 #[derive(Debug, Default)]
 pub(super) struct AdapterState {
@@ -35,7 +36,7 @@ pub(super) struct AdapterState {
     paths: HashMap<String, String>,
     load_failures: HashMap<String, (tonic::Code, String)>,
     activation_failures: HashSet<String>,
-    load_requests: Vec<pb::LoadAdapterRequest>,
+    load_requests: Vec<AdapterLoad>,
     activations: Vec<(String, u32)>,
     unloads: Vec<String>,
 }
@@ -157,7 +158,7 @@ impl FakeShard {
     }
 
     /// Every LoadAdapter request received, in order (failed ones too).
-    pub fn adapter_load_requests(&self) -> Vec<pb::LoadAdapterRequest> {
+    pub fn adapter_load_requests(&self) -> Vec<AdapterLoad> {
         self.lock().adapters.load_requests.clone()
     }
 
@@ -172,10 +173,7 @@ impl FakeShard {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    pub(super) fn load_adapter_now(
-        &self,
-        request: pb::LoadAdapterRequest,
-    ) -> ShardResult<pb::LoadAdapterResponse> {
+    pub(super) fn load_adapter_now(&self, request: AdapterLoad) -> ShardResult<LoadedAdapter> {
         let mut guard = self.begin(FakeRpc::LoadAdapter)?;
         let adapters = &mut guard.adapters;
         adapters.load_requests.push(request.clone());
@@ -193,15 +191,14 @@ impl FakeShard {
                 },
             });
         }
-        let downloads = match request.source.as_str() {
-            "hub" => request.path.is_empty(),
-            "local" if request.path.is_empty() => {
+        let downloads = match request.source {
+            AdapterSource::Hub => request.path.is_empty(),
+            AdapterSource::Local if request.path.is_empty() => {
                 return Err(invalid(format!(
                     "local adapter {id:?} comes without a path"
                 )))
             }
-            "local" => false,
-            other => return Err(invalid(format!("unknown adapter source {other:?}"))),
+            AdapterSource::Local => false,
         };
         if downloads && self.rank != 0 {
             return Err(invalid(format!(
@@ -215,7 +212,7 @@ impl FakeShard {
             None => request.path.clone(),
         };
         adapters.loaded.insert(id.clone(), path.clone());
-        Ok(pb::LoadAdapterResponse {
+        Ok(LoadedAdapter {
             path,
             rank: 8,
             scaling: 2.0,
@@ -225,11 +222,12 @@ impl FakeShard {
 
     pub(super) fn activate_adapter_now(
         &self,
-        request: pb::ActivateAdapterRequest,
-    ) -> ShardResult<pb::ActivateAdapterResponse> {
+        adapter_id: String,
+        slot_id: u32,
+    ) -> ShardResult<bool> {
         let mut guard = self.begin(FakeRpc::ActivateAdapter)?;
         let state = &mut *guard;
-        let (id, slot) = (&request.adapter_id, request.slot as usize);
+        let (id, slot) = (&adapter_id, slot_id as usize);
         let slot_count = state.adapters.slots.len();
         if slot >= slot_count {
             return Err(invalid(format!(
@@ -261,21 +259,16 @@ impl FakeShard {
             });
         }
         state.adapters.slots[slot] = Some(id.clone());
-        state.adapters.activations.push((id.clone(), request.slot));
+        state.adapters.activations.push((id.clone(), slot_id));
         state.stats.activate_calls += 1;
         // The fake keeps every loaded adapter in memory.
-        Ok(pb::ActivateAdapterResponse {
-            host_cache_hit: true,
-        })
+        Ok(true)
     }
 
-    pub(super) fn unload_adapter_now(
-        &self,
-        request: pb::UnloadAdapterRequest,
-    ) -> ShardResult<pb::UnloadAdapterResponse> {
+    pub(super) fn unload_adapter_now(&self, adapter_id: String) -> ShardResult<()> {
         let mut guard = self.begin(FakeRpc::UnloadAdapter)?;
         let state = &mut *guard;
-        let id = &request.adapter_id;
+        let id = &adapter_id;
         let running = users(state, id);
         if !running.is_empty() {
             return Err(invalid(format!(
@@ -287,6 +280,6 @@ impl FakeShard {
             state.adapters.slots[slot] = None;
         }
         state.adapters.unloads.push(id.clone());
-        Ok(pb::UnloadAdapterResponse {})
+        Ok(())
     }
 }

@@ -2,7 +2,7 @@
 //! `-t / vocab_size` at every step, so the most likely tokens are `0, 1, 2, ...` and the rank of
 //! `t` is `t + 1`; and the seeded first token of `with_seeded_sampling`.
 
-use crate::pb;
+use crate::shard::{PromptPosition, TokenLogprob};
 
 /// The fake's log-probability of `token`, at any step and for any adapter.
 pub fn fake_logprob(token: u32, vocab_size: u32) -> f32 {
@@ -10,9 +10,9 @@ pub fn fake_logprob(token: u32, vocab_size: u32) -> f32 {
 }
 
 /// The fake's `k` most likely tokens: `0..k` (within the vocabulary).
-pub(super) fn fake_top(k: u32, vocab_size: u32) -> Vec<pb::TokenLogprob> {
+pub(super) fn fake_top(k: u32, vocab_size: u32) -> Vec<TokenLogprob> {
     (0..k.min(vocab_size))
-        .map(|token_id| pb::TokenLogprob {
+        .map(|token_id| TokenLogprob {
             token_id,
             logprob: fake_logprob(token_id, vocab_size),
         })
@@ -30,11 +30,11 @@ pub(super) fn prompt_positions(
     input_ids: &[u32],
     top: u32,
     vocab_size: u32,
-) -> Vec<pb::PromptPosition> {
+) -> Vec<PromptPosition> {
     input_ids
         .iter()
         .skip(1)
-        .map(|&token| pb::PromptPosition {
+        .map(|&token| PromptPosition {
             logprob: fake_logprob(token, vocab_size),
             top: fake_top(top, vocab_size),
             rank: token + 1,

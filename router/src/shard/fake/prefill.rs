@@ -9,11 +9,10 @@ use super::{
     distinct_adapters, fake_adapter_shift, fake_embedding, fake_logprob, fake_seeded_first_token,
     invalid, FakeRpc, FakeShard, LiveRequest, State,
 };
-use crate::pb;
-use crate::shard::ShardResult;
+use crate::shard::{CachedBatch, Generation, PrefillEntry, ShardResult, Step};
 
 impl FakeShard {
-    fn check_request(&self, state: &State, request: &pb::Request) -> ShardResult<()> {
+    fn check_request(&self, state: &State, request: &PrefillEntry) -> ShardResult<()> {
         let id = request.id;
         if state.requests.contains_key(&id) {
             return Err(invalid(format!("request {id} is already live")));
@@ -32,7 +31,7 @@ impl FakeShard {
                 || request.cached_tokens != 0
                 || request.prefill_until != 0
                 || request.prompt_logprobs.is_some()
-                || request.grammar.is_some()
+                || request.grammar_id.is_some()
             {
                 return Err(invalid(format!(
                     "request {id}: an embed request computes its whole prompt and nothing else"
@@ -89,28 +88,40 @@ impl FakeShard {
 
     pub(super) fn prefill_now(
         &self,
-        request: pb::PrefillRequest,
-    ) -> ShardResult<pb::PrefillResponse> {
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> ShardResult<Step> {
         let mut guard = self.begin(FakeRpc::Prefill)?;
         let state = &mut *guard;
         state.stats.prefill_calls += 1;
-        state.stats.prefill_tokens.push(computed_tokens(&request));
-        let grammars = request.requests.iter().map(|r| r.grammar.clone());
-        state.grammars.prefilled.extend(grammars);
-        if state.batches.contains_key(&request.batch_id) {
-            return Err(invalid(format!(
-                "batch {} is already live",
-                request.batch_id
-            )));
+        state.stats.prefill_tokens.push(computed_tokens(&requests));
+        let mut grammars = Vec::with_capacity(requests.len());
+        for r in &requests {
+            grammars.push(match r.grammar_id {
+                None => None,
+                Some(id) => match state.grammars.pinned.get(&id) {
+                    Some(grammar) => Some(grammar.clone()),
+                    None => {
+                        return Err(invalid(format!(
+                            "request {}: grammar {id} is not pinned",
+                            r.id
+                        )))
+                    }
+                },
+            });
         }
-        if request.requests.is_empty() {
+        state.grammars.prefilled.extend(grammars);
+        if state.batches.contains_key(&batch_id) {
+            return Err(invalid(format!("batch {batch_id} is already live")));
+        }
+        if requests.is_empty() {
             return Err(invalid("prefill of an empty batch".to_string()));
         }
         // Validate everything first (including clashes between the new requests) so a
         // rejected call changes nothing.
         let mut new_ids = HashSet::new();
         let mut new_blocks = HashSet::new();
-        for r in &request.requests {
+        for r in &requests {
             self.check_request(state, r)?;
             if !new_ids.insert(r.id) {
                 return Err(invalid(format!("request {} listed twice", r.id)));
@@ -126,8 +137,8 @@ impl FakeShard {
         // Every request's own KV is written before any reads the cache, as on the real shard,
         // so one may share a prefix another of this call computes.
         let before = state.kv.clone();
-        let mut digests = Vec::with_capacity(request.requests.len());
-        for r in &request.requests {
+        let mut digests = Vec::with_capacity(requests.len());
+        for r in &requests {
             let d = prefix_digests(&r.adapter_id, &r.input_ids);
             let until = until_of(r);
             state.kv.write(
@@ -139,7 +150,7 @@ impl FakeShard {
             );
             digests.push(d);
         }
-        for (r, d) in request.requests.iter().zip(&digests) {
+        for (r, d) in requests.iter().zip(&digests) {
             if let Err(message) =
                 state
                     .kv
@@ -149,33 +160,32 @@ impl FakeShard {
                 return Err(invalid(format!("request {}: {message}", r.id)));
             }
         }
-        let mut generations = Vec::with_capacity(request.requests.len());
-        let mut ids = Vec::with_capacity(request.requests.len());
-        for (r, d) in request.requests.into_iter().zip(digests) {
+        let mut generations = Vec::with_capacity(requests.len());
+        let mut ids = Vec::with_capacity(requests.len());
+        for (r, d) in requests.into_iter().zip(digests) {
             if until_of(&r) < r.input_ids.len() {
                 // A chunk: its KV is written, nothing else is kept.
                 continue;
             }
             if r.embed {
                 // Its KV is written too; the router frees its blocks when this call returns.
-                generations.push(pb::Generation {
+                generations.push(Generation {
                     request_id: r.id,
+                    token_id: 0,
+                    logprob: 0.0,
+                    top_logprobs: Vec::new(),
+                    prompt_logprobs: Vec::new(),
                     embedding: fake_embedding(&r.adapter_id, &r.input_ids, self.vocab_size),
-                    ..Default::default()
                 });
                 continue;
             }
             let last_prompt_token = *r.input_ids.last().unwrap_or(&0);
             let shift = fake_adapter_shift(&r.adapter_id, self.vocab_size);
-            let top = r.sampling.as_ref().map_or(0, |s| s.top_logprobs);
+            let top = r.sampling.top_logprobs;
             let mut generation = self.generation(r.id, last_prompt_token, shift, top);
-            if let Some(sampling) = r
-                .sampling
-                .as_ref()
-                .filter(|s| self.seeded_sampling && s.temperature > 0.0 && s.draws_done == 0)
-            {
+            if self.seeded_sampling && r.sampling.temperature > 0.0 && r.draws_done == 0 {
                 generation.token_id =
-                    fake_seeded_first_token(generation.token_id, sampling.seed, self.vocab_size);
+                    fake_seeded_first_token(generation.token_id, r.sampling.seed, self.vocab_size);
                 generation.logprob = fake_logprob(generation.token_id, self.vocab_size);
             }
             if let Some(k) = r.prompt_logprobs {
@@ -202,14 +212,14 @@ impl FakeShard {
             generations.push(generation);
         }
         if !ids.is_empty() {
-            state.batches.insert(request.batch_id, ids.clone());
+            state.batches.insert(batch_id, ids.clone());
         }
         let live_adapters = distinct_adapters(state.requests.values());
         state.stats.max_live_adapters = state.stats.max_live_adapters.max(live_adapters);
-        Ok(pb::PrefillResponse {
+        Ok(Step {
             generations,
-            batch: Some(pb::CachedBatch {
-                id: request.batch_id,
+            batch: Some(CachedBatch {
+                id: batch_id,
                 request_ids: ids,
             }),
             forward_ns: 0,
@@ -219,7 +229,7 @@ impl FakeShard {
 }
 
 /// End of the prompt part a Prefill computes for `r`.
-fn until_of(r: &pb::Request) -> usize {
+fn until_of(r: &PrefillEntry) -> usize {
     match r.prefill_until {
         0 => r.input_ids.len(),
         until => until as usize,
@@ -228,9 +238,8 @@ fn until_of(r: &pb::Request) -> usize {
 
 /// Prompt tokens a Prefill computes: each request's `cached_tokens..prefill_until` (its whole
 /// prompt when `prefill_until` is 0).
-pub(super) fn computed_tokens(request: &pb::PrefillRequest) -> u32 {
-    request
-        .requests
+pub(super) fn computed_tokens(requests: &[PrefillEntry]) -> u32 {
+    requests
         .iter()
         .map(|r| (until_of(r) as u32).saturating_sub(r.cached_tokens))
         .sum()
