@@ -11,10 +11,6 @@ use crate::tokenizer::{TextTokenizer, TokenizerError};
 
 const REPLACEMENT: char = '\u{FFFD}';
 
-/// How many prompt tokens [`IncrementalDetokenizer::with_prompt`] keeps as context: enough for
-/// any decoder's look-back (a 4-byte character over 4 byte tokens, a leading-space strip).
-const PROMPT_CONTEXT_TOKENS: usize = 6;
-
 pub struct IncrementalDetokenizer {
     tokenizer: TextTokenizer,
     skip_special_tokens: bool,
@@ -35,24 +31,6 @@ impl IncrementalDetokenizer {
             ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
-        }
-    }
-
-    /// A detokenizer for text that continues `prompt_ids`: the last few prompt tokens serve as
-    /// context, so the first generated word keeps its leading space under sentencepiece-style
-    /// decoders (decoding `▁world` alone gives `world`, after `▁hello` it gives ` world`).
-    pub fn with_prompt(
-        tokenizer: TextTokenizer,
-        skip_special_tokens: bool,
-        prompt_ids: &[u32],
-    ) -> Self {
-        let context = &prompt_ids[prompt_ids.len().saturating_sub(PROMPT_CONTEXT_TOKENS)..];
-        Self {
-            tokenizer,
-            skip_special_tokens,
-            ids: context.to_vec(),
-            prefix_offset: 0,
-            read_offset: context.len(),
         }
     }
 
@@ -194,24 +172,6 @@ mod tests {
             assert_eq!(tokenizer.decode(&ids, false).unwrap(), text);
             assert_stream_matches_decode(&tokenizer, &ids, false);
         }
-    }
-
-    #[test]
-    fn prompt_context_keeps_first_generated_space() {
-        let tokenizer = TextTokenizer::from_tokenizer(test_support::sentencepiece_style());
-        let all = tokenizer
-            .encode_blocking("hello the world 世界", false)
-            .unwrap();
-        let prompt_text = tokenizer.decode(&all[..1], false).unwrap();
-        let mut detok = IncrementalDetokenizer::with_prompt(tokenizer.clone(), false, &all[..1]);
-        let mut generated = String::new();
-        for id in &all[1..] {
-            generated += &detok.push(*id).unwrap();
-        }
-        generated += &detok.finish();
-        let full = tokenizer.decode(&all, false).unwrap();
-        assert_eq!(format!("{prompt_text}{generated}"), full);
-        assert!(generated.starts_with(" the"), "{generated:?}");
     }
 
     #[test]

@@ -32,6 +32,7 @@ impl StopMatcher {
         }
     }
 
+    #[cfg(test)]
     pub fn is_stopped(&self) -> bool {
         self.stopped
     }

@@ -69,8 +69,6 @@ pub struct TextTokenizer {
 struct Inner {
     tokenizer: tokenizers::Tokenizer,
     special: SpecialTokens,
-    bos_token_id: Option<u32>,
-    eos_token_id: Option<u32>,
     stop_token_ids: Vec<u32>,
     /// See [`TextTokenizer::max_bytes_per_token`].
     max_bytes_per_token: Option<usize>,
@@ -113,14 +111,10 @@ impl TextTokenizer {
         Ok(Self::build(tokenizer, special, generation_eos))
     }
 
-    /// Wraps an in-memory tokenizer that has no config files (tests, demo tooling).
+    /// Wraps an in-memory tokenizer that has no config files (tests).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn from_tokenizer(tokenizer: tokenizers::Tokenizer) -> Self {
         Self::build(tokenizer, SpecialTokens::default(), Vec::new())
-    }
-
-    /// As [`TextTokenizer::from_tokenizer`] with the given special tokens.
-    pub fn with_special_tokens(tokenizer: tokenizers::Tokenizer, special: SpecialTokens) -> Self {
-        Self::build(tokenizer, special, Vec::new())
     }
 
     fn build(
@@ -131,9 +125,7 @@ impl TextTokenizer {
         // Ids come from the vocabulary, added tokens included (tokenizer.json's `added_tokens`).
         let id_of =
             |token: &Option<String>| token.as_deref().and_then(|t| tokenizer.token_to_id(t));
-        let bos_token_id = id_of(&special.bos);
-        let eos_token_id = id_of(&special.eos);
-        let mut stop_token_ids: Vec<u32> = eos_token_id.into_iter().collect();
+        let mut stop_token_ids: Vec<u32> = id_of(&special.eos).into_iter().collect();
         for id in generation_eos {
             if !stop_token_ids.contains(&id) {
                 stop_token_ids.push(id);
@@ -144,8 +136,6 @@ impl TextTokenizer {
             inner: Arc::new(Inner {
                 tokenizer,
                 special,
-                bos_token_id,
-                eos_token_id,
                 stop_token_ids,
                 max_bytes_per_token,
             }),
@@ -211,14 +201,6 @@ impl TextTokenizer {
 
     pub fn eos_token(&self) -> Option<&str> {
         self.inner.special.eos.as_deref()
-    }
-
-    pub fn bos_token_id(&self) -> Option<u32> {
-        self.inner.bos_token_id
-    }
-
-    pub fn eos_token_id(&self) -> Option<u32> {
-        self.inner.eos_token_id
     }
 
     /// Every id that ends generation: the tokenizer's EOS plus `generation_config.json`'s.
@@ -358,8 +340,6 @@ mod tests {
         let loaded = TextTokenizer::from_dir(&ConfinedDir::model_dir(dir.path()).unwrap()).unwrap();
         let eos = tokenizer.token_to_id("<|eos|>").unwrap();
         assert_eq!(loaded.eos_token(), Some("<|eos|>"));
-        assert_eq!(loaded.eos_token_id(), Some(eos));
-        assert_eq!(loaded.bos_token_id(), tokenizer.token_to_id("<|bos|>"));
         assert_eq!(loaded.stop_token_ids()[0], eos);
         assert!(loaded.stop_token_ids().contains(&2) && loaded.stop_token_ids().contains(&1));
     }

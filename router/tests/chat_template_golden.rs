@@ -74,7 +74,7 @@ fn check_golden_file(golden: &str) {
             .or_insert_with(|| load_template(&dir, file));
         let tools = case.get("tools").filter(|tools| !tools.is_null());
         let add_generation_prompt = case["add_generation_prompt"].as_bool().expect("bool");
-        let rendered = template.render(&case["messages"], tools, add_generation_prompt);
+        let rendered = template.render_with(&case["messages"], tools, add_generation_prompt, None);
         let expect_error = case["error"].as_bool().expect("error flag");
         match (rendered, expect_error) {
             (Ok(text), false) if Some(text.as_str()) == case["expected"].as_str() => {}

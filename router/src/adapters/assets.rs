@@ -154,7 +154,12 @@ mod tests {
             .template
             .as_ref()
             .unwrap()
-            .render(&json!([{"role": "user", "content": "hi"}]), None, true)
+            .render_with(
+                &json!([{"role": "user", "content": "hi"}]),
+                None,
+                true,
+                None,
+            )
             .unwrap()
     }
 

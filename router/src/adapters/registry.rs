@@ -208,7 +208,8 @@ impl AdapterRegistry {
         }
     }
 
-    /// Whether a load of `id` is under way.
+    /// Whether a load of `id` is under way (tests).
+    #[cfg(any(test, feature = "test-support"))]
     pub fn is_loading(&self, id: &str) -> bool {
         matches!(self.states().get(id), Some(State::Loading { .. }))
     }

@@ -323,10 +323,11 @@ async fn local_loads_send_the_resolved_path_and_read_the_adapter_assets() {
         .template
         .as_ref()
         .unwrap()
-        .render(
+        .render_with(
             &serde_json::json!([{"role": "user", "content": "hi"}]),
             None,
             true,
+            None,
         )
         .unwrap();
     assert_eq!(rendered, "[hi]");

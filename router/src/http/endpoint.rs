@@ -162,6 +162,7 @@ pub(super) async fn answer<E: Endpoint>(
             params.adapter_source.as_deref(),
         )
         .await?;
+    state.infer.check_generates()?;
     // Validation, the chat template and tokenization, as one span.
     let valid = state
         .validator

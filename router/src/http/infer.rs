@@ -74,6 +74,19 @@ impl Infer {
         }
     }
 
+    /// 400 for a model that serves embeddings only (no LM head), before a generation request
+    /// is validated: no template or prompt check can make it answerable.
+    pub fn check_generates(&self) -> Result<(), ApiError> {
+        match &self.generation_refusal {
+            Some(reason) => Err(ApiError::BadRequestBody {
+                message: format!("this model serves no generation: {reason}"),
+                param: Some("model".to_owned()),
+                code: "generation_unavailable",
+            }),
+            None => Ok(()),
+        }
+    }
+
     /// The shutdown's cutoff, which a streamed answer watches.
     pub fn cutoff(&self) -> &Cutoff {
         &self.cutoff
@@ -89,13 +102,7 @@ impl Infer {
         tokenizer: &TextTokenizer,
         settings: &ChoiceSettings,
     ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
-        if let Some(reason) = &self.generation_refusal {
-            return Err(ApiError::BadRequestBody {
-                message: format!("this model serves no generation: {reason}"),
-                param: Some("model".to_owned()),
-                code: "generation_unavailable",
-            });
-        }
+        self.check_generates()?;
         let Generation {
             adapter_id,
             mut choices,

@@ -51,6 +51,7 @@ impl Histogram {
         self.count.fetch_add(1, Ordering::Relaxed);
     }
 
+    #[cfg(test)]
     pub fn count(&self) -> u64 {
         self.count.load(Ordering::Relaxed)
     }

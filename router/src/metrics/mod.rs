@@ -28,9 +28,6 @@ use labels::AdapterLabels;
 use requests::RequestMetrics;
 use scheduler::SchedulerMetrics;
 
-/// The default of `--metrics-max-adapter-labels`.
-pub const DEFAULT_MAX_ADAPTER_LABELS: usize = 32;
-
 #[derive(Debug)]
 pub struct Metrics {
     pub kv_blocks_total: AtomicU64,

@@ -138,7 +138,7 @@ mod tests {
         let states = |name: &str| {
             let (_, file) = corpus().into_iter().find(|(n, _)| n == name).unwrap();
             let template = template(&file);
-            let on = template.render(&messages, None, true).unwrap();
+            let on = template.render_with(&messages, None, true, None).unwrap();
             let off = template
                 .render_with(&messages, None, true, off.as_object())
                 .unwrap();

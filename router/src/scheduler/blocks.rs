@@ -89,11 +89,14 @@ impl BlockAllocator {
     }
 
     /// Cached prefix blocks that no request holds (part of `free_count`).
+    #[cfg(test)]
     pub fn evictable_count(&self) -> u32 {
         self.evictable.len() as u32
     }
 
-    /// Takes `n` blocks, or none at all if fewer than `n` are free.
+    /// Takes `n` blocks, or none at all if fewer than `n` are free (tests; requests go through
+    /// `allocate_with_prefix`).
+    #[cfg(test)]
     pub fn allocate(&mut self, n: u32) -> Option<BlockAllocation> {
         self.allocate_with_prefix(&[], n)
             .map(|(allocation, _)| allocation)

@@ -305,12 +305,8 @@ impl std::fmt::Debug for Scheduler {
 }
 
 impl Scheduler {
-    /// Spawns the batching loop on the current tokio runtime.
-    pub fn start(shard: Arc<dyn ShardBackend>, config: SchedulerConfig) -> Self {
-        Self::start_observed(shard, config, Arc::default())
-    }
-
-    /// `start`, recording what the loop sees into `metrics`.
+    /// Spawns the batching loop on the current tokio runtime, recording what it sees into
+    /// `metrics`.
     pub fn start_observed(
         shard: Arc<dyn ShardBackend>,
         config: SchedulerConfig,
@@ -348,7 +344,8 @@ impl Scheduler {
         }
     }
 
-    /// Admits a request of one choice; see [`Scheduler::submit_all`].
+    /// Admits a request of one choice; see [`Scheduler::submit_all`]. Tests' shorthand.
+    #[cfg(test)]
     pub fn submit(&self, request: GenerationRequest) -> Result<EventReceiver, AdmissionError> {
         let mut receivers = self.submit_all(vec![request])?;
         receivers.pop().ok_or(AdmissionError::ShuttingDown)
@@ -457,11 +454,6 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.inner.config
-    }
-
-    /// What the loop records for `/metrics`.
-    pub fn metrics(&self) -> &Arc<SchedulerMetrics> {
-        &self.inner.gauges.observed
     }
 
     pub fn stats(&self) -> SchedulerStats {

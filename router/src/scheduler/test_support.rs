@@ -48,7 +48,7 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
 }
 
 pub(super) fn start(shard: &Arc<FakeShard>, config: SchedulerConfig) -> Scheduler {
-    Scheduler::start(shard.clone(), config)
+    Scheduler::start_observed(shard.clone(), config, Arc::default())
 }
 
 /// A request's whole output: its tokens and how it ended.

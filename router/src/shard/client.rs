@@ -59,11 +59,6 @@ impl ShardClient {
         })
     }
 
-    /// Number of ranks this client talks to.
-    pub fn world_size(&self) -> usize {
-        self.ranks.len()
-    }
-
     /// Sends `request` to every rank with `call` and returns rank 0's response.
     async fn fan_out<Req, Resp, F, Fut>(&self, request: Req, call: F) -> ShardResult<Resp>
     where

@@ -201,7 +201,7 @@ async fn the_scheduler_runs_over_grpc() {
         chunked_prefill: true,
         prefill_pace: 0.0,
     };
-    let scheduler = Scheduler::start(Arc::new(client), config);
+    let scheduler = Scheduler::start_observed(Arc::new(client), config, Arc::default());
     let mut events = scheduler
         .submit(GenerationRequest {
             input_ids: vec![1, 2, 3],

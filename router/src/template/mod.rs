@@ -113,19 +113,10 @@ impl ChatTemplate {
     }
 
     /// Renders a conversation. `messages` is the OpenAI-style list of message objects (their
-    /// keys reach the template in the order given); `tools` the list of tool schemas.
-    pub fn render(
-        &self,
-        messages: &Json,
-        tools: Option<&Json>,
-        add_generation_prompt: bool,
-    ) -> Result<String, TemplateError> {
-        self.render_with(messages, tools, add_generation_prompt, None)
-    }
-
-    /// [`ChatTemplate::render`] with extra template variables (`chat_template_kwargs`, as
-    /// transformers' `apply_chat_template(**kwargs)`): they may replace `bos_token` and
-    /// `eos_token`, not the conversation's own variables (the caller refuses those names).
+    /// keys reach the template in the order given); `tools` the list of tool schemas; `extra`
+    /// more template variables (`chat_template_kwargs`, as transformers'
+    /// `apply_chat_template(**kwargs)`): they may replace `bos_token` and `eos_token`, not the
+    /// conversation's own variables (the caller refuses those names).
     pub fn render_with(
         &self,
         messages: &Json,

@@ -14,10 +14,11 @@ fn messages() -> Json {
 }
 
 fn render(source: &str, bos: Option<&str>, eos: Option<&str>) -> Result<String, TemplateError> {
-    ChatTemplate::new(source.into(), bos.map(Into::into), eos.map(Into::into))?.render(
+    ChatTemplate::new(source.into(), bos.map(Into::into), eos.map(Into::into))?.render_with(
         &messages(),
         None,
         false,
+        None,
     )
 }
 
@@ -86,12 +87,15 @@ fn strftime_now_uses_the_injected_clock() {
     let source = "{{ strftime_now('%d %b %Y %B %H:%M:%S') }}";
     let fixed = ChatTemplate::with_clock(source.into(), None, None, Clock::Fixed(moment)).unwrap();
     assert_eq!(
-        fixed.render(&messages(), None, false).unwrap(),
+        fixed.render_with(&messages(), None, false, None).unwrap(),
         "14 Mar 2025 March 09:26:53"
     );
     let year = chrono::Local::now().format("%Y").to_string();
     let local = ChatTemplate::new("{{ strftime_now('%Y') }}".into(), None, None).unwrap();
-    assert_eq!(local.render(&messages(), None, false).unwrap(), year);
+    assert_eq!(
+        local.render_with(&messages(), None, false, None).unwrap(),
+        year
+    );
 }
 
 #[test]
@@ -114,7 +118,9 @@ fn from_dir_finds_the_template_where_transformers_does() {
             .unwrap()
             .unwrap();
     assert_eq!(
-        template.render(&messages(), None, false).unwrap(),
+        template
+            .render_with(&messages(), None, false, None)
+            .unwrap(),
         "<s>a</s>"
     );
 
@@ -128,7 +134,9 @@ fn from_dir_finds_the_template_where_transformers_does() {
             .unwrap()
             .unwrap();
     assert_eq!(
-        template.render(&messages(), None, false).unwrap(),
+        template
+            .render_with(&messages(), None, false, None)
+            .unwrap(),
         "default </s>"
     );
 
@@ -147,7 +155,9 @@ fn from_dir_finds_the_template_where_transformers_does() {
             .unwrap()
             .unwrap();
     assert_eq!(
-        template.render(&messages(), None, false).unwrap(),
+        template
+            .render_with(&messages(), None, false, None)
+            .unwrap(),
         "jinja file wins"
     );
     assert_eq!(template.eos_token(), Some("</s>"));

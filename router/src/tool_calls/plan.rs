@@ -42,15 +42,6 @@ impl ToolPlan {
         self.grammar.as_deref()
     }
 
-    /// Whether the grammar forces calls (`required`, a named function): such a request cannot
-    /// also take another output constraint (`response_format`, `structured_outputs`).
-    pub fn forces_calls(&self) -> bool {
-        matches!(
-            self.request.choice,
-            ToolChoice::Required | ToolChoice::Named(_)
-        )
-    }
-
     /// Whether replies are read for calls (every choice but `"none"`).
     pub fn reads_calls(&self) -> bool {
         self.request.choice != ToolChoice::None
