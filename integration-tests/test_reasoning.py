@@ -56,9 +56,11 @@ def _client(stack) -> openai.OpenAI:
 def _stream(client, model: str, max_tokens: int = MAX_TOKENS, **kwargs) -> dict[str, Any]:
     """A streamed chat, joined: reasoning and content pieces, token ids and logprob entries in
     chunk order, and the finish reason."""
-    out: dict[str, Any] = {"reasoning": [], "content": [], "ids": [], "logprobs": [], "finish": None, "order": []}
+    out: dict[str, Any] = {"reasoning": [], "content": [], "ids": [], "logprobs": [], "finish": None, "order": [],
+                           "usage": None}
     for chunk in client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=max_tokens,
-                                                stream=True, **kwargs):
+                                                stream=True, stream_options={"include_usage": True}, **kwargs):
+        out["usage"] = chunk.usage or out["usage"]
         for choice in chunk.choices:
             reasoning = reasoning_of(choice.delta)
             if reasoning is not None:
@@ -84,6 +86,20 @@ def _reference_text(tokenizer: Any, **kwargs: Any) -> str:
 
 def _reference_ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _thinking_tokens(model_dir, reply: str, prompt_opened: bool) -> int:
+    """transformers' count of the reply's tokens up to and including `</think>` (the thinking
+    block, markers included): what `reasoning_tokens` reports."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    thinking = reply[: reply.index(THINK_END) + len(THINK_END)]
+    assert prompt_opened != thinking.lstrip().startswith(THINK_START)
+    return len(tokenizer(thinking, add_special_tokens=False)["input_ids"])
+
+
+def _reasoning_tokens(usage: Any) -> int:
+    assert usage is not None and usage.completion_tokens_details is not None
+    return int(usage.completion_tokens_details.reasoning_tokens)
 
 
 def _expected_ids(model_dir, reply: str) -> list[int]:
@@ -120,6 +136,16 @@ def test_qwen3_reasoning_is_split_from_the_content(qwen3):
     assert len(logprobs.content) == len(expected_ids)
     assert len(streamed["logprobs"]) == len(expected_ids)
     assert response.usage is not None and response.usage.completion_tokens == len(expected_ids)
+    # The thinking block's tokens, `<think>` to `</think>`, plain and streamed.
+    thinking = _thinking_tokens(model_dir, QWEN3_REPLY, prompt_opened=False)
+    assert 0 < thinking < len(expected_ids)
+    assert _reasoning_tokens(response.usage) == _reasoning_tokens(streamed["usage"]) == thinking
+    # The Responses API reports the same count in its own field.
+    with _client(stack) as client:
+        answered = client.responses.create(model="qwen3-parrot", input="Should I?", max_output_tokens=MAX_TOKENS)
+    assert answered.usage is not None
+    assert answered.usage.output_tokens == len(expected_ids)
+    assert answered.usage.output_tokens_details.reasoning_tokens == thinking
 
 
 def test_enable_thinking_false_renders_as_transformers_and_answers_in_content(qwen3):
@@ -176,6 +202,8 @@ def test_thinking_cut_short_is_all_reasoning(qwen3):
     assert response.choices[0].finish_reason == "length"
     assert "".join(streamed["reasoning"]) == reasoning
     assert streamed["content"] == [] and streamed["finish"] == "length"
+    # Cut inside the block: every generated token is thinking.
+    assert _reasoning_tokens(response.usage) == _reasoning_tokens(streamed["usage"]) == cut
 
 
 def test_r1_template_opens_the_block_in_the_prompt(r1):
@@ -197,6 +225,9 @@ def test_r1_template_opens_the_block_in_the_prompt(r1):
     assert "".join(streamed["reasoning"]) == reasoning
     assert "".join(streamed["content"]) == content
     assert streamed["ids"] == token_ids(response) == _expected_ids(model_dir, R1_REPLY)
+    # The prompt opened the block: the reply thinks from its first token to `</think>`.
+    thinking = _thinking_tokens(model_dir, R1_REPLY, prompt_opened=True)
+    assert _reasoning_tokens(response.usage) == _reasoning_tokens(streamed["usage"]) == thinking
 
 
 def test_a_template_without_thinking_markers_gets_no_reasoning_field(qwen3):

@@ -81,6 +81,7 @@ pub(super) fn answer(setup: ResponseSetup, text: &str) -> Value {
         prompt: None,
         finish_reason: FinishReason::Stop,
         completion_tokens: 3,
+        reasoning_tokens: 0,
         cached_tokens: 0,
     };
     let response = chat.response(vec![FinishedChoice { index: 0, output }], Usage::new(1, 3));

@@ -182,7 +182,9 @@ pub(super) async fn answer<E: Endpoint>(
                 .reasoning
                 .as_ref()
                 .is_some_and(ReasoningPlan::keeps_special_tokens),
+        reasoning: valid.reasoning.as_ref().map(ReasoningPlan::splitter),
     };
+    let counts_reasoning = settings.reasoning.is_some();
     let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
     let generation = Generation {
         adapter_id,
@@ -211,6 +213,7 @@ pub(super) async fn answer<E: Endpoint>(
             prompt_tokens: valid.prompt_tokens,
             choices_per_prompt: generated_per_prompt as usize,
             include_usage: options.include_usage,
+            counts_reasoning,
             cutoff: state.infer.cutoff().clone(),
         };
         return Ok(sse_response(format, plan).into_response());
@@ -218,6 +221,7 @@ pub(super) async fn answer<E: Endpoint>(
     let outputs = state.infer.finish(choices).await?;
     // Every generated token is billed, also those of choices `best_of` leaves out.
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
+    let reasoning_tokens = outputs.iter().map(|output| output.reasoning_tokens).sum();
     let cached: Vec<u32> = outputs.iter().map(|output| output.cached_tokens).collect();
     let cached_tokens = prompt_cached_tokens(&cached, generated_per_prompt as usize);
     let finished = select_best(outputs, generated_per_prompt, options.n)
@@ -225,7 +229,9 @@ pub(super) async fn answer<E: Endpoint>(
         .zip(0..)
         .map(|(output, index)| FinishedChoice { index, output })
         .collect();
-    let usage = Usage::new(valid.prompt_tokens, completion_tokens).with_cached(cached_tokens);
+    let usage = Usage::new(valid.prompt_tokens, completion_tokens)
+        .with_cached(cached_tokens)
+        .with_reasoning(counts_reasoning.then_some(reasoning_tokens));
     let response = format.response(finished, usage);
     Ok(Json(response).into_response())
 }

@@ -11,6 +11,7 @@ use crate::error::ApiError;
 use crate::metrics::requests::RequestTimer;
 use crate::metrics::Metrics;
 use crate::openai::common::FinishReason;
+use crate::reasoning::{ReasoningCounter, ReasoningSplitter};
 use crate::scheduler::{
     self, EventReceiver, GenerationError, GenerationRequest, PromptPosition, Scheduler,
     TokenLogprob,
@@ -41,6 +42,8 @@ pub struct ChoiceSettings {
     /// Keep special tokens in the text: a tool-call marker that is a special token
     /// (`[TOOL_CALLS]`) must reach the tool-call parser.
     pub keep_special_tokens: bool,
+    /// A thinking model's split, to count each choice's thinking tokens (`reasoning_tokens`).
+    pub reasoning: Option<ReasoningSplitter>,
 }
 
 #[derive(Debug)]
@@ -59,13 +62,14 @@ pub enum ChoiceEvent {
         tokens: Vec<GeneratedToken>,
     },
     /// The choice's last event: `tokens` are those not reported yet; `completion_tokens`
-    /// counts every token generated for it; `cached_tokens` its prompt tokens that the prefix
-    /// cache supplied.
+    /// counts every token generated for it, `reasoning_tokens` those of them it spent thinking;
+    /// `cached_tokens` its prompt tokens that the prefix cache supplied.
     Finish {
         index: u32,
         reason: FinishReason,
         tokens: Vec<GeneratedToken>,
         completion_tokens: u32,
+        reasoning_tokens: u32,
         cached_tokens: u32,
     },
     /// The choice failed; the whole response fails with it.
@@ -154,6 +158,7 @@ pub fn choice_events(
     // not mark it special: an EOS event is not fed to the detokenizer at all.
     let mut detokenizer = IncrementalDetokenizer::new(tokenizer, !settings.keep_special_tokens);
     let mut stop = StopMatcher::new(settings.stop);
+    let mut thinking = settings.reasoning.map(ReasoningCounter::new);
     async_stream::stream! {
         let mut pending = Vec::new();
         let mut generated = 0u32;
@@ -188,6 +193,7 @@ pub fn choice_events(
                     reason: FinishReason::Length,
                     tokens: Vec::new(),
                     completion_tokens: 0,
+                    reasoning_tokens: 0,
                     cached_tokens,
                 };
                 return;
@@ -209,6 +215,9 @@ pub fn choice_events(
             }
             if event.finish.is_some() {
                 text.push_str(&detokenizer.finish());
+            }
+            if let Some(counter) = &mut thinking {
+                counter.token(&text);
             }
             let step = stop.push(&text);
             let mut text = step.text;
@@ -239,8 +248,10 @@ pub fn choice_events(
             if !text.is_empty() {
                 yield ChoiceEvent::Text { index, text, tokens: std::mem::take(&mut pending) };
             }
+            let reasoning_tokens = thinking.as_ref().map_or(0, ReasoningCounter::count);
             yield ChoiceEvent::Finish {
-                index, reason, tokens: pending, completion_tokens: generated, cached_tokens,
+                index, reason, tokens: pending, completion_tokens: generated, reasoning_tokens,
+                cached_tokens,
             };
             return;
         }
@@ -257,6 +268,8 @@ pub struct ChoiceOutput {
     pub prompt: Option<Vec<PromptPosition>>,
     pub finish_reason: FinishReason,
     pub completion_tokens: u32,
+    /// Of them, those it spent thinking (0 without a reasoning split).
+    pub reasoning_tokens: u32,
     /// Prompt tokens the prefix cache supplied.
     pub cached_tokens: u32,
 }
@@ -299,6 +312,7 @@ async fn collect_choice(
                 reason,
                 tokens: new_tokens,
                 completion_tokens,
+                reasoning_tokens,
                 cached_tokens,
                 ..
             } => {
@@ -309,6 +323,7 @@ async fn collect_choice(
                     prompt,
                     finish_reason: reason,
                     completion_tokens,
+                    reasoning_tokens,
                     cached_tokens,
                 });
             }

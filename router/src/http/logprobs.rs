@@ -221,6 +221,7 @@ mod tests {
             prompt: None,
             finish_reason: FinishReason::Length,
             completion_tokens: logprobs.len() as u32,
+            reasoning_tokens: 0,
             cached_tokens: 0,
         }
     }

@@ -455,7 +455,7 @@ fn response_object(
             "input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning_tokens()},
             "total_tokens": usage.total_tokens,
         })
     });

@@ -63,6 +63,8 @@ pub struct StreamPlan {
     /// Choices of one prompt (they come in groups): `usage` counts each prompt's cache hits once.
     pub choices_per_prompt: usize,
     pub include_usage: bool,
+    /// A reasoning split counts thinking tokens: usage reports them.
+    pub counts_reasoning: bool,
     /// Ends the stream with an error event when the grace period runs out.
     pub cutoff: Cutoff,
 }
@@ -80,6 +82,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         prompt_tokens,
         choices_per_prompt,
         include_usage,
+        counts_reasoning,
         cutoff,
     } = plan;
     async_stream::stream! {
@@ -91,6 +94,7 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         let mut cached_per_choice = vec![0u32; choices.len()];
         let mut events = stream::select_all(choices);
         let mut completion_tokens = 0u32;
+        let mut reasoning_tokens = 0u32;
         loop {
             let next = tokio::select! {
                 event = events.next() => Next::Event(event),
@@ -117,8 +121,12 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
                 ChoiceEvent::Text { index, text, tokens } => {
                     (index, ChoiceStep::Text { text, tokens })
                 }
-                ChoiceEvent::Finish { index, reason, tokens, completion_tokens: generated, cached_tokens } => {
+                ChoiceEvent::Finish {
+                    index, reason, tokens, completion_tokens: generated, reasoning_tokens: thought,
+                    cached_tokens,
+                } => {
                     completion_tokens += generated;
+                    reasoning_tokens += thought;
                     if let Some(slot) = cached_per_choice.get_mut(index as usize) {
                         *slot = cached_tokens;
                     }
@@ -141,7 +149,9 @@ fn chunk_events<F: ChunkFormat>(mut format: F, plan: StreamPlan) -> impl Stream<
         }
         if include_usage {
             let cached = prompt_cached_tokens(&cached_per_choice, choices_per_prompt);
-            let usage = Usage::new(prompt_tokens, completion_tokens).with_cached(cached);
+            let usage = Usage::new(prompt_tokens, completion_tokens)
+                .with_cached(cached)
+                .with_reasoning(counts_reasoning.then_some(reasoning_tokens));
             for chunk in format.usage(usage) {
                 yield chunk_event::<F>(&chunk);
             }

@@ -132,6 +132,16 @@ pub struct Usage {
     pub total_tokens: u32,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prompt_tokens_details: Option<PromptTokensDetails>,
+    /// Reported when the reply's thinking is split off (a thinking model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// What OpenAI reports of the completion beyond its length: here, its thinking tokens (those of
+/// the thinking block, markers included).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ToSchema)]
+pub struct CompletionTokensDetails {
+    pub reasoning_tokens: u32,
 }
 
 /// What OpenAI reports of the prompt beyond its length: here, the prompt tokens whose KV came
@@ -148,6 +158,7 @@ impl Usage {
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
             prompt_tokens_details: None,
+            completion_tokens_details: None,
         }
     }
 
@@ -157,6 +168,21 @@ impl Usage {
             prompt_tokens_details: Some(PromptTokensDetails { cached_tokens }),
             ..self
         }
+    }
+
+    /// With the thinking tokens, when they were counted (`None`: no reasoning split).
+    pub fn with_reasoning(self, reasoning_tokens: Option<u32>) -> Self {
+        Self {
+            completion_tokens_details: reasoning_tokens
+                .map(|reasoning_tokens| CompletionTokensDetails { reasoning_tokens }),
+            ..self
+        }
+    }
+
+    /// The thinking tokens, 0 when none were counted.
+    pub fn reasoning_tokens(&self) -> u32 {
+        self.completion_tokens_details
+            .map_or(0, |details| details.reasoning_tokens)
     }
 }
 

@@ -7,9 +7,13 @@
 //! - `prompt`: where the rendered prompt leaves the reply (inside an opened thinking block,
 //!   after a closed one, or before any);
 //! - `splitter`: the split itself, as the text streams (also used whole);
+//! - `counter`: how many of a reply's tokens are thinking (`reasoning_tokens` in usage);
 //! - `grammar`: an output constraint that applies after the thinking block;
 //! - `plan`: one request's settled reasoning handling.
 
+mod counter;
+#[cfg(test)]
+mod counter_tests;
 mod detect;
 mod grammar;
 mod plan;
@@ -18,6 +22,7 @@ mod splitter;
 #[cfg(test)]
 mod splitter_tests;
 
+pub use counter::ReasoningCounter;
 pub use detect::{detect_reasoning_parser, reasoning_parser_for};
 pub use plan::{ReasoningPlan, Split};
 pub use prompt::PromptState;

@@ -48,6 +48,16 @@ impl ReasoningSplitter {
         }
     }
 
+    /// Whether the reply is thinking now: `None` while that is not settled (before its first
+    /// visible text), `Some(false)` once it is in its content.
+    pub fn thinking(&self) -> Option<bool> {
+        match self.phase {
+            Phase::Start { .. } => None,
+            Phase::Reasoning => Some(true),
+            Phase::Content => Some(false),
+        }
+    }
+
     /// The pieces `text`, the reply's next text, makes certain.
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
         self.pending.push_str(text);
