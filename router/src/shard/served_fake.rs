@@ -147,11 +147,10 @@ impl Shard for Served {
         r: Request<pb::CompileGrammarRequest>,
     ) -> Answer<pb::CompileGrammarResponse> {
         let r = r.into_inner();
-        let grammar = r.grammar.map(grammar).unwrap_or_else(|| Grammar {
-            kind: GrammarKind::JsonSchema,
-            text: String::new(),
-            eos_token_ids: Vec::new(),
-        });
+        let grammar = r
+            .grammar
+            .map(grammar)
+            .ok_or_else(|| Status::invalid_argument("CompileGrammar without a grammar"))?;
         let compiled = self
             .0
             .compile_grammar(r.adapter_id, grammar, r.grammar_id)
