@@ -29,18 +29,12 @@ from transformers import AutoTokenizer
 import openai_schema
 from adapter_models import ADAPTER_KINDS, SHARD_ENV, build_adapter, peft_model
 from model_builders import build_model_dir
+from sentence_transformers_files import write_pipeline
 from stack import Stack, StackConfig
 
 SERVED_NAME = "tiny-embedder"
 ADAPTER = "tuned"
 TEXTS = ["The quick brown fox", "a river runs through it", "東京と大阪", "x"]
-# sentence-transformers' own module classes, as its current releases name them in modules.json.
-MODULES = [
-    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
-    {"idx": 1, "name": "1", "path": "1_Pooling",
-     "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
-    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"},
-]
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +43,7 @@ def model(tmp_path_factory) -> dict[str, Path]:
     base = build_model_dir("llama", tmp / "causal", seed=21)
     model_dir = tmp / "model"
     shutil.copytree(base, model_dir)
-    (model_dir / "modules.json").write_text(json.dumps(MODULES))
-    (model_dir / "1_Pooling").mkdir()
-    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"embedding_dimension": 64,
-                                                                      "pooling_mode": "mean"}))
-    (model_dir / "2_Normalize").mkdir()
+    write_pipeline(model_dir, {"embedding_dimension": 64, "pooling_mode": "mean"})
     root = tmp / "adapters"
     build_adapter(model_dir, root / ADAPTER, seed=22, **ADAPTER_KINDS["rank8"])
     return {"model": model_dir, "adapter": root / ADAPTER, "root": root}

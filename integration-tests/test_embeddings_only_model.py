@@ -29,18 +29,12 @@ from transformers import AutoTokenizer, MistralConfig, MistralModel
 import openai_schema
 from adapter_models import SHARD_ENV
 from model_builders import BOS, EOS, PAD, build_tokenizer
+from sentence_transformers_files import write_pipeline
 from stack import Stack, StackConfig
 
 SERVED_NAME = "tiny-e5"
 TEXTS = ["The quick brown fox", "a river runs through it", "東京と大阪", "x"]
 HIDDEN = 64
-# sentence-transformers' own module classes, as its current releases name them in modules.json.
-MODULES = [
-    {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.base.modules.transformer.Transformer"},
-    {"idx": 1, "name": "1", "path": "1_Pooling",
-     "type": "sentence_transformers.sentence_transformer.modules.pooling.Pooling"},
-    {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.base.modules.normalize.Normalize"},
-]
 # e5-mistral's (and Qwen3-Embedding's) 1_Pooling/config.json, at the tiny width.
 POOLING = {"word_embedding_dimension": HIDDEN, "pooling_mode_cls_token": False,
            "pooling_mode_mean_tokens": False, "pooling_mode_max_tokens": False,
@@ -67,10 +61,7 @@ def build_embedding_model(out_dir: Path, chat_template: bool, seed: int = 41) ->
     torch.manual_seed(seed)
     MistralModel(config).save_pretrained(out_dir)  # float32, torch's default
     tokenizer.save_pretrained(out_dir)
-    (out_dir / "modules.json").write_text(json.dumps(MODULES))
-    (out_dir / "1_Pooling").mkdir()
-    (out_dir / "1_Pooling" / "config.json").write_text(json.dumps(POOLING))
-    (out_dir / "2_Normalize").mkdir()
+    write_pipeline(out_dir, POOLING)
     return out_dir
 
 
