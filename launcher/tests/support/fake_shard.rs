@@ -88,4 +88,11 @@ impl pb::shard_server::Shard for HealthyShard {
     ) -> Result<tonic::Response<pb::CompileGrammarResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+
+    async fn release_grammars(
+        &self,
+        _: tonic::Request<pb::ReleaseGrammarsRequest>,
+    ) -> Result<tonic::Response<pb::ReleaseGrammarsResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
 }
