@@ -185,7 +185,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
     engine_thread = EngineThread()  # loads the model and runs every step (engine_thread.py)
     try:
         # Every rank holds its share of the model (models/tensor_split.py): the group first.
-        from quiver_server.engine import resolve_device
+        from quiver_server.device_choice import resolve_device
         from quiver_server.parallel import join_group
 
         tp = join_group(args.rank, args.world_size, resolve_device(args.device))

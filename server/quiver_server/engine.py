@@ -25,10 +25,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-import os
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import llguidance
@@ -37,6 +36,7 @@ import torch
 from quiver_server import logprobs, sampling
 from quiver_server.adapters.manager import AdapterManager
 from quiver_server.decode_graphs import DecodeGraphs, bucket_sizes
+from quiver_server.device_choice import resolve_device, resolve_dtype
 from quiver_server.batch_state import CachedBatch, RequestState, padded_block_table
 from quiver_server.batch_types import (
     AdapterInfo,
@@ -68,43 +68,9 @@ from quiver_server.pooling import pool, read_pooling
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
 from quiver_server.weight_bytes import held_weight_bytes
-from quiver_server.weights import config_dtype, eos_token_ids, load_config
+from quiver_server.weights import eos_token_ids, load_config
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(device: str, environ: Mapping[str, str] = os.environ) -> torch.device:
-    """"auto": CUDA where there is a GPU. A CUDA device without an index is this rank's:
-    cuda:LOCAL_RANK under a launcher that starts one shard per GPU (torchrun's variable), else
-    the current device."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and resolved.index is None:
-        local_rank = environ.get("LOCAL_RANK")
-        index = int(local_rank) if local_rank not in (None, "") else torch.cuda.current_device()
-        resolved = torch.device("cuda", index)
-    return resolved
-
-
-def resolve_dtype(dtype: str, config: dict, device: torch.device,
-                  bf16_supported: Callable[[], bool] = torch.cuda.is_bf16_supported) -> torch.dtype:
-    """"auto" on CUDA: a 16-bit checkpoint's own dtype, bfloat16 for a float32 checkpoint or one
-    whose config names no dtype (float32 would double the memory and halve the speed), as vLLM
-    does; float16 where the GPU has no bfloat16. On CPU float32: the reference runs float32
-    there, and the CPU kernels are fastest in it."""
-    if dtype == "auto":
-        if device.type != "cuda":
-            return torch.float32
-        stated = config_dtype(config)
-        half = stated if stated in (torch.bfloat16, torch.float16) else torch.bfloat16
-        return torch.float16 if half == torch.bfloat16 and not bf16_supported() else half
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
-
 
 @dataclass(frozen=True)
 class _StepAhead:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quiver_server.engine import resolve_device, resolve_dtype
+from quiver_server.device_choice import resolve_device, resolve_dtype
 
 CUDA = torch.device("cuda", 0)
 
