@@ -102,7 +102,6 @@ impl Infer {
         tokenizer: &TextTokenizer,
         settings: &ChoiceSettings,
     ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
-        self.check_generates()?;
         let Generation {
             adapter_id,
             mut choices,
