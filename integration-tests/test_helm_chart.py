@@ -48,7 +48,7 @@ def only_named(manifests, kind, name):
 
 def test_values_sets_cover_the_deployments_the_docs_describe():
     assert {"defaults", "gpu-two-shards", "hub-adapters-token", "autoscaling-monitoring",
-            "inference-pool"} <= set(VALUES_SETS)
+            "inference-pool", "s3-adapters"} <= set(VALUES_SETS)
 
 
 @pytest.mark.parametrize("name", VALUES_SETS)
@@ -169,6 +169,16 @@ def test_hub_token_and_api_key_come_from_the_named_secrets():
     assert flag_value(container["args"], "--adapter-source") == "hub"
 
 
+def test_s3_buckets_and_store_credentials_reach_the_launcher():
+    container = quiver_container(rendered("s3-adapters"))
+    assert flag_value(container["args"], "--s3-adapter-buckets") == "team-a-adapters,shared.adapters"
+    assert flag_value(container["args"], "--adapter-source") == "s3"
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
+    assert refs == {"AWS_ACCESS_KEY_ID": "adapter-store", "AWS_SECRET_ACCESS_KEY": "adapter-store"}
+    with pytest.raises(ChartError, match="s3Buckets"):
+        render([], sets=["adapters.s3Buckets={Team_A}"])
+
+
 def test_a_secret_value_has_no_place_in_the_values():
     """The schema refuses a literal where only a Secret's name may go."""
     for bad in ('secrets.hfToken.value="hf_canary"', 'secrets.apiKey.apiKey="sk-canary"'):
@@ -216,7 +226,7 @@ def test_fewer_gpus_than_shards_is_refused():
 
 def test_values_outside_the_schema_are_refused():
     for bad in ('model.dtpye="bfloat16"', 'model.dtype="int4"', "model.numShard=0",
-                'adapters.source="s3"'):
+                'adapters.source="gcs"'):
         with pytest.raises(ChartError, match="values don't meet the specifications of the schema"):
             render([], sets=[bad])
 

@@ -1,12 +1,12 @@
 //! Where an adapter id is looked up. The flag, the request extension (`adapter_source`) and the
-//! shard protocol all spell it `hub` | `local`.
+//! shard protocol all spell it `hub` | `local` | `s3`.
 
 use std::fmt;
 
 use clap::ValueEnum;
 
 // Variants carry plain comments, not doc comments: clap would turn doc comments into a
-// per-value help list, and `--help` has always shown the short `[possible values: hub, local]`.
+// per-value help list, and `--help` has always shown the short `[possible values: hub, local, s3]`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, ValueEnum)]
 pub enum AdapterSource {
     // A Hugging Face Hub repository, downloaded by shard rank 0.
@@ -14,6 +14,8 @@ pub enum AdapterSource {
     Hub,
     // A directory inside `--adapter-root`.
     Local,
+    // An S3 (or S3-compatible) prefix, `s3://bucket/prefix`, downloaded by shard rank 0.
+    S3,
 }
 
 impl AdapterSource {
@@ -22,6 +24,7 @@ impl AdapterSource {
         match value {
             "hub" => Ok(Self::Hub),
             "local" => Ok(Self::Local),
+            "s3" => Ok(Self::S3),
             other => Err(UnknownAdapterSource(other.to_owned())),
         }
     }
@@ -31,7 +34,13 @@ impl AdapterSource {
         match self {
             Self::Hub => "hub",
             Self::Local => "local",
+            Self::S3 => "s3",
         }
+    }
+
+    /// Whether shard rank 0 fetches the files (the other ranks read its copy).
+    pub fn is_remote(self) -> bool {
+        matches!(self, Self::Hub | Self::S3)
     }
 }
 
@@ -41,7 +50,7 @@ impl fmt::Display for AdapterSource {
     }
 }
 
-/// An `adapter_source` that is neither `hub` nor `local` (the value as sent).
+/// An `adapter_source` that is not `hub`, `local` or `s3` (the value as sent).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnknownAdapterSource(pub String);
 
@@ -49,7 +58,7 @@ impl fmt::Display for UnknownAdapterSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "`adapter_source` must be `hub` or `local`, got `{}`",
+            "`adapter_source` must be `hub`, `local` or `s3`, got `{}`",
             self.0
         )
     }

@@ -29,6 +29,7 @@ impl ServingFlags {
             max_queue_wait_secs,
             adapter_source,
             adapter_root,
+            s3_adapter_buckets,
             preload_adapters,
             max_active_adapters,
             max_lora_rank,
@@ -83,6 +84,10 @@ impl ServingFlags {
             .flag("--max-queue-wait-secs", max_queue_wait_secs.to_string())
             .flag("--adapter-source", adapter_source.as_str())
             .flag_if_set("--adapter-root", adapter_root.as_deref())
+            .flag_if_set(
+                "--s3-adapter-buckets",
+                (!s3_adapter_buckets.is_empty()).then(|| s3_adapter_buckets.join(",")),
+            )
             // The flag splits on commas, so ids never contain one and the join is lossless.
             .flag_if_set(
                 "--preload-adapters",
@@ -190,6 +195,7 @@ mod tests {
             max_queue_wait_secs: 9,
             adapter_source: AdapterSource::Local,
             adapter_root: Some(PathBuf::from("/adapters")),
+            s3_adapter_buckets: vec!["team-a".into(), "shared.adapters".into()],
             preload_adapters: vec!["a".into(), "org/b@v1".into()],
             max_active_adapters: 4,
             max_lora_rank: 32,

@@ -105,6 +105,12 @@ pub struct ServingFlags {
     #[arg(long, env = "QUIVER_ADAPTER_ROOT")]
     pub adapter_root: Option<PathBuf>,
 
+    /// S3 buckets adapters may be loaded from (`s3://bucket/prefix` ids), comma-separated; ids
+    /// naming any other bucket are refused. None: S3 adapters are off. Credentials and the
+    /// endpoint come from the standard AWS configuration (environment, shared files).
+    #[arg(long, env = "QUIVER_S3_ADAPTER_BUCKETS", value_delimiter = ',')]
+    pub s3_adapter_buckets: Vec<String>,
+
     /// Adapters to load at start-up (comma-separated ids, looked up in --adapter-source);
     /// start-up fails if one cannot be loaded.
     #[arg(long, env = "QUIVER_PRELOAD_ADAPTERS", value_delimiter = ',')]

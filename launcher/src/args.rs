@@ -306,7 +306,7 @@ mod tests {
         };
         assert!(argv(&["--num-shard", "0"]).is_err());
         assert!(argv(&["--dtype", "int4"]).is_err());
-        assert!(argv(&["--adapter-source", "s3"]).is_err());
+        assert!(argv(&["--adapter-source", "gcs"]).is_err());
     }
 
     #[test]

@@ -85,6 +85,12 @@ pub fn shard_command(
             "--adapter-root",
             args.serving.adapter_root.as_deref().map(Path::display),
         )
+        // The shards refuse S3 adapters outside these buckets too.
+        .flag_if_set(
+            "--s3-adapter-buckets",
+            (!args.serving.s3_adapter_buckets.is_empty())
+                .then(|| args.serving.s3_adapter_buckets.join(",")),
+        )
         // The launcher parses the shards' JSON lines and re-logs them in its own format.
         .arg("--json-logs");
     // Tracing: the shards export to the router's collector, under a service name of their own.
@@ -203,6 +209,8 @@ mod tests {
             "0.8",
             "--max-cpu-adapters",
             "16",
+            "--s3-adapter-buckets",
+            "team-a,shared",
             "--enforce-eager",
         ]);
         let model = ModelSource::User(args.requested_model_id().unwrap());
@@ -234,6 +242,8 @@ mod tests {
                 "0.8",
                 "--max-cpu-adapters",
                 "16",
+                "--s3-adapter-buckets",
+                "team-a,shared",
                 "--json-logs",
                 "--enforce-eager",
                 "--revision",
@@ -267,6 +277,7 @@ mod tests {
             "--grammar-cache-size",
             "--quantize",
             "--quantize-group-size",
+            "--s3-adapter-buckets",
         ] {
             assert!(
                 value_of(&cmd, absent).is_none(),

@@ -75,12 +75,14 @@ impl Default for AdmissionSettings {
     }
 }
 
-/// `--adapter-source`, `--adapter-root`, `--preload-adapters`, `--max-active-adapters`,
-/// `--max-lora-rank`.
+/// `--adapter-source`, `--adapter-root`, `--s3-adapter-buckets`, `--preload-adapters`,
+/// `--max-active-adapters`, `--max-lora-rank`.
 #[derive(Debug, Clone, Default)]
 pub struct AdapterSettings {
     pub source: AdapterSource,
     pub root: Option<PathBuf>,
+    /// `--s3-adapter-buckets`.
+    pub s3_buckets: Vec<String>,
     pub preload: Vec<String>,
     /// Device slots; 0 serves no adapter (every adapter request fails in the scheduler).
     pub max_active_adapters: u32,
@@ -105,6 +107,7 @@ impl Settings {
             adapters: AdapterSettings {
                 source: args.serving.adapter_source,
                 root: args.serving.adapter_root.clone(),
+                s3_buckets: args.serving.s3_adapter_buckets.clone(),
                 preload: args.serving.preload_adapters.clone(),
                 max_active_adapters: args.serving.max_active_adapters,
                 max_lora_rank: args.serving.max_lora_rank,
@@ -171,6 +174,7 @@ pub async fn start(
     let tenants = Tenants::new(settings.api_key.as_deref(), settings.api_keys_file.clone())
         .map_err(StartupError::ApiKeys)?;
     let resolver = Resolver::new(settings.adapters.source, settings.adapters.root.as_deref())
+        .and_then(|resolver| resolver.with_s3_buckets(&settings.adapters.s3_buckets))
         .map_err(StartupError::AdapterRoot)?;
     if let Some(cap) = settings.max_batch_total_tokens {
         if cap < limits.max_total_tokens {

@@ -301,3 +301,58 @@ async fn tokenize_loads_the_adapter_and_renders_its_own_template() {
         .await;
     assert_error(status, &missing, StatusCode::NOT_FOUND, "model_not_found");
 }
+
+#[tokio::test]
+async fn s3_ids_load_from_allowed_buckets_only_and_keep_their_url() {
+    let app = TestApp::with_options(Options {
+        s3_buckets: vec!["team-a".into()],
+        ..Options::default()
+    })
+    .await;
+    let id = "s3://team-a/adapters/sql";
+    let (status, body) = app
+        .post(
+            "/v1/completions",
+            &json!({"model": id, "prompt": "x", "max_tokens": 2}),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["model"], id);
+    // Rank 0 downloads it by its id: no local path goes to the shard.
+    let loads = app.shard.adapter_load_requests();
+    let load = loads.last().unwrap();
+    assert_eq!(
+        (
+            load.adapter_id.as_str(),
+            load.source.as_str(),
+            load.path.as_str()
+        ),
+        (id, "s3", "")
+    );
+    let (_, card) = app.get(&format!("/v1/models/{id}")).await;
+    assert_eq!(card["root"], id);
+
+    let loads_before = app.shard.adapter_load_requests().len();
+    for (model, status) in [
+        ("s3://team-b/adapters/sql", StatusCode::BAD_REQUEST),
+        ("s3://team-a/adapters/../sql", StatusCode::BAD_REQUEST),
+        ("s3://team-a/", StatusCode::BAD_REQUEST),
+    ] {
+        let (got, body) = app
+            .post("/v1/chat/completions", &chat_for(model, "hi", json!({})))
+            .await;
+        assert_error(got, &body, status, "invalid_adapter_id");
+        assert_eq!(body["error"]["param"], "model");
+    }
+    assert_eq!(app.shard.adapter_load_requests().len(), loads_before);
+
+    // Loaded through the vLLM endpoint, an S3 adapter keeps its URL as its name.
+    let (status, body) = app
+        .post(
+            "/v1/load_lora_adapter",
+            &json!({"lora_name": "sql", "lora_path": "s3://team-a/adapters/other"}),
+        )
+        .await;
+    assert_error(status, &body, StatusCode::BAD_REQUEST, "invalid_value");
+    assert_eq!(body["error"]["param"], "lora_name");
+}

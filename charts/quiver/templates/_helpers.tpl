@@ -104,6 +104,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $v.adapters.volume.enabled }}
 {{- include "quiver.flag" (dict "flag" "--adapter-root" "value" $v.adapters.volume.mountPath) }}
 {{- end }}
+{{- if $v.adapters.s3Buckets }}
+{{- include "quiver.flag" (dict "flag" "--s3-adapter-buckets" "value" (join "," $v.adapters.s3Buckets)) }}
+{{- end }}
 {{- if $v.adapters.preload }}
 {{- include "quiver.flag" (dict "flag" "--preload-adapters" "value" (join "," $v.adapters.preload)) }}
 {{- end }}

@@ -18,8 +18,8 @@ pub enum AdapterError {
          only hub adapters can be served"
     )]
     NoAdapterRoot { id: String },
-    /// `adapter_source` is neither `hub` nor `local`.
-    #[error("`adapter_source` must be `hub` or `local`, got `{0}`")]
+    /// `adapter_source` is not `hub`, `local` or `s3`.
+    #[error("`adapter_source` must be `hub`, `local` or `s3`, got `{0}`")]
     InvalidSource(String),
     /// No such local directory, no such hub repository, or not loaded (`/v1/models/{id}`,
     /// unload).

@@ -4,7 +4,8 @@
 //! (`backend`).
 //!
 //! A request for an adapter flows: `resolve` turns the `model` string into an `AdapterSpec`
-//! (hub repo and revision, or a directory checked to lie inside `--adapter-root`) → the
+//! (hub repo and revision, a directory checked to lie inside `--adapter-root`, or an S3
+//! prefix in an allowed bucket) → the
 //! registry loads it once (`LoadAdapter` on the shards; concurrent requests await the same
 //! load) and reads its assets → validation renders and tokenizes with those assets → the
 //! scheduler gets `GenerationRequest.adapter_id` and owns the device slots from there.
@@ -15,6 +16,7 @@ mod error;
 mod names;
 mod registry;
 mod resolve;
+mod s3_id;
 
 pub use assets::adapter_assets;
 pub use backend::{AdapterBackend, ServingBackend};
@@ -22,3 +24,4 @@ pub use error::AdapterError;
 pub use names::{check_name, check_path, MAX_ADAPTER_NAME_BYTES, MAX_ADAPTER_PATH_BYTES};
 pub use registry::{AdapterEntry, AdapterRegistry};
 pub use resolve::{AdapterLocation, AdapterSource, AdapterSpec, Resolver};
+pub use s3_id::S3Location;

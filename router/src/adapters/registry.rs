@@ -59,6 +59,7 @@ impl AdapterEntry {
             } => format!("{repo}@{revision}"),
             AdapterLocation::Hub { repo, .. } => repo.clone(),
             AdapterLocation::Local { .. } => self.shown_root.clone(),
+            AdapterLocation::S3(location) => location.to_string(),
         }
     }
 }
@@ -353,6 +354,8 @@ impl Inner {
                 (String::new(), revision.clone().unwrap_or_default())
             }
             AdapterLocation::Local { path } => (path.display().to_string(), String::new()),
+            // Rank 0 downloads it by its id.
+            AdapterLocation::S3(_) => (String::new(), String::new()),
         };
         let request = AdapterLoad {
             adapter_id: spec.id.clone(),
@@ -373,7 +376,7 @@ impl Inner {
         let (id, dir) = (spec.id.clone(), path.clone());
         let root = match &spec.location {
             AdapterLocation::Local { .. } => self.adapter_root.clone(),
-            AdapterLocation::Hub { .. } => None,
+            AdapterLocation::Hub { .. } | AdapterLocation::S3(_) => None,
         };
         let shown_root = match (&spec.location, &root) {
             (AdapterLocation::Local { path }, Some(root)) => path

@@ -1,5 +1,6 @@
 //! From an adapter id to where its files are: a hub repository (`owner/name`, optionally
-//! `@revision`) or a directory inside `--adapter-root`.
+//! `@revision`), a directory inside `--adapter-root`, or an S3 prefix (`s3://bucket/prefix`) in a
+//! bucket `--s3-adapter-buckets` allows.
 //!
 //! Local ids are a security boundary: a client must not make the server read any directory it
 //! likes. An id is refused (400) when it is absolute, has a `..` component, or when its
@@ -9,6 +10,7 @@
 use std::fmt;
 use std::path::{Component, Path, PathBuf};
 
+use super::s3_id::{is_s3_id, S3Buckets, S3Location};
 use super::{check_name, check_path, AdapterError};
 
 /// Where an adapter id is looked up; defined with the `--adapter-source` flag.
@@ -25,6 +27,8 @@ pub enum AdapterLocation {
     },
     /// The canonical directory, inside the canonical adapter root.
     Local { path: PathBuf },
+    /// A prefix in an allowed bucket.
+    S3(S3Location),
 }
 
 impl AdapterLocation {
@@ -32,6 +36,7 @@ impl AdapterLocation {
         match self {
             Self::Hub { .. } => AdapterSource::Hub,
             Self::Local { .. } => AdapterSource::Local,
+            Self::S3(_) => AdapterSource::S3,
         }
     }
 }
@@ -48,6 +53,7 @@ impl fmt::Display for AdapterLocation {
                 revision: None,
             } => write!(f, "hub:{repo}"),
             Self::Local { .. } => f.write_str("a local directory"),
+            Self::S3(location) => location.fmt(f),
         }
     }
 }
@@ -67,6 +73,7 @@ pub struct Resolver {
     root: Option<PathBuf>,
     /// `--adapter-root` as given (made absolute), for absolute paths spelled through it.
     root_as_given: Option<PathBuf>,
+    s3_buckets: S3Buckets,
 }
 
 impl Resolver {
@@ -93,7 +100,14 @@ impl Resolver {
             default_source,
             root,
             root_as_given,
+            s3_buckets: S3Buckets::default(),
         })
+    }
+
+    /// Allows S3 adapters from `buckets` (`--s3-adapter-buckets`); a malformed name is an error.
+    pub fn with_s3_buckets(mut self, buckets: &[String]) -> Result<Self, String> {
+        self.s3_buckets = S3Buckets::new(buckets)?;
+        Ok(self)
     }
 
     /// The canonical `--adapter-root`, if the server has one.
@@ -105,14 +119,15 @@ impl Resolver {
         self.default_source
     }
 
-    /// `id` looked up in `source` (the request's `adapter_source`), else in `--adapter-source`.
+    /// `id` looked up in `source` (the request's `adapter_source`), else by its spelling
+    /// (`s3://…` is S3), else in `--adapter-source`.
     pub fn resolve(
         &self,
         id: &str,
         source: Option<AdapterSource>,
     ) -> Result<AdapterSpec, AdapterError> {
         check_name(id)?;
-        let location = self.locate(id, source.unwrap_or(self.default_source))?;
+        let location = self.locate(id, source.unwrap_or_else(|| self.implied_source(id)))?;
         Ok(AdapterSpec {
             id: id.to_owned(),
             location,
@@ -131,7 +146,7 @@ impl Resolver {
         match source {
             Some(source) => self.locate(path, source),
             None if Path::new(path).is_absolute() => self.local_absolute(path),
-            None => self.locate(path, self.default_source),
+            None => self.locate(path, self.implied_source(path)),
         }
     }
 
@@ -149,14 +164,33 @@ impl Resolver {
             return (local != *location)
                 .then_some("it names another adapter directory under the adapter root");
         }
+        if is_s3_id(name) {
+            return match self.s3_buckets.locate(name) {
+                Ok(s3) if !matches!(location, AdapterLocation::S3(own) if *own == s3) => {
+                    Some("it is the id of another (S3) adapter")
+                }
+                _ => None,
+            };
+        }
         match parse_hub_id(name) {
             Ok(hub) if hub != *location => Some("it is the id of another (hub) adapter"),
             _ => None,
         }
     }
 
+    /// Where an id without an explicit source is looked up: an `s3://` id in S3 (no hub id or
+    /// local path is spelled that way), anything else in `--adapter-source`.
+    fn implied_source(&self, id: &str) -> AdapterSource {
+        if is_s3_id(id) {
+            AdapterSource::S3
+        } else {
+            self.default_source
+        }
+    }
+
     fn locate(&self, id: &str, source: AdapterSource) -> Result<AdapterLocation, AdapterError> {
         match source {
+            AdapterSource::S3 => self.s3_buckets.locate(id).map(AdapterLocation::S3),
             AdapterSource::Hub => parse_hub_id(id),
             AdapterSource::Local => {
                 let relative = checked_relative(id)?;
@@ -340,6 +374,7 @@ fn check_revision(revision: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::adapters::S3Location;
 
     fn hub(repo: &str, revision: Option<&str>) -> AdapterLocation {
         AdapterLocation::Hub {
@@ -478,6 +513,48 @@ mod tests {
                 path: canonical.join("sql")
             }
         );
+    }
+
+    #[test]
+    fn s3_ids_are_s3_by_their_spelling_and_only_in_allowed_buckets() {
+        let resolver = Resolver::default()
+            .with_s3_buckets(&["team-a".to_owned()])
+            .unwrap();
+        let s3 = AdapterLocation::S3(S3Location {
+            bucket: "team-a".into(),
+            prefix: "sql/v2".into(),
+        });
+        assert_eq!(
+            resolver
+                .resolve("s3://team-a/sql/v2", None)
+                .unwrap()
+                .location,
+            s3
+        );
+        assert_eq!(
+            resolver
+                .resolve("s3://team-a/sql/v2", Some(AdapterSource::S3))
+                .unwrap()
+                .location,
+            s3
+        );
+        assert_eq!(
+            resolver.locate_path("s3://team-a/sql/v2", None).unwrap(),
+            s3
+        );
+        let code = |id: &str, source| resolver.resolve(id, source).unwrap_err().code();
+        assert_eq!(code("s3://team-b/sql", None), "invalid_adapter_id");
+        assert_eq!(code("s3://team-a/../x", None), "invalid_adapter_id");
+        // An explicit source keeps its own rules: an S3 URL is no hub id.
+        assert_eq!(
+            code("s3://team-a/sql", Some(AdapterSource::Hub)),
+            "invalid_adapter_id"
+        );
+        assert_eq!(code("gpt-4", Some(AdapterSource::S3)), "model_not_found");
+        // Another S3 adapter's id cannot name this one.
+        assert!(resolver.name_conflict("s3://team-a/other", &s3).is_some());
+        assert!(resolver.name_conflict("s3://team-a/sql/v2", &s3).is_none());
+        assert!(resolver.name_conflict("sql", &s3).is_none());
     }
 
     #[test]

@@ -47,13 +47,15 @@ pub async fn load_lora_adapter(
         .resolver
         .locate_path(&path, source)
         .map_err(|error| ApiError::adapter(error, "lora_path"))?;
-    if let AdapterLocation::Hub { .. } = location {
-        // The shard downloads a hub adapter by its id (LoadAdapterRequest has no separate
-        // repository field), so a hub adapter can only be served under its own id.
+    if let AdapterLocation::Hub { .. } | AdapterLocation::S3(_) = location {
+        // The shard downloads a hub or S3 adapter by its id (LoadAdapterRequest has no separate
+        // repository field), so such an adapter can only be served under its own id.
         if name != path {
+            let kind = location.source();
             return Err(ApiError::BadRequestBody {
                 message: format!(
-                    "hub adapters are served under their hub id: set `lora_name` to `{path}`"
+                    "{kind} adapters are served under their {kind} id: set `lora_name` to \
+                     `{path}`"
                 ),
                 param: Some("lora_name".to_owned()),
                 code: "invalid_value",

@@ -13,7 +13,7 @@ pub struct LoadLoraAdapterRequest {
     /// it, or absolute).
     #[schema(value_type = String, required = true)]
     pub lora_path: Option<String>,
-    /// Extension: `hub` or `local`; default: an absolute `lora_path` is local, anything else
+    /// Extension: `hub`, `local` or `s3`; default: an absolute `lora_path` is local, anything else
     /// follows `--adapter-source`.
     pub adapter_source: Option<String>,
 }

@@ -43,7 +43,7 @@ pub struct GenerationParams {
     pub min_tokens: Option<u32>,
     /// vLLM's extension: return prompt and completion token ids alongside the text.
     pub return_token_ids: Option<bool>,
-    /// Extension: where an adapter id in `model` is looked up, `hub` or `local` (default:
+    /// Extension: where an adapter id in `model` is looked up, `hub`, `local` or `s3` (default:
     /// `--adapter-source`).
     pub adapter_source: Option<String>,
     /// OpenAI's penalties, -2..=2, over the generated tokens.

@@ -50,7 +50,7 @@ pub struct EmbeddingsRequest {
     /// Text inputs only: tokenize with the tokenizer's special tokens (BOS, and EOS where the
     /// tokenizer appends one); default true, as vLLM.
     pub add_special_tokens: Option<bool>,
-    /// Extension: where an adapter id in `model` is looked up, `hub` or `local`.
+    /// Extension: where an adapter id in `model` is looked up, `hub`, `local` or `s3`.
     pub adapter_source: Option<String>,
 }
 

@@ -27,7 +27,7 @@ pub struct TokenizeRequest {
     pub add_special_tokens: Option<bool>,
     /// Also return each token's string (`token_strs`).
     pub return_token_strs: Option<bool>,
-    /// Extension: where an adapter id in `model` is looked up, `hub` or `local`.
+    /// Extension: where an adapter id in `model` is looked up, `hub`, `local` or `s3`.
     pub adapter_source: Option<String>,
 }
 

@@ -93,7 +93,7 @@ impl ShardClient {
         &self,
         request: pb::LoadAdapterRequest,
     ) -> ShardResult<pb::LoadAdapterResponse> {
-        let downloads = wire::is_hub(&request) && request.path.is_empty();
+        let downloads = wire::is_remote(&request) && request.path.is_empty();
         let all = 0..self.ranks.len();
         if !downloads || self.ranks.len() == 1 {
             return self.load_on(all, request).await;

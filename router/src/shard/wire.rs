@@ -198,9 +198,10 @@ impl From<pb::LoadAdapterResponse> for LoadedAdapter {
     }
 }
 
-/// The source a `LoadAdapterRequest` names (what the client asked for is checked before).
-pub(super) fn is_hub(request: &pb::LoadAdapterRequest) -> bool {
-    request.source == AdapterSource::Hub.as_str()
+/// Whether rank 0 fetches the adapter a `LoadAdapterRequest` names (hub, S3) and the other
+/// ranks read its copy (what the client asked for is checked before).
+pub(super) fn is_remote(request: &pb::LoadAdapterRequest) -> bool {
+    AdapterSource::parse(&request.source).is_ok_and(AdapterSource::is_remote)
 }
 
 impl From<pb::CompileGrammarResponse> for GrammarCompiled {

@@ -157,6 +157,8 @@ pub struct Options {
     pub with_template: bool,
     pub adapter_source: AdapterSource,
     pub adapter_root: Option<PathBuf>,
+    /// `--s3-adapter-buckets`.
+    pub s3_buckets: Vec<String>,
     pub preload_adapters: Vec<String>,
     pub max_active_adapters: u32,
     /// How long each LoadAdapter takes in the fake shard.
@@ -186,6 +188,7 @@ impl Default for Options {
             with_template: true,
             adapter_source: AdapterSource::Hub,
             adapter_root: None,
+            s3_buckets: Vec::new(),
             preload_adapters: Vec::new(),
             max_active_adapters: 4,
             adapter_load_delay: Duration::ZERO,
@@ -260,6 +263,7 @@ impl TestApp {
             adapters: AdapterSettings {
                 source: options.adapter_source,
                 root: options.adapter_root,
+                s3_buckets: options.s3_buckets,
                 preload: options.preload_adapters,
                 max_active_adapters: options.max_active_adapters,
                 max_lora_rank: 64,

@@ -192,7 +192,7 @@ impl FakeShard {
             });
         }
         let downloads = match request.source {
-            AdapterSource::Hub => request.path.is_empty(),
+            AdapterSource::Hub | AdapterSource::S3 => request.path.is_empty(),
             AdapterSource::Local if request.path.is_empty() => {
                 return Err(invalid(format!(
                     "local adapter {id:?} comes without a path"
@@ -202,7 +202,7 @@ impl FakeShard {
         };
         if downloads && self.rank != 0 {
             return Err(invalid(format!(
-                "rank {} was asked to download hub adapter {id:?}: only rank 0 downloads",
+                "rank {} was asked to download adapter {id:?}: only rank 0 downloads",
                 self.rank
             )));
         }
