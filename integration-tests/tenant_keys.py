@@ -30,6 +30,9 @@ class Key:
     base_model: bool = False
     admin: bool = False
     limits: dict[str, int] | None = None
+    # None leaves the field out: the tenant defaults to the name, the group to the tenant.
+    tenant: str | None = None
+    prefix_cache_group: str | None = None
 
     def entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -41,6 +44,9 @@ class Key:
         }
         if self.limits:
             entry["limits"] = self.limits
+        for name, value in [("tenant", self.tenant), ("prefix_cache_group", self.prefix_cache_group)]:
+            if value is not None:
+                entry[name] = value
         return entry
 
 

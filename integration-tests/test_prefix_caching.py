@@ -2,12 +2,17 @@
 output on the same weights: a prompt that shares its first blocks with an earlier one reports
 them in `usage.prompt_tokens_details.cached_tokens` (and in the hit counters of /metrics) and
 still generates exactly transformers' tokens; a server with a tiny prefill budget computes long
-prompts in chunks, between the decode steps of running streams, with the same tokens."""
+prompts in chunks, between the decode steps of running streams, with the same tokens; an adapter
+unloaded, rewritten with new weights and loaded again under its name reuses none of the old
+weights' blocks and generates peft's tokens for the new ones."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import reference
+from adapter_models import ADAPTER_KINDS, BASE_SEED, build_adapter, greedy_with, start_adapter_stack
 from conftest import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS, SHARD_ENV
+from model_builders import build_model_dir
 from served import RETURN_TOKEN_IDS, token_ids
 from stack import Stack, StackConfig
 
@@ -145,3 +152,49 @@ def test_chunked_prompts_generate_transformers_tokens_beside_running_streams(chu
     )
     computed = sum(map(len, prompts)) + len(prompts[2])
     assert prefill_steps >= -(-computed // 16)
+
+
+def test_an_adapter_reloaded_with_new_weights_reuses_none_of_the_old_blocks(tmp_path: Path):
+    base = build_model_dir("llama", tmp_path / "base", seed=BASE_SEED)
+    # Both weight sets are written by peft; the served directory gets the old, then the new.
+    old = build_adapter(base, tmp_path / "weights" / "old", seed=710, **ADAPTER_KINDS["rank8"])
+    new = build_adapter(base, tmp_path / "weights" / "new", seed=711, **ADAPTER_KINDS["rank8"])
+    root = tmp_path / "root"
+    name = "team/reloaded"
+    shutil.copytree(old, root / name)
+    prompt = _ids(20, 3 * BLOCK + 5, _vocab(str(base)))
+    want_old = greedy_with(base, old, prompt, MAX_TOKENS)
+    want_new = greedy_with(base, new, prompt, MAX_TOKENS)
+    assert want_old.token_ids != want_new.token_ids, "the weight sets must differ in their tokens"
+    full = (len(prompt) - 1) // BLOCK * BLOCK
+
+    def load() -> None:
+        status, body = stack.post_raw("/v1/load_lora_adapter",
+                                      json.dumps({"lora_name": name, "lora_path": name}).encode())
+        assert status == 200, body
+
+    stack = start_adapter_stack(base, root, tmp_path, "reloaded", extra_args=["--prefix-caching", "true"])
+    try:
+        client = openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        with client:
+            load()
+            first, again = _complete(client, name, prompt), _complete(client, name, prompt)
+            assert (_cached(first), _cached(again)) == (0, full)
+            for response in (first, again):
+                reference.assert_greedy_parity(token_ids(response), want_old, "the old weights")
+
+            status, body = stack.post_raw("/v1/unload_lora_adapter", json.dumps({"lora_name": name}).encode())
+            assert status == 200, body
+            shutil.copytree(new, root / name, dirs_exist_ok=True)
+            load()
+            before = _counters(stack.base_url)
+            reloaded = _complete(client, name, prompt)
+            after = _counters(stack.base_url)
+            repeat = _complete(client, name, prompt)
+        assert _cached(reloaded) == 0, "the reloaded adapter reused blocks of the old weights"
+        assert after["quiver_prefix_cache_hits"] == before["quiver_prefix_cache_hits"]
+        assert _cached(repeat) == full, "the new weights' blocks are cached as any others"
+        for response in (reloaded, repeat):
+            reference.assert_greedy_parity(token_ids(response), want_new, "the new weights")
+    finally:
+        stack.stop()

@@ -100,7 +100,7 @@ async fn unknown_and_unservable_ids_are_refused_with_the_right_code() {
     let (status, body) = no_root
         .post(
             "/v1/chat/completions",
-            &chat_for("org/x", "hi", json!({"adapter_source": "s3"})),
+            &chat_for("org/x", "hi", json!({"adapter_source": "gcs"})),
         )
         .await;
     assert_error(status, &body, StatusCode::BAD_REQUEST, "invalid_value");

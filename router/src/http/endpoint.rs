@@ -191,6 +191,7 @@ pub(super) async fn answer<E: Endpoint>(
         choices: valid.choices,
         grammar: valid.grammar,
         prompt_tokens: valid.prompt_tokens,
+        cache_salt: valid.cache_salt,
     };
     let choices = state
         .infer

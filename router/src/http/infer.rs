@@ -16,7 +16,9 @@ use super::grammar::compile_grammar;
 use super::key_meter::charge_when_done;
 use crate::error::ApiError;
 use crate::metrics::Metrics;
-use crate::scheduler::{EventReceiver, FinishReason, GenerationRequest, Grammar, Scheduler};
+use crate::scheduler::{
+    EventReceiver, FinishReason, GenerationRequest, Grammar, RequestScope, Scheduler,
+};
 use crate::shard::ShardBackend;
 use crate::tenants::Caller;
 use crate::tokenizer::TextTokenizer;
@@ -42,6 +44,8 @@ pub struct Generation {
     pub grammar: Option<OutputGrammar>,
     /// Charged to the key, counted once per prompt.
     pub prompt_tokens: u32,
+    /// vLLM's `cache_salt`: narrows the prefix-cache scope the caller's key gives.
+    pub cache_salt: Option<String>,
 }
 
 impl Infer {
@@ -107,7 +111,12 @@ impl Infer {
             mut choices,
             grammar,
             prompt_tokens,
+            cache_salt,
         } = generation;
+        let scope = request_scope(caller, cache_salt.as_deref());
+        for choice in &mut choices {
+            choice.scope = scope.clone();
+        }
         if let Some(source) = &grammar {
             // The choices' EOS ids end the output once the grammar is complete.
             let eos_token_ids = choices
@@ -160,9 +169,13 @@ impl Infer {
     ) -> Result<Vec<Vec<f32>>, ApiError> {
         let tokens: u64 = inputs.iter().map(|ids| ids.len() as u64).sum();
         let count = inputs.len() as u64;
+        let scope = request_scope(caller, None);
         let requests = inputs
             .into_iter()
-            .map(|ids| GenerationRequest::embedding(ids, adapter_id))
+            .map(|ids| GenerationRequest {
+                scope: scope.clone(),
+                ..GenerationRequest::embedding(ids, adapter_id)
+            })
             .collect();
         let receivers = self.scheduler.submit_all(requests)?;
         caller.charge(tokens, 0);
@@ -186,6 +199,20 @@ impl Infer {
                 Err(error)
             }
         }
+    }
+}
+
+/// Whose request it is: the caller's tenant, and a prefix-cache scope no client can widen: the
+/// key's group, narrowed by `cache_salt`. Group names have no U+001F, so the separator keeps
+/// every (group, salt) pair apart from every group alone.
+fn request_scope(caller: &Caller, cache_salt: Option<&str>) -> RequestScope {
+    let group = caller.prefix_cache_group();
+    RequestScope {
+        tenant: caller.tenant().to_owned(),
+        cache_scope: match cache_salt {
+            Some(salt) => format!("{group}\u{1f}{salt}"),
+            None => group.to_owned(),
+        },
     }
 }
 

@@ -46,6 +46,9 @@ pub struct GenerationParams {
     /// Extension: where an adapter id in `model` is looked up, `hub`, `local` or `s3` (default:
     /// `--adapter-source`).
     pub adapter_source: Option<String>,
+    /// vLLM's extension: the request reuses cached prompt blocks only of requests that sent the
+    /// same salt (and, with API keys, only inside its key's prefix-cache group).
+    pub cache_salt: Option<String>,
     /// OpenAI's penalties, -2..=2, over the generated tokens.
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,

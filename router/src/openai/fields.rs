@@ -105,6 +105,7 @@ pub const SHARED: &[Field] = &[
     implemented("return_token_ids"),
     implemented("prompt_logprobs"),
     implemented("adapter_source"),
+    implemented("cache_salt"),
     // Structured output: OpenAI's field, vLLM's extension and its older aliases.
     implemented("response_format"),
     implemented("structured_outputs"),

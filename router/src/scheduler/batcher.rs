@@ -34,6 +34,7 @@ mod adapters;
 mod pace;
 mod preemption;
 mod prefill;
+mod prefill_share;
 
 use adapters::PendingUnload;
 use pace::PrefillPace;
@@ -107,6 +108,10 @@ impl Entry {
 impl Keyed for Entry {
     fn key(&self) -> &str {
         &self.request.adapter_id
+    }
+
+    fn tenant(&self) -> &str {
+        &self.request.scope.tenant
     }
 
     fn decodes(&self) -> bool {

@@ -32,6 +32,8 @@ mod adapter_tests;
 #[cfg(test)]
 mod embed_tests;
 #[cfg(test)]
+mod fairness_tests;
+#[cfg(test)]
 mod pace_tests;
 #[cfg(test)]
 mod preemption_tests;
@@ -77,6 +79,19 @@ pub struct GenerationRequest {
     /// is neither chunked nor served from the prefix cache (pooling reads every token's
     /// hidden state). `max_new_tokens` is 0 and the sampling fields are unused.
     pub embed: bool,
+    /// Whose request it is: its turn in the queue and the cached prefixes it may reuse.
+    pub scope: RequestScope,
+}
+
+/// Who a request belongs to, as scheduling sees it. Both parts are empty without API keys.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RequestScope {
+    /// Tenants take turns inside each adapter's queue (`queue.rs`).
+    pub tenant: String,
+    /// Part of every prompt block's name (`prefix_hash.rs`): requests of different scopes
+    /// never share a cached block, so no one can time a request to learn what another scope
+    /// sent. The key's prefix-cache group, plus the request's `cache_salt` if it has one.
+    pub cache_scope: String,
 }
 
 impl GenerationRequest {
@@ -94,6 +109,7 @@ impl GenerationRequest {
             prompt_logprobs: None,
             grammar: None,
             embed: true,
+            scope: Default::default(),
         }
     }
 }

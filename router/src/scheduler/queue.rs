@@ -1,5 +1,5 @@
-//! The waiting queue: admitted requests that are not prefilled yet, one FIFO per adapter (the
-//! base model is the adapter "").
+//! The waiting queue: admitted requests that are not prefilled yet, one queue per adapter (the
+//! base model is the adapter ""), and inside it one FIFO per tenant.
 //!
 //! The queue decides only the *order* in which waiting requests are offered to the batcher;
 //! the batcher's `admit` callback decides whether each one goes in now (token budget, batch
@@ -7,16 +7,23 @@
 //! requests, one request per turn, so a burst on one adapter is interleaved with every other
 //! adapter's requests instead of running ahead of them. An adapter that was just served goes
 //! to the back of the ring; an adapter that had to wait keeps its place and is offered first
-//! next time.
+//! next time. Inside an adapter's turn the tenants with waiting requests take turns the same
+//! way, so one tenant's burst cannot hold back another tenant's requests on the same adapter.
 //!
 //! Generic over the entry type so it is tested here with plain values.
 
 use std::collections::{HashMap, VecDeque};
 
-/// What a queued entry must tell the queue: the adapter it runs on, and whether it will decode
-/// once prefilled (an embedding does not: prefill pacing does not hold back for it).
+/// What a queued entry must tell the queue: the adapter it runs on, its tenant, and whether it
+/// will decode once prefilled (an embedding does not: prefill pacing does not hold back for
+/// it).
 pub trait Keyed {
     fn key(&self) -> &str;
+
+    /// Whose turn it takes inside its adapter's queue ("" without API keys).
+    fn tenant(&self) -> &str {
+        ""
+    }
 
     fn decodes(&self) -> bool {
         true
@@ -36,9 +43,80 @@ pub enum Admit<A> {
     Stop,
 }
 
+/// One adapter's waiting entries: a FIFO per tenant, the tenants taking turns.
+#[derive(Debug)]
+struct TenantQueues<T> {
+    fifos: HashMap<String, VecDeque<T>>,
+    /// Tenants with waiting entries, in service order (front = offered first).
+    ring: VecDeque<String>,
+}
+
+impl<T: Keyed> TenantQueues<T> {
+    fn new() -> Self {
+        Self {
+            fifos: HashMap::new(),
+            ring: VecDeque::new(),
+        }
+    }
+
+    fn push(&mut self, entry: T) {
+        if let Some(fifo) = self.fifos.get_mut(entry.tenant()) {
+            fifo.push_back(entry);
+        } else {
+            let tenant = entry.tenant().to_owned();
+            self.ring.push_back(tenant.clone());
+            self.fifos.insert(tenant, VecDeque::from([entry]));
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.ring.is_empty()
+    }
+
+    /// The entry offered next: the oldest of the tenant whose turn it is.
+    fn head(&self) -> Option<&T> {
+        self.fifos.get(self.ring.front()?)?.front()
+    }
+
+    /// Removes the head; its tenant goes to the back of the ring if it has more waiting.
+    fn pop_head(&mut self) -> Option<T> {
+        let tenant = self.ring.pop_front()?;
+        let fifo = self.fifos.get_mut(&tenant)?;
+        let entry = fifo.pop_front();
+        if fifo.is_empty() {
+            self.fifos.remove(&tenant);
+        } else {
+            self.ring.push_back(tenant);
+        }
+        entry
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &T> {
+        self.fifos.values().flatten()
+    }
+
+    fn retain(&mut self, keep: &mut impl FnMut(&T) -> bool) {
+        for fifo in self.fifos.values_mut() {
+            fifo.retain(&mut *keep);
+        }
+        self.fifos.retain(|_, fifo| !fifo.is_empty());
+        let fifos = &self.fifos;
+        self.ring.retain(|tenant| fifos.contains_key(tenant));
+    }
+
+    /// Every entry, in the order they would have been offered.
+    fn drain(mut self) -> Vec<T> {
+        let mut entries = Vec::new();
+        while let Some(entry) = self.pop_head() {
+            entries.push(entry);
+        }
+        entries
+    }
+}
+
 #[derive(Debug)]
 pub struct Queue<T> {
-    queues: HashMap<String, VecDeque<T>>,
+    queues: HashMap<String, TenantQueues<T>>,
     /// Adapters with waiting entries, in service order (front = offered first).
     ring: VecDeque<String>,
     len: usize,
@@ -65,11 +143,13 @@ impl<T: Keyed> Queue<T> {
     pub fn push(&mut self, entry: T) {
         self.decoding_len += usize::from(entry.decodes());
         if let Some(queue) = self.queues.get_mut(entry.key()) {
-            queue.push_back(entry);
+            queue.push(entry);
         } else {
             let key = entry.key().to_owned();
             self.ring.push_back(key.clone());
-            self.queues.insert(key, VecDeque::from([entry]));
+            let mut queue = TenantQueues::new();
+            queue.push(entry);
+            self.queues.insert(key, queue);
         }
         self.len += 1;
     }
@@ -105,24 +185,21 @@ impl<T: Keyed> Queue<T> {
         self.queues.retain(|_, queue| !queue.is_empty());
         let queues = &self.queues;
         self.ring.retain(|key| queues.contains_key(key));
-        self.len = self.queues.values().map(VecDeque::len).sum();
-        self.decoding_len = self
-            .queues
-            .values()
-            .flatten()
-            .filter(|e| e.decodes())
-            .count();
+        let entries = || self.queues.values().flat_map(TenantQueues::entries);
+        self.len = entries().count();
+        self.decoding_len = entries().filter(|e| e.decodes()).count();
     }
 
-    /// Removes and returns every entry of `key`, in order.
+    /// Removes and returns every entry of `key`, in the order they would have been offered.
     pub fn take_all(&mut self, key: &str) -> Vec<T> {
         let Some(queue) = self.queues.remove(key) else {
             return Vec::new();
         };
         self.ring.retain(|k| k != key);
-        self.len -= queue.len();
-        self.decoding_len -= queue.iter().filter(|e| e.decodes()).count();
-        queue.into()
+        let entries = queue.drain();
+        self.len -= entries.len();
+        self.decoding_len -= entries.iter().filter(|e| e.decodes()).count();
+        entries
     }
 
     /// Offers the heads of the adapters' queues in round-robin order and removes those `admit`
@@ -139,13 +216,13 @@ impl<T: Keyed> Queue<T> {
                 self.ring.remove(position);
                 continue;
             };
-            let Some(head) = queue.front() else {
+            let Some(head) = queue.head() else {
                 self.ring.remove(position);
                 continue;
             };
             match admit(head) {
                 Admit::Take(admitted) => {
-                    if let Some(entry) = queue.pop_front() {
+                    if let Some(entry) = queue.pop_head() {
                         self.len -= 1;
                         self.decoding_len -= usize::from(entry.decodes());
                         batch.push((entry, admitted));
@@ -338,6 +415,77 @@ mod tests {
         assert_eq!(queue.len(), 3);
         assert!(queue.take_all("b").is_empty());
         assert_eq!(take_all(&mut queue), vec![("a", 0), ("a", 2), ("a", 4)]);
+    }
+
+    /// (adapter, tenant, value)
+    type Owned = (&'static str, &'static str, u32);
+
+    impl Keyed for Owned {
+        fn key(&self) -> &str {
+            self.0
+        }
+
+        fn tenant(&self) -> &str {
+            self.1
+        }
+    }
+
+    #[test]
+    fn tenants_take_turns_inside_an_adapters_queue() {
+        let mut queue = Queue::new();
+        for i in 0..4 {
+            queue.push(("", "big", i));
+        }
+        queue.push(("", "small", 0));
+        queue.push(("a", "big", 0));
+        queue.push(("", "small", 1));
+        let order: Vec<Owned> = queue
+            .next_batch(|_| Admit::Take(()))
+            .into_iter()
+            .map(|(entry, ())| entry)
+            .collect();
+        // Adapters alternate ("" then "a"); inside "", big and small alternate.
+        assert_eq!(
+            order,
+            vec![
+                ("", "big", 0),
+                ("a", "big", 0),
+                ("", "small", 0),
+                ("", "big", 1),
+                ("", "small", 1),
+                ("", "big", 2),
+                ("", "big", 3),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_tenant_whose_head_did_not_fit_keeps_its_turn() {
+        let mut queue = Queue::new();
+        queue.push(("", "big", 100));
+        queue.push(("", "small", 1));
+        queue.push(("", "big", 100));
+        // Nothing of 100 fits: the call stops at big's head and small waits behind it, as a
+        // head that does not fit is never overtaken.
+        assert!(queue
+            .next_batch(|&(_, _, size)| if size > 10 {
+                Admit::<()>::Stop
+            } else {
+                Admit::Take(())
+            })
+            .is_empty());
+        let one = queue.next_batch(|_| Admit::Take(()));
+        let order: Vec<u32> = one.iter().map(|((_, _, size), ())| *size).collect();
+        assert_eq!(order, vec![100, 1, 100]);
+        // Dropped entries leave their tenant's turn with them.
+        queue.push(("", "big", 1));
+        queue.push(("", "small", 2));
+        queue.push(("", "big", 3));
+        queue.retain(|&(_, tenant, _)| tenant != "big");
+        assert_eq!(
+            (queue.len(), queue.take_all("")),
+            (1, vec![("", "small", 2)])
+        );
     }
 
     /// (adapter, decodes)

@@ -44,6 +44,7 @@ pub(super) fn request(prompt: &[u32], max_new_tokens: u32) -> GenerationRequest 
         prompt_logprobs: None,
         grammar: None,
         embed: false,
+        scope: Default::default(),
     }
 }
 

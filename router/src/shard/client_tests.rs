@@ -215,6 +215,7 @@ async fn the_scheduler_runs_over_grpc() {
             prompt_logprobs: None,
             grammar: None,
             embed: false,
+            scope: Default::default(),
         })
         .unwrap();
     let mut tokens = Vec::new();

@@ -4,6 +4,8 @@
 //! keys:
 //!   - name: team-a                 # shown in logs and as the metrics' `key` label
 //!     sha256: 5e884898da28...      # printf %s "$KEY" | sha256sum
+//!     tenant: acme                 # default: the name; keys of one tenant share its turn
+//!     prefix_cache_group: acme     # default: the tenant; cached prompt blocks stay inside it
 //!     adapters: ["team-a/*", "shared-sql"]
 //!     base_model: true
 //!     admin: false
@@ -25,6 +27,10 @@ use super::pattern::AdapterPattern;
 pub struct KeyPolicy {
     pub name: String,
     pub digest: KeyDigest,
+    /// Whose requests these are: tenants take turns in each adapter's queue.
+    pub tenant: String,
+    /// Requests reuse cached prompt blocks only of requests in the same group.
+    pub prefix_cache_group: String,
     pub adapters: Vec<AdapterPattern>,
     pub base_model: bool,
     pub admin: bool,
@@ -46,6 +52,8 @@ impl KeyPolicy {
         Self {
             name: "api-key".to_owned(),
             digest: KeyDigest::of_key(key),
+            tenant: "api-key".to_owned(),
+            prefix_cache_group: "api-key".to_owned(),
             adapters: vec![AdapterPattern::new("*").expect("not empty")],
             base_model: true,
             admin: true,
@@ -74,6 +82,8 @@ struct KeysFile {
 struct KeyEntry {
     name: String,
     sha256: String,
+    tenant: Option<String>,
+    prefix_cache_group: Option<String>,
     #[serde(default)]
     adapters: Vec<String>,
     #[serde(default)]
@@ -120,6 +130,18 @@ fn entry_policy(entry: KeyEntry) -> Result<KeyPolicy, String> {
         ));
     }
     let at = |error: String| format!("`{}`: {error}", entry.name);
+    let tenant = entry.tenant.unwrap_or_else(|| entry.name.clone());
+    let prefix_cache_group = entry.prefix_cache_group.unwrap_or_else(|| tenant.clone());
+    for (field, value) in [
+        ("tenant", &tenant),
+        ("prefix_cache_group", &prefix_cache_group),
+    ] {
+        if !valid_name(value) {
+            return Err(at(format!(
+                "{field} `{value}` must be 1 to 64 letters, digits, `-`, `_` or `.`"
+            )));
+        }
+    }
     let digest = KeyDigest::from_hex(&entry.sha256).map_err(at)?;
     let adapters = entry
         .adapters
@@ -139,6 +161,8 @@ fn entry_policy(entry: KeyEntry) -> Result<KeyPolicy, String> {
     Ok(KeyPolicy {
         name: entry.name,
         digest,
+        tenant,
+        prefix_cache_group,
         adapters,
         base_model: entry.base_model,
         admin: entry.admin,
@@ -187,6 +211,31 @@ mod tests {
         );
         let ops = &keys[1];
         assert!(ops.admin && !ops.base_model && ops.adapters.is_empty());
+        // A key is its own tenant and cache group unless the file says otherwise.
+        assert_eq!(
+            (a.tenant.as_str(), a.prefix_cache_group.as_str()),
+            ("team-a", "team-a")
+        );
+    }
+
+    #[test]
+    fn keys_share_a_tenant_and_tenants_a_cache_group_when_told() {
+        let text = format!(
+            "keys:\n\
+             - {{name: a-ci, sha256: {SHA_A}, tenant: acme}}\n\
+             - {{name: b, sha256: {SHA_B}, tenant: beta, prefix_cache_group: public}}\n"
+        );
+        let keys = parse_keys(&text).unwrap();
+        assert_eq!(
+            (keys[0].tenant.as_str(), keys[0].prefix_cache_group.as_str()),
+            ("acme", "acme")
+        );
+        assert_eq!(
+            (keys[1].tenant.as_str(), keys[1].prefix_cache_group.as_str()),
+            ("beta", "public")
+        );
+        let bad = format!("keys:\n- {{name: a, sha256: {SHA_A}, tenant: 'a b'}}\n");
+        assert!(parse_keys(&bad).unwrap_err().contains("tenant"));
     }
 
     #[test]

@@ -168,6 +168,23 @@ impl Caller {
         }
     }
 
+    /// The tenant whose turn the request takes in its adapter's queue; "" without keys.
+    pub fn tenant(&self) -> &str {
+        match self {
+            Self::Anyone => "",
+            Self::Key { policy, .. } => &policy.tenant,
+        }
+    }
+
+    /// Whose cached prompt blocks the request may reuse: its key's prefix-cache group; ""
+    /// (everyone's) without keys. No client can leave it out or choose another.
+    pub fn prefix_cache_group(&self) -> &str {
+        match self {
+            Self::Anyone => "",
+            Self::Key { policy, .. } => &policy.prefix_cache_group,
+        }
+    }
+
     /// The key's name; `None` without keys.
     pub fn name(&self) -> Option<&str> {
         match self {

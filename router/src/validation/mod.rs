@@ -87,6 +87,8 @@ pub struct ValidRequest {
     pub tools: Option<ToolPlan>,
     /// Chat with a thinking model: how replies are split into reasoning and content.
     pub reasoning: Option<ReasoningPlan>,
+    /// vLLM's `cache_salt`, if sent.
+    pub cache_salt: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -264,6 +266,8 @@ impl Validator {
                     // Pinned once the shards compiled it (`Infer::generate`).
                     grammar: None,
                     embed: false,
+                    // The caller's (`Infer::generate`).
+                    scope: Default::default(),
                 });
             }
         }
@@ -275,6 +279,7 @@ impl Validator {
             grammar: checked.grammar,
             tools: None,
             reasoning: None,
+            cache_salt: checked.cache_salt,
         })
     }
 

@@ -22,7 +22,13 @@ pub(super) struct CheckedParams {
     pub options: ResponseOptions,
     /// The output constraint, if the request asks for one.
     pub grammar: Option<OutputGrammar>,
+    /// vLLM's `cache_salt`: this request reuses cached prompt blocks only of requests with the
+    /// same salt (inside its key's prefix-cache group).
+    pub cache_salt: Option<String>,
 }
+
+/// The longest `cache_salt` accepted, in bytes: it is hashed into every prompt block's name.
+const MAX_CACHE_SALT_BYTES: usize = 1024;
 
 /// Range checks of the shared parameters; OpenAI's defaults where absent. `max_tokens: 0` is
 /// allowed only with completions' `echo` (see `logprobs::apply_logprobs`).
@@ -93,6 +99,15 @@ pub(super) fn check_params(
     let controls = check_controls(params, limits)?;
     let grammar = output_grammar(params)?;
     let stream = params.stream.unwrap_or(false);
+    let cache_salt = params.cache_salt.clone();
+    if let Some(salt) = &cache_salt {
+        if salt.is_empty() || salt.len() > MAX_CACHE_SALT_BYTES {
+            return Err(ValidationError::invalid(
+                "cache_salt",
+                format!("`cache_salt` must be 1 to {MAX_CACHE_SALT_BYTES} bytes"),
+            ));
+        }
+    }
     Ok(CheckedParams {
         sampling: SamplingParams {
             temperature,
@@ -125,6 +140,7 @@ pub(super) fn check_params(
             ..ResponseOptions::default()
         },
         grammar,
+        cache_salt,
     })
 }
 

@@ -8,6 +8,7 @@ use tokio::time::Instant;
 
 use super::adapters::Activation;
 use super::preemption::Starved;
+use super::prefill_share::{share_prefill_budget, Shares};
 use super::{protocol_error, step_attributes, Admission, Batcher, Entry, Resources, Running};
 use crate::scheduler::blocks::{BlockAllocator, BlockHash};
 use crate::scheduler::prefix_hash::block_hashes;
@@ -33,9 +34,20 @@ impl Batcher {
             self.preempt_for(starved).await;
         }
         self.step_registered.clear();
-        let mut budget = u64::from(self.step_budget());
-        let chunks = self.next_chunks(&mut budget);
-        let admitted = self.admit_waiting(budget, !chunks.is_empty()).await;
+        let budget = u64::from(self.step_budget());
+        let shares = self.prefill_shares(budget);
+        let mut chunks = self.next_chunks(&shares.under_way);
+        let admitted = self.admit_waiting(shares.queue, !chunks.is_empty()).await;
+        let used = chunks
+            .iter()
+            .map(|&(_, from, until)| u64::from(until - from))
+            .chain(
+                admitted
+                    .iter()
+                    .map(|(_, a)| u64::from(a.prefill_until - a.cached_tokens)),
+            )
+            .sum::<u64>();
+        self.extend_chunks(&mut chunks, budget.saturating_sub(used));
         if admitted.is_empty() && chunks.is_empty() {
             return None;
         }
@@ -130,34 +142,81 @@ impl Batcher {
             .budget(cap, self.config.block_size.max(1), decoding, waiting)
     }
 
-    /// The next chunk of each prompt whose prefill goes on, oldest first, within `budget`:
-    /// (request id, from, until).
-    fn next_chunks(&mut self, budget: &mut u64) -> Vec<(u64, u32, u32)> {
+    /// This step's budget shared between the prompts under way (in `prefilling` order) and
+    /// the waiting requests (`prefill_share.rs`).
+    fn prefill_shares(&self, budget: u64) -> Shares {
+        let under_way: Vec<(&str, u64)> = self
+            .prefilling
+            .iter()
+            .map(|id| {
+                let running = &self.active[id];
+                let left = running.prompt_len() - running.prefilled;
+                (running.request.scope.tenant.as_str(), u64::from(left))
+            })
+            .collect();
+        share_prefill_budget(budget, &under_way, !self.queue.is_empty())
+    }
+
+    /// The next chunk of each prompt whose prefill goes on, within its share: (request id,
+    /// from, until). A prompt whose share is 0 this step gets no chunk.
+    fn next_chunks(&mut self, shares: &[u64]) -> Vec<(u64, u32, u32)> {
         let mut chunks = Vec::new();
-        for &id in &self.prefilling {
-            if *budget == 0 {
-                break;
+        let prefilling = self.prefilling.clone();
+        for (&id, &share) in prefilling.iter().zip(shares) {
+            if share == 0 {
+                continue;
             }
-            let running = self
-                .active
-                .get_mut(&id)
-                .expect("prefilling requests are active");
-            let from = running.prefilled;
-            let take = u64::from(running.prompt_len() - from).min(*budget) as u32;
-            running.prefilled = from + take;
-            *budget -= u64::from(take);
-            register_computed(
-                &mut self.resources.allocator,
-                &mut self.step_registered,
-                running.blocks.ids(),
-                &running.block_hashes,
-                from,
-                from + take,
-                self.config.block_size,
-            );
-            chunks.push((id, from, from + take));
+            let from = self.active[&id].prefilled;
+            let until = self.advance_prefill(id, share);
+            chunks.push((id, from, until));
         }
         chunks
+    }
+
+    /// Gives what the waiting requests left of the budget to the chunks of this step, oldest
+    /// prompt first, and to prompts under way that got no chunk yet.
+    fn extend_chunks(&mut self, chunks: &mut Vec<(u64, u32, u32)>, mut left: u64) {
+        for index in 0..self.prefilling.len() {
+            if left == 0 {
+                break;
+            }
+            let id = self.prefilling[index];
+            let Some(running) = self.active.get(&id) else {
+                continue;
+            };
+            let before = running.prefilled;
+            let until = self.advance_prefill(id, left);
+            if until == before {
+                continue;
+            }
+            left -= u64::from(until - before);
+            match chunks.iter_mut().find(|(chunk, _, _)| *chunk == id) {
+                Some(chunk) => chunk.2 = until,
+                None => chunks.push((id, before, until)),
+            }
+        }
+    }
+
+    /// Moves request `id`'s prefill on by up to `tokens` and registers the full blocks it
+    /// completes in the prefix cache; returns where its prefill now ends.
+    fn advance_prefill(&mut self, id: u64, tokens: u64) -> u32 {
+        let running = self
+            .active
+            .get_mut(&id)
+            .expect("prefilling requests are active");
+        let from = running.prefilled;
+        let take = u64::from(running.prompt_len() - from).min(tokens) as u32;
+        running.prefilled = from + take;
+        register_computed(
+            &mut self.resources.allocator,
+            &mut self.step_registered,
+            running.blocks.ids(),
+            &running.block_hashes,
+            from,
+            from + take,
+            self.config.block_size,
+        );
+        from + take
     }
 
     /// Takes the waiting requests that fit into this step (`budget` computed prompt tokens
@@ -365,6 +424,7 @@ impl Batcher {
         let mut sequence = running.request.input_ids.clone();
         sequence.extend_from_slice(&running.tokens[..fed]);
         let hashes = block_hashes(
+            &running.request.scope.cache_scope,
             &running.request.adapter_id,
             self.adapter_epoch(&running.request.adapter_id),
             &sequence,
@@ -390,6 +450,7 @@ impl Batcher {
             return Vec::new();
         }
         block_hashes(
+            &request.scope.cache_scope,
             &request.adapter_id,
             self.adapter_epoch(&request.adapter_id),
             &request.input_ids,
