@@ -174,11 +174,17 @@ def adapter_set(tmp_path_factory) -> AdapterSet:
 def start_stack(adapters: AdapterSet, log_dir: Path, name: str, max_active_adapters: int | None = None,
                 extra_args: list[str] | None = None) -> Stack:
     """The real launcher serving the base with local adapters from the set's root."""
-    args = ["--adapter-source", "local", "--adapter-root", str(adapters.root), "--max-lora-rank", "64"]
+    return start_adapter_stack(adapters.base_dir, adapters.root, log_dir, name, max_active_adapters, extra_args)
+
+
+def start_adapter_stack(base_dir: Path, root: Path, log_dir: Path, name: str, max_active_adapters: int | None = None,
+                        extra_args: list[str] | None = None) -> Stack:
+    """The real launcher serving the base in `base_dir` with local adapters from `root`."""
+    args = ["--adapter-source", "local", "--adapter-root", str(root), "--max-lora-rank", "64"]
     if max_active_adapters is not None:
         args += ["--max-active-adapters", str(max_active_adapters)]
     config = StackConfig(
-        model_id=str(adapters.base_dir),
+        model_id=str(base_dir),
         served_model_name=SERVED_NAME,
         max_input_tokens=256,
         max_total_tokens=512,

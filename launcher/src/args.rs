@@ -71,8 +71,9 @@ pub struct LauncherArgs {
     #[command(flatten)]
     pub serving: ServingFlags,
 
-    /// Loaded adapters each shard keeps in host memory (least recently used beyond it are
-    /// dropped and reloaded from disk when asked for again) (shard default: 64).
+    /// Loaded adapters each shard keeps in host memory besides those in device slots (least
+    /// recently used beyond it are dropped and reloaded from disk when asked for again) (shard
+    /// default: 64).
     #[arg(long, env = "QUIVER_MAX_CPU_ADAPTERS")]
     pub max_cpu_adapters: Option<u32>,
 

@@ -3,6 +3,7 @@
     quiver-server serve MODEL_ID --uds-path PATH [--revision REV] [--dtype ...] [--device ...]
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
                         [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64]
+                        [--adapter-root DIR] [--s3-adapter-buckets b1,b2]
                         [--grammar-compile-timeout 5.0] [--grammar-cache-size 256] [--json-logs]
                         [--otlp-endpoint URL] [--otel-service-name quiver-shard]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
@@ -76,9 +77,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, run decode steps eagerly instead of replaying captured CUDA graphs")
     serve.add_argument("--max-cpu-adapters", type=int, default=64,
-                       help="LoRA adapters kept in host memory (least recently used evicted first)")
+                       help="LoRA adapters kept in host memory besides those in device slots (least recently "
+                            "used evicted first)")
     serve.add_argument("--adapter-root",
                        help="directory of local adapters: their files are read only if they resolve inside it")
+    serve.add_argument("--s3-adapter-buckets", type=_bucket_list, default=(), metavar="B1,B2",
+                       help="buckets that s3://bucket/prefix adapters may come from, comma-separated (default: "
+                            "none, S3 adapters are refused); boto3's own configuration (AWS_* environment, "
+                            "~/.aws) gives the credentials and endpoint, $QUIVER_ADAPTER_CACHE the download cache")
     serve.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="a grammar (JSON schema, regex, Lark) that takes longer to compile is refused "
                             "as too complex")
@@ -113,6 +119,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("cpu-isas", parents=[common],
                         help="list the kernel ISAs this CPU runs (values of QUIVER_CPU_ISA), widest first")
     return parser
+
+
+def _bucket_list(value: str) -> tuple[str, ...]:
+    # s3_location holds no heavy imports: `--help` stays fast.
+    from quiver_server.adapters.s3_location import parse_buckets
+
+    try:
+        return parse_buckets(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -204,6 +220,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             kv_cache_dtype=args.kv_cache_dtype,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
+            s3_adapter_buckets=args.s3_adapter_buckets,
             grammar_budget_s=args.grammar_compile_timeout,
             grammar_cache_size=args.grammar_cache_size,
             tp=tp,

@@ -90,6 +90,7 @@ class Engine:
         gpu_memory_fraction: float = 0.9,
         max_cpu_adapters: int = 64,
         adapter_root: str | None = None,
+        s3_adapter_buckets: Sequence[str] = (),
         grammar_budget_s: float = DEFAULT_BUDGET_S,
         grammar_cache_size: int = DEFAULT_CACHE_SIZE,
         cuda_graphs: bool = True,
@@ -108,6 +109,7 @@ class Engine:
         quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
         groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too.
         kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype).
+        s3_adapter_buckets: the buckets `s3://bucket/prefix` adapters may come from (none: S3 is off).
         tp: this shard's place among ranks that split the model (`parallel.join_group`): it holds
         and computes its share (`models.tensor_split`), and every call must reach every rank."""
         path = Path(model_path)
@@ -159,7 +161,9 @@ class Engine:
         self.overlap_steps = self.device.type == "cuda" if overlap_steps is None else overlap_steps
         self._ahead: _StepAhead | None = None  # the next decode step's forward, launched early
         self.batches: dict[int, CachedBatch] = {}
-        self.lora = AdapterManager(self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root)
+        self.lora = AdapterManager(
+            self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root, s3_adapter_buckets
+        )
         self.grammars = Grammars(
             path, self.vocab_size, self.lora.registry.location, grammar_budget_s, grammar_cache_size
         )
@@ -641,9 +645,10 @@ class Engine:
 
     def load_adapter(self, adapter_id: str, source: str, path: str, revision: str = "") -> AdapterInfo:
         """Reads an adapter into host memory and checks it against the base (ValueError saying
-        what differs; AdapterNotFoundError for a missing directory or hub repo). Source "local"
-        reads `path`; "hub" downloads `adapter_id` (owner/name[@revision]) unless `path` gives
-        the directory another rank downloaded. Safe to call while steps run on another thread."""
+        what differs; AdapterNotFoundError for a missing directory, hub repo or S3 prefix;
+        AdapterStoreError when the store fails). Source "local" reads `path`; "hub" downloads
+        `adapter_id` (owner/name[@revision]), "s3" `adapter_id` (s3://bucket/prefix), unless
+        `path` gives the directory another rank downloaded. Safe to call while steps run on another thread."""
         return self.lora.load(adapter_id, source, path, revision)
 
     @torch.inference_mode()

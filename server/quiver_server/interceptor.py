@@ -2,8 +2,10 @@
 
 `ValueError` is the engine's way of saying "this request is wrong" (unknown batch id, block
 table too short, token id out of range): INVALID_ARGUMENT with the engine's message, which the
-router can show its caller. `AdapterNotFoundError` (no such adapter directory or hub repo) is
-NOT_FOUND, which the router answers with a 404. Anything else is a shard bug or a device
+router can show its caller. `AdapterNotFoundError` (no such adapter directory, hub repo or S3
+prefix) is NOT_FOUND, which the router answers with a 404. `AdapterStoreError` (an adapter's
+store failed or refused the server's credentials) is INTERNAL with its own message, logged
+without a traceback: it is the store's trouble, not the shard's. Anything else is a shard bug or a device
 failure: INTERNAL, logged with its traceback here because the router only ever sees the
 one-line message.
 
@@ -21,7 +23,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from quiver_server.adapters.errors import AdapterNotFoundError
+from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,9 @@ class ErrorInterceptor(aio.ServerInterceptor):
             except AdapterNotFoundError as error:
                 logger.warning("%s: %s", method, error)
                 await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+            except AdapterStoreError as error:
+                logger.warning("%s failed: %s", method, error)
+                await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {error}")
             except ValueError as error:
                 logger.warning("%s rejected: %s", method, error)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)

@@ -12,8 +12,9 @@ import sys
 
 PLAIN_FORMAT = "%(asctime)s %(levelname)-5s %(name)s: %(message)s"
 
-# Third-party loggers that are chatty at INFO and say nothing an operator needs.
-_QUIET_LOGGERS = ("httpx", "httpcore", "urllib3", "filelock")
+# Third-party loggers that are chatty at INFO and say nothing an operator needs (boto's debug
+# lines would also show request headers, a session token among them).
+_QUIET_LOGGERS = ("httpx", "httpcore", "urllib3", "filelock", "botocore", "boto3", "s3transfer")
 
 
 class JsonLinesFormatter(logging.Formatter):

@@ -67,3 +67,22 @@ def greedy_request(
         sampling=shard_pb2.SamplingParams(temperature=0.0, top_p=1.0, repetition_penalty=1.0, seed=seed),
         max_new_tokens=max_new_tokens,
     )
+
+
+def generate_greedy(
+    stub: shard_pb2_grpc.ShardStub, pool: BlockPool, batch_id: int, adapter_id: str, prompt: list[int],
+    new_tokens: int,
+) -> list[int]:
+    """One request's greedy tokens, prefill then decode steps as the router drives them; its
+    batch cleared at the end. `adapter_id` must be active ("" = the base model)."""
+    request = greedy_request(1, prompt, new_tokens, pool)
+    request.adapter_id = adapter_id
+    prefill = stub.Prefill(shard_pb2.PrefillRequest(batch_id=batch_id, requests=[request]))
+    tokens = [prefill.generations[0].token_id]
+    batch = prefill.batch
+    for _ in range(new_tokens - 1):
+        decode = stub.Decode(shard_pb2.DecodeRequest(batches=[batch]))
+        tokens.append(decode.generations[0].token_id)
+        batch = decode.batch
+    stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=batch_id))
+    return tokens

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from shard_harness import BlockPool, greedy_request, running_shard
+from shard_harness import BlockPool, generate_greedy, greedy_request, running_shard
 from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
 from tiny_models import build_tiny_model
 
@@ -60,17 +60,7 @@ def _status(code: grpc.StatusCode, call, request) -> str:  # noqa: ANN001
 
 
 def _generate(shard: Shard, batch_id: int, adapter_id: str) -> list[int]:
-    request = greedy_request(1, PROMPT, NEW_TOKENS, shard.pool)
-    request.adapter_id = adapter_id
-    prefill = shard.stub.Prefill(shard_pb2.PrefillRequest(batch_id=batch_id, requests=[request]))
-    tokens = [prefill.generations[0].token_id]
-    batch = prefill.batch
-    for _ in range(NEW_TOKENS - 1):
-        decode = shard.stub.Decode(shard_pb2.DecodeRequest(batches=[batch]))
-        tokens.append(decode.generations[0].token_id)
-        batch = decode.batch
-    shard.stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=batch_id))
-    return tokens
+    return generate_greedy(shard.stub, shard.pool, batch_id, adapter_id, PROMPT, NEW_TOKENS)
 
 
 def test_load_activate_generate_unload(shard: Shard) -> None:

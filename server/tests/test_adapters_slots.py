@@ -100,7 +100,8 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
         running[rid] = kind
         batch_ids.append(result.batch_id)
         step()  # the new request and the one in the other slot decode together
-        assert len(engine.lora.registry.host) <= HOST_CAPACITY + 1  # + the one just (re)read
+        # The slots' two adapters do not count against the host cache's capacity.
+        assert len(engine.lora.registry.host) <= HOST_CAPACITY + 2
     while running:
         step()
     for rid, kind in enumerate(plan):
@@ -211,7 +212,9 @@ def test_activation_says_whether_the_host_cache_held_the_weights(setup: Setup) -
     engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
     assert engine.activate_adapter("a", 0) is True
     engine.load_adapter("b", "local", str(setup.adapters["rank8-attention"]))
-    assert engine.activate_adapter("b", 0) is True  # "a" leaves the slot, then host memory
+    assert engine.activate_adapter("b", 0) is True  # "a" leaves the slot for host memory
+    assert "a" in engine.lora.registry.host  # the one unpinned place is a's
+    engine.load_adapter("c", "local", str(setup.adapters["rank16"]))  # takes it
     assert "a" not in engine.lora.registry.host
     assert engine.activate_adapter("a", 0) is False  # read from disk again
     assert engine.activate_adapter("a", 0) is True  # the slot holds it already
@@ -225,19 +228,35 @@ def _fake(adapter_id: str) -> LoadedAdapter:
 
 
 def test_host_cache_evicts_least_recently_used_and_never_a_pinned_one() -> None:
+    """The bound counts unpinned adapters only: the slots' adapters are kept besides it."""
     cache = HostAdapterCache(2)
     assert cache.put(_fake("a")) == [] and cache.put(_fake("b")) == []
     assert cache.put(_fake("c")) == ["a"]
     assert cache.get("b") is not None  # b is now the most recently used
     assert cache.put(_fake("d")) == ["c"]
-    cache.pin("b")
-    assert cache.put(_fake("e")) == ["d"]  # b is the oldest but pinned
-    assert cache.ids() == ["b", "e"]
-    cache.pin("e")
-    assert cache.put(_fake("f")) == [] and cache.ids() == ["b", "e", "f"]  # over the bound while pinned
-    assert cache.unpin("b") == ["b"]
+    b = cache.get("b")
+    assert b is not None and cache.pin(b) == []
+    assert cache.put(_fake("e")) == []  # pinned, b leaves room for two others
+    assert cache.put(_fake("f")) == ["d"]  # b is the oldest but pinned
+    assert cache.ids() == ["b", "e", "f"]
+    assert cache.unpin("b") == ["b"]  # unpinned, it is the least recently used of three
     assert cache.ids() == ["e", "f"]
     cache.remove("e")
     assert "e" not in cache and len(cache) == 1
     with pytest.raises(ValueError):
         HostAdapterCache(0)
+
+
+def test_an_adapter_evicted_between_activation_and_pin_is_put_back() -> None:
+    """Activation takes an adapter from the cache (or disk), copies it into a slot, then pins it;
+    a load on another thread can evict it in between when pinned adapters fill the cache. The
+    pin puts it back: an adapter in a slot always has its host copy."""
+    cache = HostAdapterCache(1)
+    cache.put(_fake("in-slot"))
+    cache.pin(_fake("in-slot"))
+    activating = _fake("activating")
+    assert cache.put(activating) == []  # the pinned one does not count
+    assert cache.put(_fake("loaded-meanwhile")) == ["activating"]
+    assert cache.pin(activating) == []  # back, and pinned: it does not count either
+    assert cache.ids() == ["in-slot", "loaded-meanwhile", "activating"]
+    assert cache.get("activating") is activating

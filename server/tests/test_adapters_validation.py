@@ -6,6 +6,7 @@ tensors peft loads; every mismatch with the base is a ValueError that names the 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -196,14 +197,42 @@ def test_mismatch_is_a_value_error_naming_the_difference(
     assert case not in engine.lora.registry and case not in engine.lora.registry.host
 
 
+def test_files_larger_than_any_servable_adapter_are_refused_unread(
+    base_dir: Path, engine: Engine, tmp_path: Path
+) -> None:
+    # peft's adapter of the largest kind this base serves at the slots' rank: every projection.
+    largest = build_adapter(base_dir, tmp_path / "largest", seed=3, r=MAX_RANK, lora_alpha=16,
+                            target_modules="all-linear")
+    assert engine.load_adapter("largest", "local", str(largest)).rank == MAX_RANK
+    float32_bytes = sum(t.numel() * 4 for t in load_file(str(largest / "adapter_model.safetensors")).values())
+    # Files far larger, sparse (they take no disk): read whole, they would take the host's memory.
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    (huge / "adapter_config.json").write_bytes((largest / "adapter_config.json").read_bytes())
+    with open(huge / "adapter_model.safetensors", "wb") as file:
+        file.truncate(3 * 2**30)
+    with pytest.raises(ValueError, match=r"'huge': adapter_model\.safetensors is 3\.0 GiB, more than any adapter of "
+                                         rf"rank up to {MAX_RANK} for this model can be \((\d+\.\d) MiB\)$") as raised:
+        engine.load_adapter("huge", "local", str(huge))
+    limit_mib = float(re.search(r"\((\d+\.\d) MiB\)$", str(raised.value)).group(1))  # type: ignore[union-attr]
+    # The float32 bytes of that largest adapter, and a small allowance for the file's header.
+    assert float32_bytes / 2**20 - 0.05 <= limit_mib <= float32_bytes / 2**20 + 2
+    with open(huge / "adapter_config.json", "wb") as file:
+        file.truncate(65 * 2**20)
+    with pytest.raises(ValueError, match=r"adapter_config\.json is 65\.0 MiB, more than an adapter's tokenizer, "
+                                         r"template or config file may be \(64\.0 MiB\)$"):
+        engine.load_adapter("huge", "local", str(huge))
+    assert "huge" not in engine.lora.registry
+
+
 def test_missing_adapter_is_not_found(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(AdapterNotFoundError, match="does not exist"):
         engine.load_adapter("gone", "local", str(tmp_path / "gone"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(AdapterNotFoundError, match="quiver-tests/no-such-adapter"):
         engine.load_adapter("quiver-tests/no-such-adapter@v1", "hub", "", "")
-    with pytest.raises(ValueError, match="source must be one of hub, local"):
-        engine.load_adapter("x", "s3", str(tmp_path), "")
+    with pytest.raises(ValueError, match="source must be one of hub, local, s3"):
+        engine.load_adapter("x", "gcs", str(tmp_path), "")
     with pytest.raises(ValueError, match="needs the directory"):
         engine.load_adapter("x", "local", "", "")
 

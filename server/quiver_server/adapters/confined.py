@@ -14,6 +14,8 @@ import os
 import stat
 from pathlib import Path
 
+from quiver_server.adapters.size_limits import SizeLimit
+
 log = logging.getLogger(__name__)
 
 
@@ -37,8 +39,9 @@ def is_inside(path: Path, root: Path) -> bool:
     return path == root or root in path.parents
 
 
-def read_confined(directory: Path, name: str, root: Path) -> bytes | None:
-    """The bytes of `directory/name`, None if it does not exist; refused unless the opened file lies in `root`.
+def read_confined(directory: Path, name: str, root: Path, limit: SizeLimit | None = None) -> bytes | None:
+    """The bytes of `directory/name`, None if it does not exist; refused unless the opened file lies in `root`,
+    and, with a `limit`, when the opened file is larger (before any of it is read).
 
     `root` must be canonical (`Path.resolve()`).
     """
@@ -56,8 +59,11 @@ def read_confined(directory: Path, name: str, root: Path) -> bytes | None:
         if not is_inside(opened, root):
             log.warning("refused %s: it resolves to %s, outside %s", path, opened, root)
             raise OutsideRootError(f"{name} leads outside the adapter root")
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
             raise ValueError(f"{name} is not a regular file")
+        if limit is not None:
+            limit.check(name, status.st_size)
         os.set_blocking(fd, True)
         with os.fdopen(fd, "rb", closefd=False) as file:
             return file.read()

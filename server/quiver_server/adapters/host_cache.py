@@ -1,10 +1,12 @@
 """Host-memory tier: loaded adapters, least recently used evicted first, bounded in count.
 
 An adapter held by a device slot is pinned: slots are refilled from here, and the router may
-re-activate it at any time, so it is never the one evicted. Evicting only drops the weights;
-the registry remembers where the adapter came from and reads it from disk again if needed.
-When pinned adapters fill it, it holds more than its bound (the pinned ones plus the one just
-added) and is trimmed again as soon as a slot lets one go.
+re-activate it at any time, so it is never the one evicted. Pinned adapters do not count
+against the bound (`--max-cpu-adapters` is what the host keeps *besides* the slots' adapters):
+were they counted, a server with more slots than host places would have every fresh load evict
+every other unpinned adapter, and most adapters would be read from disk twice, once to load and
+once to activate. Evicting only drops the weights; the registry remembers where the adapter came
+from and reads it from disk again if needed.
 """
 
 from __future__ import annotations
@@ -56,11 +58,16 @@ class HostAdapterCache:
             self._adapters.move_to_end(adapter.adapter_id)
             return self._trim(keep=adapter.adapter_id)
 
-    def pin(self, adapter_id: str) -> None:
+    def pin(self, adapter: LoadedAdapter) -> list[str]:
+        """Keeps `adapter`, just copied into a slot, until `unpin`; returns the ids evicted. A load
+        on another thread may have evicted it since the activation took it from here (with the
+        cache full of pinned adapters, every load evicts all the others): it is put back."""
         with self._lock:
-            if adapter_id not in self._adapters:
-                raise KeyError(adapter_id)
-            self._pinned.add(adapter_id)
+            self._pinned.add(adapter.adapter_id)
+            if adapter.adapter_id in self._adapters:
+                return []
+            self._adapters[adapter.adapter_id] = adapter
+            return self._trim()
 
     def unpin(self, adapter_id: str) -> list[str]:
         """Returns the ids evicted now that this one may go."""
@@ -80,12 +87,15 @@ class HostAdapterCache:
 
     def _trim(self, keep: str | None = None) -> list[str]:
         evicted: list[str] = []
-        for adapter_id in list(self._adapters):
-            if len(self._adapters) <= self.capacity:
+        unpinned = [adapter_id for adapter_id in self._adapters if adapter_id not in self._pinned]
+        excess = len(unpinned) - self.capacity
+        for adapter_id in unpinned:
+            if excess <= 0:
                 break
-            if adapter_id not in self._pinned and adapter_id != keep:
+            if adapter_id != keep:
                 del self._adapters[adapter_id]
                 evicted.append(adapter_id)
+                excess -= 1
         if evicted:
             log.info("host adapter cache full (%d): evicted %s", self.capacity, ", ".join(evicted))
         return evicted

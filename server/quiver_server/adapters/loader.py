@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from quiver_server.adapters.confined import read_confined
-
 from quiver_server.adapters.peft_config import LoraConfig, read_lora_config, resolve_targets
 from quiver_server.adapters.peft_keys import lora_weights
+from quiver_server.adapters.size_limits import AdapterSizeLimits, SizeLimit
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.adapters.validation import check_adapter
 from quiver_server.batch_types import AdapterInfo
@@ -60,20 +60,23 @@ class LoadedAdapter:
         return AdapterInfo(path=self.path, rank=self.rank, scaling=self.scaling, target_modules=self.target_modules)
 
 
-def read_tensors(adapter_dir: Path, root: Path | None = None) -> tuple[str, dict[str, torch.Tensor]]:
-    """(file name, tensors on the CPU) of the adapter's weight file, read only if it resolves inside `root`.
+def read_tensors(
+    adapter_dir: Path, root: Path | None = None, limit: SizeLimit | None = None
+) -> tuple[str, dict[str, torch.Tensor]]:
+    """(file name, tensors on the CPU) of the adapter's weight file, read only if it resolves inside `root`
+    and is no larger than `limit`.
 
     The bytes are parsed from the very file that was checked, never reopened by name.
     """
     root = root or adapter_dir.resolve()
-    data = read_confined(adapter_dir, SAFETENSORS_FILE, root)
+    data = read_confined(adapter_dir, SAFETENSORS_FILE, root, limit)
     if data is not None:
         try:
             return SAFETENSORS_FILE, safetensors_load(data)
         except Exception as error:  # safetensors raises its own error types for corrupt files
             log.warning("cannot parse %s in %s: %s", SAFETENSORS_FILE, adapter_dir, error)
             raise ValueError(f"{SAFETENSORS_FILE} is not a valid safetensors file") from None
-    data = read_confined(adapter_dir, BIN_FILE, root)
+    data = read_confined(adapter_dir, BIN_FILE, root, limit)
     if data is not None:
         try:
             # weights_only: a pickle from the internet must not run code.
@@ -99,12 +102,13 @@ def load_adapter_dir(
 ) -> LoadedAdapter:
     """Reads, checks (ValueError saying what differs from the base) and converts an adapter.
 
-    Every file read must resolve inside `root` (canonical; default: the adapter directory).
+    Every file read must resolve inside `root` (canonical; default: the adapter directory), and the
+    weight file be no larger than an adapter of rank up to `max_rank` for `spec`'s base can be.
     """
     root = root or adapter_dir.resolve()
     config: LoraConfig = read_lora_config(adapter_dir, root)
     targets = resolve_targets(config, spec)
-    file_name, tensors = read_tensors(adapter_dir, root)
+    file_name, tensors = read_tensors(adapter_dir, root, AdapterSizeLimits.of(spec, max_rank).weights)
     found = lora_weights(file_name, tensors, spec, config)
     check_adapter(config, targets, found, spec, max_rank, file_name)
 

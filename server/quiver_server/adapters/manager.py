@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -37,12 +37,15 @@ class AdapterManager:
         ops: KernelOps,
         max_cpu_adapters: int,
         adapter_root: str | None = None,
+        s3_buckets: Collection[str] = (),
     ) -> None:
         self.model = model
         self.dtype = dtype
         self.ops = ops
         self.spec = BaseModelSpec.from_model(model, config)
-        self.registry = AdapterRegistry(self.spec, dtype, ops.device, max_cpu_adapters, adapter_root)
+        self.registry = AdapterRegistry(
+            self.spec, dtype, ops.device, max_cpu_adapters, adapter_root, s3_buckets
+        )
         self.slots: AdapterSlots | None = None  # None: adapters disabled (or no warmup yet)
         self._warmed_up = False
 
@@ -85,7 +88,7 @@ class AdapterManager:
         host_cache_hit = adapter_id in self.registry.host
         adapter = self.registry.get(adapter_id)
         replaced = slots.activate(adapter, slot)
-        self.registry.host.pin(adapter_id)
+        self.registry.host.pin(adapter)
         if replaced is not None and slots.slot_of(replaced) is None:
             self.registry.host.unpin(replaced)
         log.info("adapter %s is in slot %d%s", adapter_id, slot, f" (replacing {replaced})" if replaced else "")

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from quiver_server.adapters.confined import read_confined
+from quiver_server.adapters.size_limits import OTHER_FILES
 from quiver_server.adapters.spec import BaseModelSpec
 
 CONFIG_FILE = "adapter_config.json"
@@ -165,7 +166,7 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
 def read_lora_config(adapter_dir: Path, root: Path | None = None) -> LoraConfig:
     """adapter_config.json of `adapter_dir`, read only if it resolves inside `root` (default: the directory)."""
     adapter_dir = Path(adapter_dir)
-    text = read_confined(adapter_dir, CONFIG_FILE, root or adapter_dir.resolve())
+    text = read_confined(adapter_dir, CONFIG_FILE, root or adapter_dir.resolve(), OTHER_FILES)
     if text is None:
         raise ValueError(f"the adapter directory has no {CONFIG_FILE}: it is not a PEFT adapter directory")
     try:

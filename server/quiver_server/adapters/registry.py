@@ -1,7 +1,8 @@
 """The adapters this shard knows: where each one lives on disk, and its host-memory copy.
 
-`load` finds the adapter's directory (a local path, or a hub download into the HF cache — the
-disk tier), reads and checks it, and puts it in the host cache. It is thread-safe and meant to
+`load` finds the adapter's directory (a local path, or a remote source's download: the hub's into
+the HF cache, an S3 bucket's into quiver's adapter cache — the disk tier), reads and checks it,
+and puts it in the host cache. It is thread-safe and meant to
 run off the engine's thread, so a download never stalls decoding. An adapter the host cache
 evicted stays known: `get` reads it from its directory again when a slot needs it.
 """
@@ -11,22 +12,27 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
-from quiver_server.adapters.confined import hub_cache_repo, is_inside
+from quiver_server.adapters.confined import is_inside
 from quiver_server.adapters.errors import AdapterNotFoundError
 from quiver_server.adapters.host_cache import HostAdapterCache
+from quiver_server.adapters.hub_source import HubSource
 from quiver_server.adapters.loader import BIN_FILE, SAFETENSORS_FILE, LoadedAdapter, load_adapter_dir
 from quiver_server.adapters.peft_config import CONFIG_FILE
+from quiver_server.adapters.remote_source import RemoteSource
+from quiver_server.adapters.s3_source import S3Source
+from quiver_server.adapters.size_limits import AdapterSizeLimits
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.batch_types import AdapterInfo
-from quiver_server.hub import MODEL_FILE_PATTERNS, ModelNotFoundError, download_snapshot
+from quiver_server.hub import MODEL_FILE_PATTERNS
 
 log = logging.getLogger(__name__)
 
-SOURCES = ("hub", "local")
+SOURCES = ("hub", "local", "s3")
 _BASE_ONLY_FILES = {"config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json"}
 # The adapter itself, plus its own tokenizer and chat template if it has them (the router reads
 # those from the same directory).
@@ -43,7 +49,9 @@ class AdapterRegistry:
         device: torch.device,
         max_cpu_adapters: int,
         adapter_root: str | None = None,
+        s3_buckets: Collection[str] = (),
     ) -> None:
+        """s3_buckets: the buckets S3 adapters may come from (`--s3-adapter-buckets`; empty: none)."""
         self.spec = spec
         self.dtype = dtype
         self.pin_memory = device.type == "cuda"
@@ -54,6 +62,10 @@ class AdapterRegistry:
         # Canonical --adapter-root: a local adapter's files must resolve inside it. Without it,
         # each local adapter is confined to its own directory.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root else None
+        self.remote: dict[str, RemoteSource] = {
+            "hub": HubSource(ADAPTER_FILE_PATTERNS),
+            "s3": S3Source(s3_buckets, ADAPTER_FILE_PATTERNS),
+        }
         self._lock = threading.Lock()
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -127,26 +139,26 @@ class AdapterRegistry:
 
     def _locate(self, adapter_id: str, source: str, path: str, revision: str) -> tuple[Path, Path]:
         """(directory, what its files must resolve inside): a local adapter's adapter root (else its own
-        directory), a hub download's repository folder in the cache (its snapshot links into `blobs/`)."""
+        directory), a remote source's download (its own rule: `remote_source`). A remote adapter with
+        a `path` is another rank's download, which this rank reads rather than fetches again."""
         if source not in SOURCES:
             raise ValueError(f"adapter source must be one of {', '.join(SOURCES)}, got {source!r}")
-        if path:
-            directory = Path(path).expanduser().resolve()
-            if self.adapter_root is not None and not is_inside(directory, self.adapter_root):
-                log.warning("refused adapter %r: %s is outside %s", adapter_id, directory, self.adapter_root)
-                raise ValueError("the adapter directory leads outside the adapter root")
-            if not directory.is_dir():
-                raise AdapterNotFoundError("the adapter directory does not exist")
-            return directory, self.adapter_root or directory
         if source == "local":
+            return self._local(adapter_id, path)
+        remote = self.remote[source]
+        if path:
+            files = remote.downloaded(adapter_id, Path(path))
+        else:
+            files = remote.fetch(adapter_id, revision, AdapterSizeLimits.of(self.spec, self.max_rank))
+        return files.directory, files.root
+
+    def _local(self, adapter_id: str, path: str) -> tuple[Path, Path]:
+        if not path:
             raise ValueError(f"local adapter {adapter_id!r} needs the directory to read it from (path)")
-        # A hub id may carry its revision as owner/name@revision.
-        repo, _, id_revision = adapter_id.partition("@")
-        try:
-            downloaded = download_snapshot(
-                repo, revision=revision or id_revision or None, allow_patterns=list(ADAPTER_FILE_PATTERNS)
-            )
-        except ModelNotFoundError as error:
-            raise AdapterNotFoundError(str(error)) from error
-        directory = Path(downloaded).resolve()
-        return directory, hub_cache_repo(directory) or directory
+        directory = Path(path).expanduser().resolve()
+        if self.adapter_root is not None and not is_inside(directory, self.adapter_root):
+            log.warning("refused adapter %r: %s is outside %s", adapter_id, directory, self.adapter_root)
+            raise ValueError("the adapter directory leads outside the adapter root")
+        if not directory.is_dir():
+            raise AdapterNotFoundError("the adapter directory does not exist")
+        return directory, self.adapter_root or directory

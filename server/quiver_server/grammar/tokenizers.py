@@ -16,6 +16,7 @@ from pathlib import Path
 import llguidance
 
 from quiver_server.adapters.confined import read_confined
+from quiver_server.adapters.size_limits import OTHER_FILES
 from quiver_server.grammar.errors import GrammarError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -47,7 +48,7 @@ def adapter_source(adapter_id: str, directory: Path, root: Path) -> TokenizerSou
         return None
     return TokenizerSource(
         key=f"adapter:{directory}",
-        read=lambda: read_confined(directory, TOKENIZER_FILE, root),
+        read=lambda: read_confined(directory, TOKENIZER_FILE, root, OTHER_FILES),
         what=f"adapter {adapter_id!r}",
     )
 

@@ -1,0 +1,460 @@
+"""S3 adapters (`s3://bucket/prefix`) against the real S3 API: moto's server on loopback with IAM
+authentication on, reached through a proxy that records (and can hold or corrupt) what the shard
+asks for. The references: the files peft's save_pretrained wrote, and the same adapter read from
+its local directory."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from shard_harness import BlockPool, generate_greedy, running_shard
+from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
+from tiny_models import build_tiny_model
+
+from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
+from quiver_server.adapters.registry import AdapterRegistry
+from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.engine import Engine
+from quiver_server.pb import shard_pb2, shard_pb2_grpc
+from quiver_server.service import ShardService
+
+sys.path.append(str(Path(__file__).resolve().parents[2] / "integration-tests"))
+from s3_store import AWS_VARIABLES_TO_CLEAR, S3Store, StoreProxy, start_store  # noqa: E402
+
+BUCKET = "quiver-adapters"
+MAX_RANK = 16
+WEIGHTS = "adapter_model.safetensors"
+CONFIG = "adapter_config.json"
+PROMPT = [9, 80, 41, 7, 230, 15, 66]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=5)
+
+
+@pytest.fixture(scope="module")
+def spec(base_dir: Path) -> BaseModelSpec:
+    return Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01).lora.spec
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Two adapters of one shape with other weights (the second is the first "re-uploaded"); the
+    first with a chat template, an extra template, and files an adapter directory does not hold."""
+    root = tmp_path_factory.mktemp("adapters")
+    qv = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    first = build_adapter(base_dir, root / "first", seed=1, **qv)
+    (first / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+    (first / "additional_chat_templates").mkdir()
+    (first / "additional_chat_templates" / "tools.jinja").write_text("{{ tools }}")
+    (first / "checkpoint-10").mkdir()
+    (first / "checkpoint-10" / WEIGHTS).write_bytes((first / WEIGHTS).read_bytes())
+    (first / "training_args.bin").write_bytes(b"not an adapter file")
+    return {"first": first, "second": build_adapter(base_dir, root / "second", seed=2, **qv)}
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[S3Store]:
+    store = start_store()
+    store.create_bucket(BUCKET)
+    yield store
+    store.stop()
+
+
+def _point_at(store: S3Store, proxy: StoreProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shard's AWS_* environment (the store through `proxy`) and its adapter cache."""
+    for name in AWS_VARIABLES_TO_CLEAR:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in store.server_env(proxy.endpoint, config_dir=tmp_path / "aws").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("QUIVER_ADAPTER_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def proxy(store: S3Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StoreProxy:
+    proxy = store.proxy()
+    _point_at(store, proxy, tmp_path, monkeypatch)
+    return proxy
+
+
+@dataclass
+class Shard:
+    stub: shard_pb2_grpc.ShardStub
+    pool: BlockPool
+    proxy: StoreProxy
+
+
+@pytest.fixture(scope="module")
+def shard(base_dir: Path, store: S3Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shard]:
+    """The gRPC shard, with S3 adapters from BUCKET, one adapter slot."""
+    proxy = store.proxy()
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        _point_at(store, proxy, tmp_path_factory.mktemp("shard"), monkeypatch)
+        engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01,
+                        s3_adapter_buckets=(BUCKET,))
+        with running_shard(ShardService(engine), tmp_path_factory.mktemp("sock") / "shard.sock") as stub:
+            warm = stub.Warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=64,
+                                                       max_batch_size=4, max_active_adapters=1,
+                                                       max_lora_rank=MAX_RANK))
+            yield Shard(stub, BlockPool(warm.block_size, warm.num_blocks), proxy)
+
+
+def _registry(spec: BaseModelSpec, buckets: tuple[str, ...] = (BUCKET,), adapter_root: Path | None = None
+              ) -> AdapterRegistry:
+    """A shard's adapter registry, as warmup leaves it (slots of rank up to MAX_RANK)."""
+    registry = AdapterRegistry(spec, torch.float32, torch.device("cpu"), max_cpu_adapters=8,
+                               adapter_root=str(adapter_root) if adapter_root else None, s3_buckets=buckets)
+    registry.max_rank = MAX_RANK
+    return registry
+
+
+def _assert_same_weights(registry: AdapterRegistry, got_id: str, want_id: str) -> None:
+    got, want = registry.get(got_id), registry.get(want_id)
+    assert (got.rank, got.scaling, got.target_modules) == (want.rank, want.scaling, want.target_modules)
+    assert got.weights.keys() == want.weights.keys()
+    for key, (a, b) in want.weights.items():
+        assert torch.equal(got.weights[key][0], a) and torch.equal(got.weights[key][1], b), key
+
+
+def _files_under(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def test_an_s3_adapter_is_the_adapter_its_directory_holds(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy, tmp_path: Path
+) -> None:
+    store.upload_dir(BUCKET, "team/sql-v1", adapters["first"])
+    registry = _registry(spec)
+    info = registry.load(f"s3://{BUCKET}/team/sql-v1", "s3", "", "")
+    registry.load("local", "local", str(adapters["first"]), "")
+    _assert_same_weights(registry, f"s3://{BUCKET}/team/sql-v1", "local")
+
+    # The files an adapter directory holds, byte for byte; not the checkpoint, README or training state.
+    downloaded = Path(info.path)
+    source = _files_under(adapters["first"])
+    kept = [CONFIG, WEIGHTS, "chat_template.jinja", "additional_chat_templates/tools.jinja"]
+    assert _files_under(downloaded) == {name: source[name] for name in kept}
+    assert sorted(proxy.object_gets) == sorted(f"{BUCKET}/team/sql-v1/{name}" for name in kept)
+    assert downloaded.parent == (tmp_path / "cache" / "s3" / BUCKET / "team" / "sql-v1").resolve()
+
+
+def test_an_unchanged_adapter_is_read_from_the_cache(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
+) -> None:
+    store.upload_dir(BUCKET, "cached", adapters["first"])
+    adapter_id = f"s3://{BUCKET}/cached"
+    first = _registry(spec).load(adapter_id, "s3", "", "")
+    downloads = len(proxy.object_gets)
+    assert downloads > 0
+    # A new process (a fresh registry) and an unload + load in the same one: listed, not downloaded.
+    registry = _registry(spec)
+    assert registry.load(adapter_id, "s3", "", "").path == first.path
+    registry.forget(adapter_id)
+    assert registry.load(adapter_id, "s3", "", "").path == first.path
+    assert len(proxy.object_gets) == downloads
+
+
+def test_a_reuploaded_adapter_is_downloaded_again(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
+) -> None:
+    adapter_id = f"s3://{BUCKET}/reuploaded"
+    store.upload_dir(BUCKET, "reuploaded", adapters["first"])
+    registry = _registry(spec)
+    old = registry.load(adapter_id, "s3", "", "")
+    registry.forget(adapter_id)
+    store.upload_dir(BUCKET, "reuploaded", adapters["second"])
+    gets_before = len(proxy.object_gets)
+    new = registry.load(adapter_id, "s3", "", "")
+    assert new.path != old.path
+    assert f"{BUCKET}/reuploaded/{WEIGHTS}" in proxy.object_gets[gets_before:]
+    registry.load("second", "local", str(adapters["second"]), "")
+    _assert_same_weights(registry, adapter_id, "second")
+
+
+def test_another_rank_reads_rank_0_s_download(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy, tmp_path: Path
+) -> None:
+    adapter_id = f"s3://{BUCKET}/ranks"
+    store.upload_dir(BUCKET, "ranks", adapters["first"])
+    rank0 = _registry(spec)
+    path = rank0.load(adapter_id, "s3", "", "").path
+    requests = len(proxy.requests)
+    rank1 = _registry(spec)
+    assert rank1.load(adapter_id, "s3", path, "").path == path
+    assert len(proxy.requests) == requests  # nothing asked of the store
+    rank1.load("local", "local", str(adapters["first"]), "")
+    _assert_same_weights(rank1, adapter_id, "local")
+    # A directory that is not that adapter's place in the cache is refused.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(path, elsewhere)
+    with pytest.raises(ValueError, match="not where this server's cache keeps that S3 adapter"):
+        _registry(spec).load(adapter_id, "s3", str(elsewhere), "")
+    with pytest.raises(ValueError, match="not where this server's cache keeps that S3 adapter"):
+        _registry(spec).load(f"s3://{BUCKET}/other", "s3", path, "")
+
+
+def test_a_missing_adapter_is_not_found(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
+) -> None:
+    store.put(BUCKET, "readme-only/README.md", b"# no adapter here")
+    registry = _registry(spec, buckets=(BUCKET, "no-such-bucket"))
+    for adapter_id in (f"s3://{BUCKET}/nothing/here", f"s3://{BUCKET}/readme-only", "s3://no-such-bucket/a"):
+        with pytest.raises(AdapterNotFoundError):
+            registry.load(adapter_id, "s3", "", "")
+        assert adapter_id not in registry
+    assert proxy.object_gets == []
+
+
+def test_an_oversized_file_is_refused_before_its_download(
+    spec: BaseModelSpec, base_dir: Path, store: S3Store, proxy: StoreProxy, tmp_path: Path
+) -> None:
+    # The largest adapter of rank MAX_RANK this base serves, in float32: every projection of
+    # every layer, A [r, in] and B [out, r] (peft's own all-linear adapter of that rank).
+    largest = build_adapter(base_dir, tmp_path / "largest", seed=3, r=MAX_RANK, lora_alpha=16,
+                            target_modules="all-linear")
+    store.upload_dir(BUCKET, "largest", largest)
+    registry = _registry(spec)
+    assert registry.load(f"s3://{BUCKET}/largest", "s3", "", "").rank == MAX_RANK
+    too_big = (largest / WEIGHTS).stat().st_size + 2 * 2**20  # past any header allowance too
+    store.put(BUCKET, "huge/adapter_config.json", (largest / CONFIG).read_bytes())
+    store.put(BUCKET, f"huge/{WEIGHTS}", bytes(too_big))
+    store.put(BUCKET, "huge-tokenizer/adapter_config.json", (largest / CONFIG).read_bytes())
+    store.put(BUCKET, f"huge-tokenizer/{WEIGHTS}", (largest / WEIGHTS).read_bytes())
+    store.put(BUCKET, "huge-tokenizer/tokenizer.json", bytes(64 * 2**20 + 1))
+    gets = len(proxy.object_gets)
+    with pytest.raises(ValueError, match=rf"^{WEIGHTS} is \d+\.\d MiB, more than any adapter of rank up to "
+                                         rf"{MAX_RANK} for this model can be \(\d+\.\d MiB\)$"):
+        registry.load(f"s3://{BUCKET}/huge", "s3", "", "")
+    with pytest.raises(ValueError, match=r"^tokenizer.json is 64.0 MiB, more than an adapter's tokenizer, template "
+                                         r"or config file may be \(64.0 MiB\)$"):
+        registry.load(f"s3://{BUCKET}/huge-tokenizer", "s3", "", "")
+    assert proxy.object_gets[gets:] == []  # refused from the listing: nothing downloaded
+
+
+@pytest.mark.parametrize("adapter_id, problem", [
+    (f"s3://{BUCKET}/a/../b", "'.' or '..' components"),
+    (f"s3://{BUCKET}/a//b", "empty, '.' or '..' components"),
+    (f"s3://{BUCKET}/./a", "'.' or '..' components"),
+    (f"s3://{BUCKET}/a/", "empty, '.' or '..' components"),
+    (f"s3://{BUCKET}/..", "'.' or '..' components"),
+    (f"s3://{BUCKET}/", "the prefix is missing"),
+    (f"s3://{BUCKET}", "the prefix is missing"),
+    (f"s3://{BUCKET}/a\\b", "must not contain '\\'"),
+    (f"s3://{BUCKET}/a\nb", "control characters"),
+    (f"s3://{BUCKET}/a\x00b", "control characters"),
+    (f"s3://{BUCKET}/{'x' * 255}", "more than 254 bytes"),
+    ("s3://Quiver_Adapters/a", "bucket name"),
+    ("s3://ab/a", "bucket name"),
+    ("s3://quiver..adapters/a", "no '..'"),
+], ids=["dotdot", "empty", "dot", "trailing-slash", "only-dotdot", "slash-only", "no-prefix", "backslash", "newline",
+        "nul", "long-component", "bucket-case", "bucket-short", "bucket-dots"])
+def test_malformed_ids_are_refused_before_any_request(
+    spec: BaseModelSpec, proxy: StoreProxy, adapter_id: str, problem: str
+) -> None:
+    with pytest.raises(ValueError, match="S3 adapter ids are s3://bucket/prefix") as raised:
+        _registry(spec).load(adapter_id, "s3", "", "")
+    assert problem in str(raised.value)
+    assert proxy.requests == []
+
+
+def test_buckets_not_allowed_are_refused_before_any_request(spec: BaseModelSpec, proxy: StoreProxy) -> None:
+    with pytest.raises(ValueError, match="bucket 'other-bucket' is not one this server loads adapters from"):
+        _registry(spec).load("s3://other-bucket/a", "s3", "", "")
+    with pytest.raises(ValueError, match=r"S3 adapters are not enabled on this server \(--s3-adapter-buckets\)"):
+        _registry(spec, buckets=()).load(f"s3://{BUCKET}/a", "s3", "", "")
+    with pytest.raises(ValueError, match="S3 adapters have no revisions"):
+        _registry(spec).load(f"s3://{BUCKET}/a", "s3", "", "v2")
+    assert proxy.requests == []
+
+
+@pytest.mark.parametrize("wrong, code", [
+    ("secret", "SignatureDoesNotMatch"), ("key-id", "InvalidAccessKeyId"), ("session-token", "InvalidToken"),
+])
+def test_refused_credentials_are_a_store_error_that_never_shows_them(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, wrong: str, code: str
+) -> None:
+    store.upload_dir(BUCKET, "guarded", adapters["first"])
+    secret = "WRONG-secret-0123456789abcdefghijklmnopqrstu" if wrong == "secret" else store.secret_access_key
+    key_id = "AKIAWRONGKEYID0000000" if wrong == "key-id" else store.access_key_id
+    env = store.server_env(proxy.endpoint, secret=secret, access_key_id=key_id, config_dir=tmp_path / "aws")
+    if wrong == "session-token":
+        env["AWS_SESSION_TOKEN"] = "WRONG-session-token-zyxwvutsrqponmlk"
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    caplog.set_level(logging.INFO)
+    with pytest.raises(AdapterStoreError, match="the object store refused the server's credentials") as raised:
+        _registry(spec).load(f"s3://{BUCKET}/guarded", "s3", "", "")
+    assert f"({code})" in str(raised.value)
+    # Neither chained nor logged: botocore's exception text is the store's, not ours to show.
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    for shown in (str(raised.value), caplog.text):
+        for credential in (env["AWS_SECRET_ACCESS_KEY"], env.get("AWS_SESSION_TOKEN"), store.secret_access_key):
+            assert credential is None or credential not in shown
+    assert code in caplog.text  # the operator's log names the store's answer
+    assert proxy.object_gets == []
+
+
+def test_no_credentials_at_all(spec: BaseModelSpec, proxy: StoreProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    # No instance role to find either (the metadata service is off).
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(AdapterStoreError, match=r"refused the server's credentials .*\(NoCredentialsError"):
+        _registry(spec).load(f"s3://{BUCKET}/a", "s3", "", "")
+    assert proxy.requests == []
+
+
+def test_a_corrupted_download_is_refused_and_nothing_is_kept(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy, tmp_path: Path
+) -> None:
+    store.upload_dir(BUCKET, "corrupted", adapters["first"])
+    proxy.corrupt.add(f"{BUCKET}/corrupted/{WEIGHTS}")
+    registry = _registry(spec)
+    with pytest.raises(AdapterStoreError, match=rf"the download of {WEIGHTS} from s3://{BUCKET}/corrupted was "
+                                                r"corrupt: .* MD5"):
+        registry.load(f"s3://{BUCKET}/corrupted", "s3", "", "")
+    folder = tmp_path / "cache" / "s3" / BUCKET / "corrupted"
+    assert not folder.exists() or list(folder.iterdir()) == []  # no version, no staging left behind
+    proxy.corrupt.clear()
+    info = registry.load(f"s3://{BUCKET}/corrupted", "s3", "", "")
+    assert (Path(info.path) / WEIGHTS).read_bytes() == (adapters["first"] / WEIGHTS).read_bytes()
+
+
+def test_concurrent_first_loads_download_once(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
+) -> None:
+    adapter_id = f"s3://{BUCKET}/concurrent"
+    etags = store.upload_dir(BUCKET, "concurrent", adapters["first"])
+    registry = _registry(spec)
+    proxy.hold_objects()
+    results: dict[int, str] = {}
+
+    def load(index: int) -> None:
+        results[index] = registry.load(adapter_id, "s3", "", "").path
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(3)]
+    threads[0].start()
+    proxy.wait_held(1)  # the first load is downloading; the others start meanwhile
+    for thread in threads[1:]:
+        thread.start()
+    proxy.release()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert len(set(results.values())) == 1 and len(results) == 3
+    downloaded = [name for name in etags if proxy.gets_of(f"{BUCKET}/concurrent/{name}")]
+    assert all(proxy.gets_of(f"{BUCKET}/concurrent/{name}") == 1 for name in downloaded)
+
+
+def test_two_processes_downloading_one_version_keep_one_complete_copy(
+    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
+) -> None:
+    """Two registries (as two shard processes sharing the cache) download at once; each write is
+    staged and renamed into place, so the loser reads the winner's complete copy."""
+    adapter_id = f"s3://{BUCKET}/two-processes"
+    store.upload_dir(BUCKET, "two-processes", adapters["first"])
+    proxy.hold_objects()
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def load(index: int) -> None:
+        try:
+            results[index] = _registry(spec).load(adapter_id, "s3", "", "").path
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    proxy.wait_held(2)  # both are downloading
+    proxy.release()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert errors == []
+    assert results[0] == results[1]
+    folder = Path(results[0]).parent
+    assert [p.name for p in folder.iterdir()] == [Path(results[0]).name]  # no staging left behind
+    registry = _registry(spec)
+    registry.load(adapter_id, "s3", results[0], "")
+    registry.load("local", "local", str(adapters["first"]), "")
+    _assert_same_weights(registry, adapter_id, "local")
+
+
+# ---- over gRPC, as the router calls the shard ----------------------------------------------------
+
+
+def _load(shard: Shard, adapter_id: str) -> shard_pb2.LoadAdapterResponse:
+    return shard.stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id=adapter_id, source="s3"))
+
+
+def _refused(shard: Shard, adapter_id: str, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.RpcError) as raised:
+        _load(shard, adapter_id)
+    assert raised.value.code() == code, raised.value.details()
+    return raised.value.details()
+
+
+def test_over_grpc_an_s3_adapter_generates_peft_s_tokens(
+    shard: Shard, base_dir: Path, adapters: dict[str, Path], store: S3Store
+) -> None:
+    adapter_id = f"s3://{BUCKET}/grpc/served"
+    store.upload_dir(BUCKET, "grpc/served", adapters["second"])
+    loaded = _load(shard, adapter_id)
+    assert (loaded.rank, list(loaded.target_modules)) == (8, ["q_proj", "v_proj"])
+    shard.stub.ActivateAdapter(shard_pb2.ActivateAdapterRequest(adapter_id=adapter_id, slot=0))
+    want = reference_greedy(peft_reference(base_dir, adapters["second"]), PROMPT, NEW_TOKENS)
+    assert_greedy_matches(generate_greedy(shard.stub, shard.pool, 1, adapter_id, PROMPT, NEW_TOKENS), want,
+                          adapter_id)
+
+
+def test_over_grpc_each_failure_has_the_status_the_router_maps(
+    shard: Shard, adapters: dict[str, Path], store: S3Store
+) -> None:
+    assert "no adapter under" in _refused(shard, f"s3://{BUCKET}/grpc/missing", grpc.StatusCode.NOT_FOUND)
+    assert "not one this server loads" in _refused(shard, "s3://elsewhere/a", grpc.StatusCode.INVALID_ARGUMENT)
+    assert "'..'" in _refused(shard, f"s3://{BUCKET}/a/../b", grpc.StatusCode.INVALID_ARGUMENT)
+    store.upload_dir(BUCKET, "grpc/corrupt", adapters["first"])
+    shard.proxy.corrupt.add(f"{BUCKET}/grpc/corrupt/{WEIGHTS}")
+    details = _refused(shard, f"s3://{BUCKET}/grpc/corrupt", grpc.StatusCode.INTERNAL)
+    assert details == (f"LoadAdapter failed: the download of {WEIGHTS} from s3://{BUCKET}/grpc/corrupt was corrupt: "
+                       "the bytes that arrived do not have the MD5 its ETag says")
+
+
+def test_over_grpc_a_slow_store_does_not_hold_up_steps(
+    shard: Shard, adapters: dict[str, Path], store: S3Store
+) -> None:
+    """A download held by the store: the base model's steps go on meanwhile, the load ends after."""
+    store.upload_dir(BUCKET, "grpc/slow", adapters["first"])
+    shard.proxy.hold_objects()
+    try:
+        pending = shard.stub.LoadAdapter.future(
+            shard_pb2.LoadAdapterRequest(adapter_id=f"s3://{BUCKET}/grpc/slow", source="s3"))
+        shard.proxy.wait_held()
+        assert len(generate_greedy(shard.stub, shard.pool, 2, "", PROMPT, NEW_TOKENS)) == NEW_TOKENS
+        assert not pending.done()
+    finally:
+        shard.proxy.release()
+    assert pending.result(timeout=120).rank == 8
+
+
+def test_serve_takes_the_s3_buckets(capsys: pytest.CaptureFixture[str]) -> None:
+    from quiver_server.cli import build_parser
+
+    serve = ["serve", "some/model", "--uds-path", "/tmp/x.sock"]
+    assert build_parser().parse_args(serve).s3_adapter_buckets == ()
+    parsed = build_parser().parse_args([*serve, "--s3-adapter-buckets", "team-a,shared.adapters"])
+    assert parsed.s3_adapter_buckets == ("team-a", "shared.adapters")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*serve, "--s3-adapter-buckets", "team-a,Team_B"])
+    assert "'Team_B' is not a bucket name" in capsys.readouterr().err
