@@ -93,6 +93,66 @@ enum State {
     Unloading,
 }
 
+impl State {
+    /// Where the adapter is (being) loaded from; an unloading one holds no location any more.
+    fn location(&self) -> Option<&AdapterLocation> {
+        match self {
+            Self::Loading { location, .. } => Some(location),
+            Self::Ready(entry) => Some(&entry.location),
+            Self::Unloading => None,
+        }
+    }
+}
+
+/// The adapters by id, and the id each location is loaded (or loading) under: a first request
+/// for a new id finds whether its directory is loaded already without walking every adapter.
+#[derive(Default)]
+struct States {
+    by_id: HashMap<String, State>,
+    by_location: HashMap<AdapterLocation, String>,
+}
+
+impl States {
+    fn get(&self, id: &str) -> Option<&State> {
+        self.by_id.get(id)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &State> {
+        self.by_id.values()
+    }
+
+    /// The id and state of what is (being) loaded from `location`.
+    fn at(&self, location: &AdapterLocation) -> Option<(&str, &State)> {
+        let (id, state) = self.by_id.get_key_value(self.by_location.get(location)?)?;
+        Some((id.as_str(), state))
+    }
+
+    fn insert(&mut self, id: String, state: State) {
+        self.unindex(&id);
+        if let Some(location) = state.location() {
+            self.by_location.insert(location.clone(), id.clone());
+        }
+        self.by_id.insert(id, state);
+    }
+
+    fn remove(&mut self, id: &str) -> Option<State> {
+        self.unindex(id);
+        self.by_id.remove(id)
+    }
+
+    fn unindex(&mut self, id: &str) {
+        if let Some(location) = self.by_id.get(id).and_then(State::location) {
+            if self
+                .by_location
+                .get(location)
+                .is_some_and(|indexed| indexed == id)
+            {
+                self.by_location.remove(location);
+            }
+        }
+    }
+}
+
 /// Cheap, cloneable handle to the registry.
 #[derive(Clone)]
 pub struct AdapterRegistry {
@@ -104,7 +164,7 @@ struct Inner {
     base: Arc<ModelAssets>,
     /// Canonical `--adapter-root`: a local adapter's files must resolve inside it.
     adapter_root: Option<PathBuf>,
-    states: Mutex<HashMap<String, State>>,
+    states: Mutex<States>,
     counter: AtomicU64,
 }
 
@@ -127,7 +187,7 @@ impl AdapterRegistry {
                 backend,
                 base,
                 adapter_root,
-                states: Mutex::new(HashMap::new()),
+                states: Mutex::new(States::default()),
                 counter: AtomicU64::new(0),
             }),
         }
@@ -151,21 +211,13 @@ impl AdapterRegistry {
     }
 
     /// The id and state of the adapter loaded (or loading) from `location`, under any id.
-    fn by_location<'a>(
-        states: &'a HashMap<String, State>,
-        location: &AdapterLocation,
-    ) -> Option<(&'a str, Next)> {
-        states.iter().find_map(|(id, state)| match state {
-            State::Ready(entry) if entry.location == *location => {
-                Some((id.as_str(), Next::Done(Ok(entry.clone()))))
-            }
-            State::Loading {
-                location: loading,
-                load,
-                ..
-            } if loading == location => Some((id.as_str(), Next::Wait(load.clone()))),
-            _ => None,
-        })
+    fn by_location<'a>(states: &'a States, location: &AdapterLocation) -> Option<(&'a str, Next)> {
+        let (id, state) = states.at(location)?;
+        match state {
+            State::Ready(entry) => Some((id, Next::Done(Ok(entry.clone())))),
+            State::Loading { load, .. } => Some((id, Next::Wait(load.clone()))),
+            State::Unloading => None,
+        }
     }
 
     /// Loads `spec` unless it is loaded already (then this is a no-op). An id that is loaded or
@@ -270,7 +322,7 @@ impl AdapterRegistry {
         Ok(())
     }
 
-    fn states(&self) -> MutexGuard<'_, HashMap<String, State>> {
+    fn states(&self) -> MutexGuard<'_, States> {
         lock(&self.inner.states)
     }
 
@@ -280,11 +332,7 @@ impl AdapterRegistry {
 
     /// The state of `id` → the answer. With `location` (an explicit load), a different
     /// location already under that id is refused.
-    fn decide(
-        states: &HashMap<String, State>,
-        id: &str,
-        location: Option<&AdapterLocation>,
-    ) -> Next {
+    fn decide(states: &States, id: &str, location: Option<&AdapterLocation>) -> Next {
         let clash = |loaded: &AdapterLocation| {
             Next::Done(Err(AdapterError::AlreadyLoaded {
                 id: id.to_owned(),
@@ -312,7 +360,7 @@ impl AdapterRegistry {
     /// Spawns the load (so it completes even if every waiting request goes away) and records
     /// it as loading. Called with the lock held, so the task's completion, which takes the
     /// lock, always finds the `Loading` state this inserts.
-    fn start_load(&self, states: &mut HashMap<String, State>, spec: AdapterSpec) -> LoadFuture {
+    fn start_load(&self, states: &mut States, spec: AdapterSpec) -> LoadFuture {
         let generation = self.inner.counter.fetch_add(1, Ordering::Relaxed);
         let inner = self.inner.clone();
         let task_spec = spec.clone();
@@ -448,7 +496,7 @@ impl Inner {
 
 /// The map stays consistent even if a thread panicked while holding the lock (every update is
 /// a single insert or remove), so a poisoned lock is still usable.
-fn lock(states: &Mutex<HashMap<String, State>>) -> MutexGuard<'_, HashMap<String, State>> {
+fn lock(states: &Mutex<States>) -> MutexGuard<'_, States> {
     states
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner())

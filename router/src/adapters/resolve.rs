@@ -17,7 +17,7 @@ use super::{check_name, check_path, AdapterError};
 pub use quiver_flags::AdapterSource;
 
 /// Where an adapter's files come from.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum AdapterLocation {
     Hub {
         /// `owner/name`.
