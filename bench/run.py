@@ -52,6 +52,13 @@ out).
 The tensor-parallel block (tp_bench.py, issue 29) serves the bench model and the demo with
 `--num-shard 1` and `--num-shard 2` side by side (1 and 32 streams) and measures the collectives'
 share of a decode step on rank 0 (`--tp-repeats 0` leaves it out).
+
+The fleet block (fleet_bench.py, issue 31; CPU only) serves the bench model with 1,000 adapters of
+ranks 4 to 64 (32 device slots, a host cache of 64, the rest read from disk again), sends requests
+whose adapters follow a Zipf popularity from 16 streaming clients on a fresh stack per repeat, and
+the same requests on the base model, repeats alternating: throughput against the base, the TTFT of
+cold (first use) against warm requests, and the inter-token gaps of 4 long base-model streams
+running throughout, with the adapter counters of /metrics (`--fleet-repeats 0` leaves it out).
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ import cache_bench  # noqa: E402
 import cache_scenarios  # noqa: E402
 import embeddings_bench  # noqa: E402
 import families_bench  # noqa: E402
+import fleet_bench  # noqa: E402
 import hf_baseline  # noqa: E402
 import load  # noqa: E402
 import json_model  # noqa: E402
@@ -174,6 +182,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--embed-input-tokens", type=int, default=128, help="tokens per embedding input")
     p.add_argument("--embed-requests", type=int, default=4, help="requests per embedding client when alone")
     p.add_argument("--embed-chat-streams", type=int, default=16, help="chat streams beside the embeddings")
+    p.add_argument("--fleet-repeats", type=int, default=3,
+                   help="repeats of the fleet block (1,000 adapters, Zipf popularity, against the base; a fresh "
+                        "stack each, fleet_bench.py; CPU only); 0: no such block")
+    p.add_argument("--fleet-adapters", type=int, default=fleet_bench.FleetSpec.adapters,
+                   help="distinct adapters of the fleet block")
+    p.add_argument("--fleet-requests", type=int, default=fleet_bench.FleetSpec.requests,
+                   help="requests per run of the fleet block (the same seeded sequence in every run)")
+    p.add_argument("--fleet-clients", type=int, default=fleet_bench.FleetSpec.clients,
+                   help="streaming clients of the fleet block")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -199,6 +216,8 @@ def parse_args() -> argparse.Namespace:
         args.tp_repeats = min(args.tp_repeats, 1)
         args.embed_repeats = min(args.embed_repeats, 1)
         args.embed_requests = min(args.embed_requests, 1)
+        args.fleet_repeats = min(args.fleet_repeats, 1)
+        args.fleet_requests = min(args.fleet_requests, 64)
     return args
 
 
@@ -440,6 +459,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="quiver-bench-tp-") as tmp:
             report["tensor_parallel"] = tp_bench.run(args.model_root, args.tp_repeats, args.real_model_max_tokens,
                                                      args.requests_per_client, Path(tmp))
+    if args.fleet_repeats and args.device == "cpu":
+        fleet = fleet_bench.FleetSpec(adapters=args.fleet_adapters, requests=args.fleet_requests,
+                                      clients=args.fleet_clients)
+        log(f"fleet: {fleet.adapters} adapters, Zipf popularity, against the base ({args.fleet_repeats} repeats)")
+        with tempfile.TemporaryDirectory(prefix="quiver-bench-fleet-") as tmp:
+            report["adapter_fleet"] = fleet_bench.run(args.model_root, shape, args.fleet_repeats, fleet, Path(tmp))
     if args.device == "cpu" and scenarios:
         log("CPU matmuls: quiver's packed kernel, oneDNN's packed sgemm and F.linear, a step's products")
         report["cpu_matmul"] = cpu_matmul_report(shape, repeats=3 if args.quick else 21)
