@@ -173,6 +173,7 @@ def test_s3_buckets_and_store_credentials_reach_the_launcher():
     container = quiver_container(rendered("s3-adapters"))
     assert flag_value(container["args"], "--s3-adapter-buckets") == "team-a-adapters,shared.adapters"
     assert flag_value(container["args"], "--adapter-source") == "s3"
+    assert flag_value(container["args"], "--adapter-disk-cache-gib") == "20"
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in container["env"] if "valueFrom" in e}
     assert refs == {"AWS_ACCESS_KEY_ID": "adapter-store", "AWS_SECRET_ACCESS_KEY": "adapter-store"}
     with pytest.raises(ChartError, match="s3Buckets"):

@@ -77,6 +77,11 @@ pub struct LauncherArgs {
     #[arg(long, env = "QUIVER_MAX_CPU_ADAPTERS")]
     pub max_cpu_adapters: Option<u32>,
 
+    /// Disk budget of each shard's cache of downloaded S3 adapters, in GiB: least recently used
+    /// versions that no loaded adapter reads are deleted beyond it (shard default: 0, no limit).
+    #[arg(long, env = "QUIVER_ADAPTER_DISK_CACHE_GIB", value_parser = non_negative_gib)]
+    pub adapter_disk_cache_gib: Option<f64>,
+
     /// Directory for quiver's own files, such as the demo model and the companion directories of
     /// GGUF files (default: ~/.cache/quiver).
     /// Hub weights go to the Hugging Face cache (HF_HOME).
@@ -184,6 +189,16 @@ pub fn flag_value<T: ValueEnum>(value: T) -> String {
 pub enum ModelSource {
     User(String),
     Demo { dir: PathBuf },
+}
+
+/// A size in GiB: finite and not negative (the shard refuses anything else at start-up).
+fn non_negative_gib(value: &str) -> Result<f64, String> {
+    match value.parse::<f64>() {
+        Ok(gib) if gib.is_finite() && gib >= 0.0 => Ok(gib),
+        _ => Err(format!(
+            "`{value}` is not a size in GiB (a number, 0 or more)"
+        )),
+    }
 }
 
 impl ModelSource {
@@ -308,6 +323,10 @@ mod tests {
         assert!(argv(&["--num-shard", "0"]).is_err());
         assert!(argv(&["--dtype", "int4"]).is_err());
         assert!(argv(&["--adapter-source", "gcs"]).is_err());
+        for bad in ["-1", "nan", "inf", "lots"] {
+            assert!(argv(&["--adapter-disk-cache-gib", bad]).is_err(), "{bad}");
+        }
+        assert!(argv(&["--adapter-disk-cache-gib", "2.5"]).is_ok());
     }
 
     #[test]

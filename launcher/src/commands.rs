@@ -78,6 +78,7 @@ pub fn shard_command(
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
         .flag_if_set("--max-cpu-adapters", args.max_cpu_adapters)
+        .flag_if_set("--adapter-disk-cache-gib", args.adapter_disk_cache_gib)
         .flag_if_set("--grammar-compile-timeout", args.grammar_compile_timeout)
         .flag_if_set("--grammar-cache-size", args.grammar_cache_size)
         // The shards read local adapters' files only inside it, as the router does.
@@ -273,6 +274,7 @@ mod tests {
             "--cpu-kv-cache-gib",
             "--gpu-memory-fraction",
             "--max-cpu-adapters",
+            "--adapter-disk-cache-gib",
             "--grammar-compile-timeout",
             "--grammar-cache-size",
             "--quantize",

@@ -4,6 +4,7 @@
                         [--rank 0] [--world-size 1] [--cpu-kv-cache-gib 1.0]
                         [--gpu-memory-fraction 0.9] [--max-cpu-adapters 64]
                         [--adapter-root DIR] [--s3-adapter-buckets b1,b2]
+                        [--adapter-disk-cache-gib 0]
                         [--grammar-compile-timeout 5.0] [--grammar-cache-size 256] [--json-logs]
                         [--otlp-endpoint URL] [--otel-service-name quiver-shard]
     quiver-server download MODEL_ID [--revision REV]      # prints the local path
@@ -85,6 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="buckets that s3://bucket/prefix adapters may come from, comma-separated (default: "
                             "none, S3 adapters are refused); boto3's own configuration (AWS_* environment, "
                             "~/.aws) gives the credentials and endpoint, $QUIVER_ADAPTER_CACHE the download cache")
+    serve.add_argument("--adapter-disk-cache-gib", type=_non_negative_gib, default=0.0, metavar="GIB",
+                       help="size of the S3 adapter download cache: after a download, the least recently used "
+                            "versions that no loaded adapter reads from are deleted until it fits (default: 0, "
+                            "no limit)")
     serve.add_argument("--grammar-compile-timeout", type=float, default=5.0, metavar="SECONDS",
                        help="a grammar (JSON schema, regex, Lark) that takes longer to compile is refused "
                             "as too complex")
@@ -119,6 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("cpu-isas", parents=[common],
                         help="list the kernel ISAs this CPU runs (values of QUIVER_CPU_ISA), widest first")
     return parser
+
+
+def _non_negative_gib(value: str) -> float:
+    try:
+        gib = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of GiB") from None
+    if not gib >= 0 or gib == float("inf"):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a size: a number of GiB, 0 or more")
+    return gib
 
 
 def _bucket_list(value: str) -> tuple[str, ...]:
@@ -221,6 +236,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,
             s3_adapter_buckets=args.s3_adapter_buckets,
+            adapter_disk_cache_gib=args.adapter_disk_cache_gib,
             grammar_budget_s=args.grammar_compile_timeout,
             grammar_cache_size=args.grammar_cache_size,
             tp=tp,

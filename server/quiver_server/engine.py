@@ -91,6 +91,7 @@ class Engine:
         max_cpu_adapters: int = 64,
         adapter_root: str | None = None,
         s3_adapter_buckets: Sequence[str] = (),
+        adapter_disk_cache_gib: float = 0.0,
         grammar_budget_s: float = DEFAULT_BUDGET_S,
         grammar_cache_size: int = DEFAULT_CACHE_SIZE,
         cuda_graphs: bool = True,
@@ -110,6 +111,7 @@ class Engine:
         groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too.
         kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype).
         s3_adapter_buckets: the buckets `s3://bucket/prefix` adapters may come from (none: S3 is off).
+        adapter_disk_cache_gib: the S3 adapter download cache's budget (0: no limit; `disk_budget`).
         tp: this shard's place among ranks that split the model (`parallel.join_group`): it holds
         and computes its share (`models.tensor_split`), and every call must reach every rank."""
         path = Path(model_path)
@@ -162,7 +164,8 @@ class Engine:
         self._ahead: _StepAhead | None = None  # the next decode step's forward, launched early
         self.batches: dict[int, CachedBatch] = {}
         self.lora = AdapterManager(
-            self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root, s3_adapter_buckets
+            self.model, config, self.dtype, self.ops, max_cpu_adapters, adapter_root, s3_adapter_buckets,
+            adapter_disk_cache_gib,
         )
         self.grammars = Grammars(
             path, self.vocab_size, self.lora.registry.location, grammar_budget_s, grammar_cache_size

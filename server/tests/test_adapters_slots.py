@@ -220,6 +220,33 @@ def test_activation_says_whether_the_host_cache_held_the_weights(setup: Setup) -
     assert engine.activate_adapter("a", 0) is True  # the slot holds it already
 
 
+def test_files_changed_in_place_are_refused_when_read_again(setup: Setup, tmp_path: Path) -> None:
+    """An adapter the host cache dropped is read from its directory again; if its files were
+    replaced meanwhile, those are other weights under a loaded id, refused until it is reloaded."""
+    import shutil
+
+    served = tmp_path / "served"
+    shutil.copytree(setup.adapters["rank4"], served)
+    engine = _engine(setup, slots=1, max_cpu_adapters=1)
+    engine.load_adapter("a", "local", str(served))
+    engine.load_adapter("b", "local", str(setup.adapters["rank8-attention"]))  # "a" leaves host memory
+    assert "a" not in engine.lora.registry.host
+    # The same files again: read back, the same adapter.
+    assert engine.activate_adapter("a", 0) is False
+    engine.activate_adapter("b", 0)
+    engine.load_adapter("c", "local", str(setup.adapters["rank16"]))  # "a" leaves host memory again
+    assert "a" not in engine.lora.registry.host
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copy(setup.adapters["qv-only"] / name, served / name)
+    with pytest.raises(ValueError, match="its files changed since it was loaded"):
+        engine.activate_adapter("a", 0)
+    # Unloaded and loaded again, it is the new adapter.
+    engine.unload_adapter("a")
+    engine.load_adapter("a", "local", str(served))
+    assert engine.activate_adapter("a", 0) is True
+    assert engine.lora.registry.info("a").target_modules == ["q_proj", "v_proj"]
+
+
 # ---- host LRU ------------------------------------------------------------------------------
 
 

@@ -113,6 +113,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "quiver.flag" (dict "flag" "--max-active-adapters" "value" $v.adapters.maxActiveAdapters) }}
 {{- include "quiver.flag" (dict "flag" "--max-lora-rank" "value" $v.adapters.maxLoraRank) }}
 {{- include "quiver.flag" (dict "flag" "--max-cpu-adapters" "value" $v.adapters.maxCpuAdapters) }}
+{{- include "quiver.flag" (dict "flag" "--adapter-disk-cache-gib" "value" $v.adapters.diskCacheGib) }}
 {{- if $v.secrets.apiKeysFile.secretName }}
 {{- include "quiver.flag" (dict "flag" "--api-keys-file" "value" (printf "%s/%s" $v.secrets.apiKeysFile.mountPath $v.secrets.apiKeysFile.key)) }}
 {{- end }}

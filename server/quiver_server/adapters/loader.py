@@ -13,6 +13,7 @@ ratio folded into its B here, so the slots keep one scaling per adapter.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 from dataclasses import dataclass, field
@@ -47,6 +48,9 @@ class LoadedAdapter:
     rank: int  # the largest of its projections' ranks
     scaling: float
     weights: LoraPairs = field(repr=False)  # in the base's projection order (see load_adapter_dir)
+    # What the weights were when read (`weights_digest`): a copy read again from disk after the
+    # host cache dropped it must be the same adapter, not files changed in place meanwhile.
+    digest: str = ""
 
     @property
     def target_modules(self) -> list[str]:
@@ -131,4 +135,15 @@ def load_adapter_dir(
         rank=max(weight.rank for weight in found.values()),
         scaling=config.scaling,
         weights=weights,
+        digest=weights_digest(weights, config.scaling),
     )
+
+
+def weights_digest(weights: LoraPairs, scaling: float) -> str:
+    """SHA-256 of the served weights (projections, shapes, dtypes, bytes) and the scaling."""
+    digest = hashlib.sha256(repr(scaling).encode())
+    for (layer, name), pair in weights.items():
+        for tensor in pair:
+            digest.update(f"{layer}.{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

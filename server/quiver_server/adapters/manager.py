@@ -38,13 +38,15 @@ class AdapterManager:
         max_cpu_adapters: int,
         adapter_root: str | None = None,
         s3_buckets: Collection[str] = (),
+        adapter_disk_cache_gib: float = 0.0,
     ) -> None:
         self.model = model
         self.dtype = dtype
         self.ops = ops
         self.spec = BaseModelSpec.from_model(model, config)
         self.registry = AdapterRegistry(
-            self.spec, dtype, ops.device, max_cpu_adapters, adapter_root, s3_buckets
+            self.spec, dtype, ops.device, max_cpu_adapters, adapter_root, s3_buckets,
+            disk_cache_bytes=int(adapter_disk_cache_gib * 2**30),
         )
         self.slots: AdapterSlots | None = None  # None: adapters disabled (or no warmup yet)
         self._warmed_up = False

@@ -4,7 +4,9 @@
 the HF cache, an S3 bucket's into quiver's adapter cache — the disk tier), reads and checks it,
 and puts it in the host cache. It is thread-safe and meant to
 run off the engine's thread, so a download never stalls decoding. An adapter the host cache
-evicted stays known: `get` reads it from its directory again when a slot needs it.
+evicted stays known: `get` reads it from its directory again when a slot needs it, and an S3
+adapter whose directory the disk cache's budget evicted (`disk_budget`) is downloaded again
+first, unless its objects changed since it was loaded.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 
 from quiver_server.adapters.confined import is_inside
-from quiver_server.adapters.errors import AdapterNotFoundError
+from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
 from quiver_server.adapters.host_cache import HostAdapterCache
 from quiver_server.adapters.hub_source import HubSource
 from quiver_server.adapters.loader import BIN_FILE, SAFETENSORS_FILE, LoadedAdapter, load_adapter_dir
@@ -50,8 +52,10 @@ class AdapterRegistry:
         max_cpu_adapters: int,
         adapter_root: str | None = None,
         s3_buckets: Collection[str] = (),
+        disk_cache_bytes: int = 0,
     ) -> None:
-        """s3_buckets: the buckets S3 adapters may come from (`--s3-adapter-buckets`; empty: none)."""
+        """s3_buckets: the buckets S3 adapters may come from (`--s3-adapter-buckets`; empty: none);
+        disk_cache_bytes: the S3 download cache's budget (`--adapter-disk-cache-gib`; 0: no limit)."""
         self.spec = spec
         self.dtype = dtype
         self.pin_memory = device.type == "cuda"
@@ -59,13 +63,15 @@ class AdapterRegistry:
         self.max_rank = 0  # the slots' capacity, set at warmup; loads are checked against it
         self._known: dict[str, AdapterInfo] = {}
         self._roots: dict[str, Path] = {}  # adapter id -> what its files must resolve inside
+        self._from_s3: set[str] = set()  # ids whose directory the S3 cache may evict: fetched again
+        # adapter id -> the digest of the weights it was loaded with (`LoadedAdapter.digest`)
+        self._digests: dict[str, str] = {}
         # Canonical --adapter-root: a local adapter's files must resolve inside it. Without it,
         # each local adapter is confined to its own directory.
         self.adapter_root = Path(adapter_root).resolve() if adapter_root else None
-        self.remote: dict[str, RemoteSource] = {
-            "hub": HubSource(ADAPTER_FILE_PATTERNS),
-            "s3": S3Source(s3_buckets, ADAPTER_FILE_PATTERNS),
-        }
+        self.s3 = S3Source(s3_buckets, ADAPTER_FILE_PATTERNS, disk_budget_bytes=disk_cache_bytes,
+                           in_use=self.directories_in_use)
+        self.remote: dict[str, RemoteSource] = {"hub": HubSource(ADAPTER_FILE_PATTERNS), "s3": self.s3}
         self._lock = threading.Lock()
 
     def __contains__(self, adapter_id: str) -> bool:
@@ -75,6 +81,11 @@ class AdapterRegistry:
     def info(self, adapter_id: str) -> AdapterInfo | None:
         with self._lock:
             return self._known.get(adapter_id)
+
+    def directories_in_use(self) -> list[Path]:
+        """The directories known adapters read from (the S3 cache never evicts them)."""
+        with self._lock:
+            return [Path(known.path) for known in self._known.values()]
 
     def location(self, adapter_id: str) -> tuple[Path, Path] | None:
         """(directory, what its files must resolve inside) of a known adapter, None if unknown."""
@@ -96,11 +107,22 @@ class AdapterRegistry:
                 raise ValueError(f"adapter {adapter_id!r} is already loaded from another place; unload it first")
             return known
         started = time.monotonic()
-        adapter = self._read(adapter_id, directory, root)
+        try:
+            adapter = self._read(adapter_id, directory, root)
+        except (ValueError, OSError):
+            if source != "s3" or path or directory.is_dir():
+                raise
+            # Another prefix's download evicted this version between its fetch and this read.
+            log.info("adapter %s was removed from the adapter cache before it was read; fetching it again", adapter_id)
+            directory, root = self._locate(adapter_id, source, path, revision)
+            adapter = self._read(adapter_id, directory, root)
         with self._lock:
             # Another thread may have loaded the same id meanwhile: the first one wins.
             known = self._known.setdefault(adapter_id, adapter.info())
             self._roots.setdefault(adapter_id, root)
+            self._digests.setdefault(adapter_id, adapter.digest)
+            if source == "s3" and known == adapter.info():
+                self._from_s3.add(adapter_id)
         if known != adapter.info():
             raise ValueError(f"adapter {adapter_id!r} was loaded from another place meanwhile; unload it first")
         self.host.put(adapter)
@@ -120,8 +142,24 @@ class AdapterRegistry:
             known, root = self._known.get(adapter_id), self._roots.get(adapter_id)
         if known is None or root is None:
             raise ValueError(f"adapter {adapter_id!r} is not loaded")
+        with self._lock:
+            from_s3 = adapter_id in self._from_s3
+        directory = Path(known.path)
+        if from_s3 and not directory.is_dir():
+            root = self._fetch_again(adapter_id, directory)
         log.info("adapter %s was evicted from host memory; reading it from %s again", adapter_id, known.path)
-        adapter = self._read(adapter_id, Path(known.path), root)
+        adapter = self._read(adapter_id, directory, root)
+        with self._lock:
+            loaded_with = self._digests.get(adapter_id)
+        if loaded_with is not None and adapter.digest != loaded_with:
+            # Other weights under a loaded id would mix with what it served before (and with the
+            # router's cached prompt blocks, which it names by the id).
+            log.warning("adapter %s: its files in %s changed since it was loaded: refused", adapter_id, directory)
+            raise ValueError(
+                f"adapter {adapter_id!r}: its files changed since it was loaded; unload it and load it again"
+            )
+        if from_s3:
+            self.s3.budget.touch(directory)  # the version was just used
         self.host.put(adapter)
         return adapter
 
@@ -129,7 +167,28 @@ class AdapterRegistry:
         with self._lock:
             self._known.pop(adapter_id, None)
             self._roots.pop(adapter_id, None)
+            self._from_s3.discard(adapter_id)
+            self._digests.pop(adapter_id, None)
         self.host.remove(adapter_id)
+
+    def _fetch_again(self, adapter_id: str, directory: Path) -> Path:
+        """An S3 adapter whose version folder the disk budget evicted: downloaded again into the
+        same folder, or refused if the objects changed since the load (another version: other
+        weights under an id the router's prefix cache keys on). Returns what its files must
+        resolve inside."""
+        log.info("adapter %s was evicted from the adapter cache; downloading it again", adapter_id)
+        files = self.s3.fetch(adapter_id, "", AdapterSizeLimits.of(self.spec, self.max_rank))
+        if files.directory != directory:
+            log.warning("adapter %s changed in its bucket since it was loaded (version %s, now %s): refused",
+                        adapter_id, directory.name, files.directory.name)
+            raise AdapterStoreError(
+                f"adapter {adapter_id!r} changed in its bucket since it was loaded, and the copy it was loaded "
+                "from was evicted from the adapter cache; unload it and load it again"
+            )
+        with self._lock:
+            if adapter_id in self._roots:
+                self._roots[adapter_id] = files.root
+        return files.root
 
     def _read(self, adapter_id: str, directory: Path, root: Path) -> LoadedAdapter:
         try:

@@ -11,7 +11,9 @@ them into the cache (`s3_location`) unless the cache already holds that exact se
 the version folder is named by a digest of their ETags, so a re-uploaded file is downloaded again
 and an unchanged adapter never is. Each object is fetched with `If-Match` its listed ETag, its
 byte count checked against the listing and, for a single-part upload, its MD5 against the ETag;
-the version folder appears complete or not at all (`staged_dir.write_staged`).
+the version folder appears complete or not at all (`staged_dir.write_staged`). Each load removes
+the prefix's other (older) versions, and each download, past `--adapter-disk-cache-gib`, the least
+recently used versions; neither removes one that a loaded adapter reads from (`disk_budget`).
 
 The store's errors become ours: no such bucket or prefix -> AdapterNotFoundError (404); refused
 credentials and any other failure -> AdapterStoreError (500), whose message names the store's
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quiver_server.adapters.disk_budget import DiskBudget, InUse, no_directories
 from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
 from quiver_server.adapters.peft_config import CONFIG_FILE
 from quiver_server.adapters.remote_source import AdapterFiles
@@ -62,12 +65,22 @@ class Listed:
 
 
 class S3Source:
-    def __init__(self, buckets: Collection[str], file_patterns: tuple[str, ...], cache: Path | None = None) -> None:
+    def __init__(
+        self,
+        buckets: Collection[str],
+        file_patterns: tuple[str, ...],
+        cache: Path | None = None,
+        disk_budget_bytes: int = 0,
+        in_use: InUse = no_directories,
+    ) -> None:
         """buckets: `--s3-adapter-buckets` (empty: S3 adapters are off); file_patterns: what an
-        adapter directory may hold; cache: default `s3_location.adapter_cache()`."""
+        adapter directory may hold; cache: default `s3_location.adapter_cache()`;
+        disk_budget_bytes: `--adapter-disk-cache-gib` (0: no limit); in_use: the directories
+        loaded adapters read from, never evicted (`disk_budget`)."""
         self.buckets = frozenset(buckets)
         self.file_patterns = file_patterns
         self.cache = adapter_cache() if cache is None else cache
+        self.budget = DiskBudget(self.cache, disk_budget_bytes, in_use)
         self._client: Any = None  # a boto3 S3 client (thread-safe), made at the first load
         self._client_lock = threading.Lock()
         self._prefix_locks: dict[S3Location, threading.Lock] = {}
@@ -88,8 +101,12 @@ class S3Source:
             target = location.cache_folder(self.cache) / location.version_name(_manifest_digest(objects))
             if target.is_dir():
                 log.info("%s is unchanged since it was downloaded (same ETags): using the cached copy", location)
+                self.budget.touch(target)
+                self.budget.drop_other_versions(location, target)
             else:
                 self._download_into(client, location, objects, target)
+                self.budget.touch(target)
+                self.budget.after_download(location, target)
         target = target.resolve()
         return AdapterFiles(target, target)
 
@@ -102,6 +119,7 @@ class S3Source:
             raise ValueError("the adapter directory is not where this server's cache keeps that S3 adapter")
         if not directory.is_dir():
             raise AdapterNotFoundError("the adapter directory does not exist")
+        self.budget.touch(directory)
         return AdapterFiles(directory, directory)
 
     # ---- steps ----------------------------------------------------------------------------------
