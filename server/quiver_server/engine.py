@@ -657,8 +657,15 @@ class Engine:
     @torch.inference_mode()
     def activate_adapter(self, adapter_id: str, slot: int) -> bool:
         """Copies a loaded adapter into device slot `slot`, replacing what it held; refused for a
-        slot that running requests use. True when the weights were in the host-memory cache."""
+        slot that running requests use. True when the weights were in the host-memory cache.
+        Safe to call while steps run on another thread (the service does), for a slot no step
+        reads: the router admits the adapter's requests only once it returns."""
         return self.lora.activate(adapter_id, slot, self._running_adapters_by_slot())
+
+    def prefetch_adapter(self, adapter_id: str) -> bool:
+        """Reads a loaded adapter back into host memory if the cache evicted it (the router asks
+        while it waits for a slot); True when it was there. Safe to call while steps run."""
+        return self.lora.prefetch(adapter_id)
 
     @torch.inference_mode()
     def unload_adapter(self, adapter_id: str) -> None:
@@ -670,6 +677,10 @@ class Engine:
         self.lora.unload(adapter_id, running)
 
     def _running_adapters_by_slot(self) -> dict[int, str]:
+        # Snapshots first (atomic under the GIL): activations call this beside the steps.
         return {
-            r.lora_slot: r.adapter_id for batch in self.batches.values() for r in batch.requests if r.lora_slot >= 0
+            r.lora_slot: r.adapter_id
+            for batch in list(self.batches.values())
+            for r in list(batch.requests)
+            if r.lora_slot >= 0
         }

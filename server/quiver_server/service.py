@@ -4,9 +4,11 @@ Engine calls block (torch), so they run on one dedicated worker thread (`EngineT
 thread that also loaded the model): the event loop stays free
 to answer `Health` during a long prefill, and the engine never sees two calls at once (its batch
 state and KV cache are not thread-safe, and the router never overlaps steps anyway).
-`LoadAdapter` is the exception: a hub download or a disk read must not stall decoding, so it runs
-on a thread of its own (`Engine.load_adapter` is thread-safe); activating and unloading touch the
-device slots and run on the engine thread, between steps. `CompileGrammar` runs on a compile
+`LoadAdapter` and `PrefetchAdapter` are exceptions: a hub download or a disk read must not stall
+decoding, so they run on loader threads (`Engine.load_adapter` is thread-safe). So does
+`ActivateAdapter`, on a slot-copy thread of its own: the router fills a slot no step reads and
+admits its requests once the copy is done (`adapters/slots.py`). Unloading runs on the engine
+thread, between steps. `CompileGrammar` runs on a compile
 pool too (a grammar can take seconds to build) and pins the grammar for the Prefills that name
 it, so the engine thread never compiles.
 """
@@ -142,6 +144,8 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         # The thread that built `engine`, where there is one (see engine_thread.py).
         self._worker = engine_thread or EngineThread()
         self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-adapter-load")
+        # Slot copies run beside the steps, one at a time (adapters/slots.py).
+        self._activator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-adapter-slot")
         self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-grammar")
 
     @property
@@ -154,6 +158,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     def close(self) -> None:
         """Waits for the engine calls in progress (if any), then stops the worker threads."""
         self._loader.shutdown(wait=True)
+        self._activator.shutdown(wait=True)
         self._compiler.shutdown(wait=True)
         self._worker.shutdown()
 
@@ -235,8 +240,18 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     async def ActivateAdapter(
         self, request: shard_pb2.ActivateAdapterRequest, context: aio.ServicerContext
     ) -> shard_pb2.ActivateAdapterResponse:
-        hit = await self._run(self._engine.activate_adapter, request.adapter_id, request.slot)
+        hit = await asyncio.get_running_loop().run_in_executor(
+            self._activator, self._engine.activate_adapter, request.adapter_id, request.slot
+        )
         return shard_pb2.ActivateAdapterResponse(host_cache_hit=hit)
+
+    async def PrefetchAdapter(
+        self, request: shard_pb2.PrefetchAdapterRequest, context: aio.ServicerContext
+    ) -> shard_pb2.PrefetchAdapterResponse:
+        hit = await asyncio.get_running_loop().run_in_executor(
+            self._loader, self._engine.prefetch_adapter, request.adapter_id
+        )
+        return shard_pb2.PrefetchAdapterResponse(host_cache_hit=hit)
 
     async def UnloadAdapter(
         self, request: shard_pb2.UnloadAdapterRequest, context: aio.ServicerContext

@@ -146,3 +146,52 @@ def test_serve_takes_the_host_cache_size() -> None:
     serve = ["serve", "some/model", "--uds-path", "/tmp/x.sock"]
     assert build_parser().parse_args(serve).max_cpu_adapters == 64
     assert build_parser().parse_args([*serve, "--max-cpu-adapters", "3"]).max_cpu_adapters == 3
+
+
+def test_a_slot_copy_runs_beside_the_steps(shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ActivateAdapter runs on the slot-copy thread: a base request generates to the end while a
+    copy is held up, and the adapter then serves peft's output."""
+    from quiver_server.adapters import slot_copy
+
+    stub = shard.stub
+    stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="beside", source="local",
+                                                  path=str(shard.adapters["mlp"])))
+    entered, release = threading.Event(), threading.Event()
+    real_copy = slot_copy.copy_into
+
+    def held_copy(dst: object, src: object) -> None:
+        entered.set()
+        release.wait(60)
+        real_copy(dst, src)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(slot_copy, "copy_into", held_copy)
+    pending = stub.ActivateAdapter.future(shard_pb2.ActivateAdapterRequest(adapter_id="beside", slot=1))
+    try:
+        assert entered.wait(30)
+        base = reference_greedy(peft_reference(shard.base_dir, None), PROMPT, NEW_TOKENS)
+        assert_greedy_matches(_generate(shard, 40, ""), base, "base, beside a slot copy")
+        assert not pending.done()
+    finally:
+        release.set()
+    pending.result(timeout=60)
+    expected = reference_greedy(peft_reference(shard.base_dir, shard.adapters["mlp"]), PROMPT, NEW_TOKENS)
+    assert_greedy_matches(_generate(shard, 41, "beside"), expected, "activated beside the steps")
+    stub.UnloadAdapter(shard_pb2.UnloadAdapterRequest(adapter_id="beside"))
+
+
+def test_prefetch_brings_an_evicted_adapter_back_into_host_memory(shard: Shard) -> None:
+    stub = shard.stub
+    stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="warm", source="local",
+                                                  path=str(shard.adapters["qv"])))
+    host = shard.engine.lora.registry.host
+    host.remove("warm")  # as --max-cpu-adapters would
+    assert "warm" not in host
+    assert not stub.PrefetchAdapter(shard_pb2.PrefetchAdapterRequest(adapter_id="warm")).host_cache_hit
+    assert "warm" in host
+    assert stub.PrefetchAdapter(shard_pb2.PrefetchAdapterRequest(adapter_id="warm")).host_cache_hit
+    # The slot copy then finds it in host memory.
+    assert stub.ActivateAdapter(shard_pb2.ActivateAdapterRequest(adapter_id="warm", slot=1)).host_cache_hit
+    details = _status(grpc.StatusCode.INVALID_ARGUMENT, stub.PrefetchAdapter,
+                      shard_pb2.PrefetchAdapterRequest(adapter_id="never-loaded"))
+    assert "'never-loaded' is not loaded" in details
+    stub.UnloadAdapter(shard_pb2.UnloadAdapterRequest(adapter_id="warm"))

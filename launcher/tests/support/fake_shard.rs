@@ -76,6 +76,12 @@ impl pb::shard_server::Shard for HealthyShard {
     ) -> Result<tonic::Response<pb::ActivateAdapterResponse>, tonic::Status> {
         Err(tonic::Status::unimplemented("fake"))
     }
+    async fn prefetch_adapter(
+        &self,
+        _: tonic::Request<pb::PrefetchAdapterRequest>,
+    ) -> Result<tonic::Response<pb::PrefetchAdapterResponse>, tonic::Status> {
+        Err(tonic::Status::unimplemented("fake"))
+    }
     async fn unload_adapter(
         &self,
         _: tonic::Request<pb::UnloadAdapterRequest>,

@@ -396,3 +396,80 @@ async fn unload_of_an_idle_or_unused_adapter_goes_straight_to_the_shard() {
         Err(UnloadError::BaseModel)
     );
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_slot_filled_beside_the_steps_stalls_no_running_stream() {
+    let adapters = names(1);
+    let a = &adapters[0];
+    let shard = FakeShard::new(VOCAB)
+        .with_adapter_slots(1)
+        .with_step_delay(Duration::from_millis(1))
+        .with_adapter_activation_delay(Duration::from_millis(40));
+    shard
+        .load_adapter(AdapterLoad {
+            adapter_id: a.clone(),
+            source: AdapterSource::Local,
+            path: format!("/adapters/{a}"),
+            revision: String::new(),
+        })
+        .await
+        .unwrap();
+    let shard = Arc::new(shard);
+    let scheduler = start(&shard, with_slots(1));
+    let mut stream = scheduler.submit(on("", &[1], 200)).unwrap();
+    next_token(&mut stream).await;
+    let mut cold = scheduler.submit(on(a, &[5], 3)).unwrap();
+    // Until the cold request's first token, the base stream keeps getting tokens: the copy
+    // into the slot (40 ms against 1 ms steps) runs beside the steps, not between them.
+    let mut streamed = 0;
+    let first = loop {
+        tokio::select! {
+            biased;
+            event = cold.recv() => break event.expect("a token").expect("no error"),
+            event = stream.recv() => {
+                event.expect("a token").expect("no error");
+                streamed += 1;
+            }
+        }
+    };
+    assert!(
+        streamed >= 10,
+        "the base stream got {streamed} tokens while the slot was filled"
+    );
+    let rest = collect(cold).await;
+    let mut tokens = vec![first.token_id];
+    tokens.extend(rest.tokens);
+    assert_eq!(tokens, reference(a, &[5], 3));
+    assert_eq!(shard.activations(), vec![(a.clone(), 0)]);
+    assert_eq!(collect(stream).await.finish, Ok(FinishReason::Length));
+    assert_all_released(&shard, &scheduler).await;
+}
+
+#[tokio::test]
+async fn an_adapter_waiting_for_a_slot_has_its_host_copy_warmed_once() {
+    let adapters = names(2);
+    let (a, b) = (&adapters[0], &adapters[1]);
+    let shard = shard_with(1, &adapters, Duration::from_millis(1)).await;
+    let scheduler = start(&shard, with_slots(1));
+    let mut long = scheduler.submit(on(a, &[1], 40)).unwrap();
+    next_token(&mut long).await;
+    // b waits for a's slot through many steps, with two requests: one prefetch.
+    let waiting: Vec<_> = (0..2u32)
+        .map(|i| scheduler.submit(on(b, &[i + 2], 3)).unwrap())
+        .collect();
+    eventually("b's host copy is warmed", || !shard.prefetches().is_empty()).await;
+    for (i, events) in waiting.into_iter().enumerate() {
+        let outcome = collect(events).await;
+        assert_eq!(outcome.tokens, reference(b, &[i as u32 + 2], 3));
+    }
+    assert_eq!(shard.prefetches(), vec![b.clone()]);
+    assert_eq!(collect(long).await.finish, Ok(FinishReason::Length));
+    // a, evicted now, waits for the slot again behind a long b: warmed again.
+    let mut long = scheduler.submit(on(b, &[7], 40)).unwrap();
+    next_token(&mut long).await;
+    let again = scheduler.submit(on(a, &[8], 3)).unwrap();
+    assert_eq!(collect(again).await.tokens, reference(a, &[8], 3));
+    assert_eq!(shard.prefetches(), vec![b.clone(), a.clone()]);
+    collect(long).await;
+    assert_all_released(&shard, &scheduler).await;
+}

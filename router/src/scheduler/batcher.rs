@@ -12,7 +12,7 @@
 //! are in `batcher/adapters.rs`; preempting running requests for a starved queue head, and the
 //! queue deadline, in `batcher/preemption.rs`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -36,7 +36,7 @@ mod preemption;
 mod prefill;
 mod prefill_share;
 
-use adapters::PendingUnload;
+use adapters::{Activated, PendingUnload};
 use pace::PrefillPace;
 use preemption::Starved;
 
@@ -231,6 +231,11 @@ pub(super) struct Batcher {
     starved: Option<Starved>,
     /// What steps cost, to size prefill chunks while requests decode.
     pace: PrefillPace,
+    /// ActivateAdapter tasks report here (`batcher/adapters.rs`).
+    activated_sender: mpsc::UnboundedSender<Activated>,
+    activated: mpsc::UnboundedReceiver<Activated>,
+    /// Adapters waiting for a slot whose host copy the shards were asked to warm.
+    prefetched: HashSet<String>,
 }
 
 impl Batcher {
@@ -240,6 +245,7 @@ impl Batcher {
         incoming: mpsc::UnboundedReceiver<Command>,
         gauges: Arc<Gauges>,
     ) -> Self {
+        let (activated_sender, activated) = mpsc::unbounded_channel();
         Self {
             shard,
             resources: Resources {
@@ -260,6 +266,9 @@ impl Batcher {
             next_batch_id: 0,
             gauges,
             starved: None,
+            activated_sender,
+            activated,
+            prefetched: HashSet::new(),
         }
     }
 
@@ -268,6 +277,7 @@ impl Batcher {
             while let Ok(command) = self.incoming.try_recv() {
                 self.accept(command);
             }
+            self.finish_activations();
             if !self.unloads.is_empty() {
                 self.finish_unloads().await;
             }
@@ -291,11 +301,14 @@ impl Batcher {
             self.publish_gauges();
             if stuck {
                 // Nothing runs, so every slot and block is free and some request should have
-                // gone in. Should that ever fail, wait for news rather than spin on the CPU.
-                tracing::error!(
-                    queued = waiting,
-                    "no queued request could be admitted while nothing runs"
-                );
+                // gone in, unless its adapter's slot is still being filled. Should that ever
+                // fail, wait for news rather than spin on the CPU.
+                if self.resources.slots.activating_count() == 0 {
+                    tracing::error!(
+                        queued = waiting,
+                        "no queued request could be admitted while nothing runs"
+                    );
+                }
                 if !self.wait_for_command().await {
                     break;
                 }
@@ -304,15 +317,23 @@ impl Batcher {
         tracing::debug!("scheduler loop stopped: no handles left and nothing running");
     }
 
-    /// Blocks until the next command and takes it; false once every handle is gone.
+    /// Blocks until the next command or activation report and takes it; false once every
+    /// handle is gone.
     async fn wait_for_command(&mut self) -> bool {
         self.publish_gauges();
-        match self.incoming.recv().await {
-            Some(command) => {
-                self.accept(command);
+        tokio::select! {
+            command = self.incoming.recv() => match command {
+                Some(command) => {
+                    self.accept(command);
+                    true
+                }
+                None => false,
+            },
+            // Never closed: the loop holds a sender too.
+            Some(report) = self.activated.recv() => {
+                self.on_activated(report);
                 true
             }
-            None => false,
         }
     }
 

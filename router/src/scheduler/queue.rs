@@ -177,6 +177,14 @@ impl<T: Keyed> Queue<T> {
         self.queues.contains_key(key)
     }
 
+    /// The waiting entries of `key` (in no particular order).
+    pub fn waiting(&self, key: &str) -> impl Iterator<Item = &T> {
+        self.queues
+            .get(key)
+            .into_iter()
+            .flat_map(TenantQueues::entries)
+    }
+
     /// Drops the entries for which `keep` is false (e.g. requests whose client left).
     pub fn retain(&mut self, mut keep: impl FnMut(&T) -> bool) {
         for queue in self.queues.values_mut() {

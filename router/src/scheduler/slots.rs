@@ -10,7 +10,10 @@
 //!   running ones finish, and the slot goes to the waiting adapter. Without that, an adapter
 //!   with a steady stream of requests would keep its slot busy forever and starve the others.
 //!
-//! Pure bookkeeping, no I/O: the batcher calls ActivateAdapter for the slots `claim` says need it.
+//! - A slot being filled (`begin_activation` .. `activation_done`) takes no requests, is no
+//!   eviction or reservation victim and cannot be unloaded: its copy runs beside the steps.
+//!
+//! Pure bookkeeping, no I/O: the batcher calls ActivateAdapter for the slots it begins to fill.
 
 use std::collections::HashMap;
 
@@ -24,6 +27,8 @@ struct Slot {
     last_used: u64,
     /// An adapter waiting for this slot; the holder gets no new requests until it is idle.
     reserved_for: Option<String>,
+    /// ActivateAdapter is copying `adapter` into the slot.
+    activating: bool,
 }
 
 #[derive(Debug)]
@@ -68,7 +73,7 @@ impl AdapterSlots {
         }
         let mut best: Option<(usize, (u8, u64))> = None;
         for (index, slot) in self.slots.iter().enumerate() {
-            if slot.users > 0 {
+            if slot.users > 0 || slot.activating {
                 continue;
             }
             let preference = match slot.reserved_for.as_deref() {
@@ -83,6 +88,50 @@ impl AdapterSlots {
             }
         }
         best.map(|(index, _)| index)
+    }
+
+    /// Whether `adapter` holds a slot (filled, or being filled).
+    pub(super) fn holds(&self, adapter: &str) -> bool {
+        self.by_adapter.contains_key(adapter)
+    }
+
+    /// Whether `adapter`'s slot is still being filled (its requests wait for it).
+    pub(super) fn is_activating(&self, adapter: &str) -> bool {
+        self.by_adapter
+            .get(adapter)
+            .is_some_and(|&slot| self.slots[slot].activating)
+    }
+
+    /// Slots being filled.
+    pub(super) fn activating_count(&self) -> usize {
+        self.slots.iter().filter(|s| s.activating).count()
+    }
+
+    /// Starts filling `slot` (from `find`, for an adapter it does not hold) with `adapter`;
+    /// returns what the slot held before. Until `activation_done` the adapter takes no requests.
+    pub(super) fn begin_activation(&mut self, slot: usize, adapter: &str) -> Option<String> {
+        self.clock += 1;
+        let state = &mut self.slots[slot];
+        debug_assert!(state.users == 0 && !state.activating);
+        state.last_used = self.clock;
+        state.activating = true;
+        state.reserved_for = None;
+        let evicted = state.adapter.replace(adapter.to_owned());
+        if let Some(old) = &evicted {
+            self.by_adapter.remove(old);
+        }
+        self.by_adapter.insert(adapter.to_owned(), slot);
+        for other in &mut self.slots {
+            if other.reserved_for.as_deref() == Some(adapter) {
+                other.reserved_for = None;
+            }
+        }
+        evicted
+    }
+
+    /// ActivateAdapter filled `slot`: its adapter takes requests from now on.
+    pub(super) fn activation_done(&mut self, slot: usize) {
+        self.slots[slot].activating = false;
     }
 
     /// Puts one more request of `adapter` in `slot` (from `find`). Returns the adapter the slot
@@ -125,6 +174,7 @@ impl AdapterSlots {
     pub(super) fn activation_failed(&mut self, slot: usize) {
         let state = &mut self.slots[slot];
         state.users = 0;
+        state.activating = false;
         if let Some(adapter) = state.adapter.take() {
             self.by_adapter.remove(&adapter);
         }
@@ -144,7 +194,7 @@ impl AdapterSlots {
             let victim = self
                 .slots
                 .iter_mut()
-                .filter(|s| s.reserved_for.is_none())
+                .filter(|s| s.reserved_for.is_none() && !s.activating)
                 .min_by_key(|s| s.last_used);
             let Some(victim) = victim else {
                 return;
@@ -172,9 +222,9 @@ impl AdapterSlots {
     }
 
     /// Empties `adapter`'s slot (for unloading). Returns false, changing nothing, while requests
-    /// use it.
+    /// use it or it is being filled.
     pub(super) fn evict(&mut self, adapter: &str) -> bool {
-        if self.users_of(adapter) > 0 {
+        if self.users_of(adapter) > 0 || self.is_activating(adapter) {
             return false;
         }
         if let Some(slot) = self.by_adapter.remove(adapter) {
@@ -275,6 +325,33 @@ mod tests {
         assert_eq!((slots.active_count(), slots.users_of("a")), (0, 0));
         assert_eq!(slots.find("b"), Some(slot));
         assert_eq!(slots.claim(slot, "b"), Some(None));
+    }
+
+    #[test]
+    fn a_slot_being_filled_takes_no_requests_and_is_nobodys_victim() {
+        let mut slots = AdapterSlots::new(2);
+        assert_eq!(slots.find("a"), Some(0));
+        assert_eq!(slots.begin_activation(0, "a"), None);
+        assert!(slots.is_activating("a"));
+        assert_eq!(slots.activating_count(), 1);
+        // b gets the other slot, c none: a's slot is neither free nor evictable yet.
+        assert_eq!(slots.find("b"), Some(1));
+        assert_eq!(slots.begin_activation(1, "b"), None);
+        assert_eq!(slots.find("c"), None);
+        slots.reserve(&["c".to_string()]);
+        assert!(!slots.evict("a"), "no unload while a's weights are copied");
+        slots.activation_done(0);
+        assert!(!slots.is_activating("a"));
+        assert_eq!(slots.claim(0, "a"), None, "a is in its slot already");
+        slots.release(0);
+        // Nothing was reserved for c while both slots were being filled; now the least
+        // recently used idle adapter, b (filled before a was used), makes room for it.
+        slots.activation_done(1);
+        assert_eq!(slots.find("c"), Some(1));
+        assert_eq!(slots.begin_activation(1, "c"), Some("b".to_string()));
+        slots.activation_failed(1);
+        assert_eq!((slots.active_count(), slots.activating_count()), (1, 0));
+        assert_eq!(slots.find("c"), Some(1));
     }
 
     #[test]

@@ -319,6 +319,16 @@ impl ShardBackend for ShardClient {
         .boxed()
     }
 
+    fn prefetch_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<bool>> {
+        let request = pb::PrefetchAdapterRequest { adapter_id };
+        self.fan_out(
+            request,
+            |mut c, r| async move { c.prefetch_adapter(r).await },
+        )
+        .map_ok(|r| r.host_cache_hit)
+        .boxed()
+    }
+
     fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>> {
         let request = pb::UnloadAdapterRequest { adapter_id };
         self.fan_out(request, |mut c, r| async move { c.unload_adapter(r).await })

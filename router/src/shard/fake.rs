@@ -120,6 +120,7 @@ pub enum FakeRpc {
     ClearCache,
     LoadAdapter,
     ActivateAdapter,
+    PrefetchAdapter,
     UnloadAdapter,
 }
 
@@ -211,6 +212,7 @@ pub struct FakeShard {
     world_size: u32,
     model_path: String,
     adapter_load_delay: Duration,
+    adapter_activation_delay: Duration,
     seeded_sampling: bool,
     state: Mutex<State>,
 }
@@ -231,6 +233,7 @@ impl FakeShard {
             world_size: 1,
             model_path: String::new(),
             adapter_load_delay: Duration::ZERO,
+            adapter_activation_delay: Duration::ZERO,
             seeded_sampling: false,
             state: Mutex::new(State::default()),
         }
@@ -617,7 +620,17 @@ impl ShardBackend for FakeShard {
     }
 
     fn activate_adapter(&self, adapter_id: String, slot: u32) -> BoxFuture<'_, ShardResult<bool>> {
-        async move { self.activate_adapter_now(adapter_id, slot) }.boxed()
+        async move {
+            if !self.adapter_activation_delay.is_zero() {
+                tokio::time::sleep(self.adapter_activation_delay).await;
+            }
+            self.activate_adapter_now(adapter_id, slot)
+        }
+        .boxed()
+    }
+
+    fn prefetch_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<bool>> {
+        async move { self.prefetch_adapter_now(adapter_id) }.boxed()
     }
 
     fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>> {

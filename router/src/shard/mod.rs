@@ -132,9 +132,13 @@ pub trait ShardBackend: Send + Sync {
     /// Loads an adapter into every rank's host memory. A hub adapter with no `path` is
     /// downloaded by rank 0 only; the other ranks then load rank 0's returned path.
     fn load_adapter(&self, load: AdapterLoad) -> BoxFuture<'_, ShardResult<LoadedAdapter>>;
-    /// Copies a loaded adapter into a device slot; the scheduler calls it between steps, never
-    /// for a slot that running requests use. True when its weights were still in host memory.
+    /// Copies a loaded adapter into a device slot; the scheduler calls it beside the steps,
+    /// never for a slot that running requests use, and admits the adapter's requests once it
+    /// returns. True when its weights were still in host memory.
     fn activate_adapter(&self, adapter_id: String, slot: u32) -> BoxFuture<'_, ShardResult<bool>>;
+    /// Brings a loaded adapter's weights back into host memory on every rank if they were
+    /// evicted; true when they were there already.
+    fn prefetch_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<bool>>;
     /// Forgets an adapter (slot and host copy); called once no request uses it.
     fn unload_adapter(&self, adapter_id: String) -> BoxFuture<'_, ShardResult<()>>;
     /// Compiles a request's grammar on every rank before the request is admitted, and pins it

@@ -128,6 +128,13 @@ impl Shard for Served {
         let hit = self.0.activate_adapter(r.adapter_id, r.slot).await;
         answer(hit.map(|host_cache_hit| pb::ActivateAdapterResponse { host_cache_hit }))
     }
+    async fn prefetch_adapter(
+        &self,
+        r: Request<pb::PrefetchAdapterRequest>,
+    ) -> Answer<pb::PrefetchAdapterResponse> {
+        let hit = self.0.prefetch_adapter(r.into_inner().adapter_id).await;
+        answer(hit.map(|host_cache_hit| pb::PrefetchAdapterResponse { host_cache_hit }))
+    }
     async fn unload_adapter(
         &self,
         r: Request<pb::UnloadAdapterRequest>,

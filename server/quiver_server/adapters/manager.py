@@ -96,6 +96,13 @@ class AdapterManager:
         log.info("adapter %s is in slot %d%s", adapter_id, slot, f" (replacing {replaced})" if replaced else "")
         return host_cache_hit
 
+    def prefetch(self, adapter_id: str) -> bool:
+        """Brings a loaded adapter back into host memory; True when it was there already."""
+        self._require_slots()
+        host_cache_hit = adapter_id in self.registry.host
+        self.registry.get(adapter_id)
+        return host_cache_hit
+
     def unload(self, adapter_id: str, running: Mapping[int, str]) -> None:
         """Forgets an adapter: its slots and its host copy. Unknown ids are ignored (idempotent)."""
         if adapter_id in running.values():

@@ -73,6 +73,7 @@ class AdapterRegistry:
                            in_use=self.directories_in_use)
         self.remote: dict[str, RemoteSource] = {"hub": HubSource(ADAPTER_FILE_PATTERNS), "s3": self.s3}
         self._lock = threading.Lock()
+        self._reading: dict[str, threading.Lock] = {}  # adapter id -> held while it is read again
 
     def __contains__(self, adapter_id: str) -> bool:
         with self._lock:
@@ -134,10 +135,17 @@ class AdapterRegistry:
         return adapter.info()
 
     def get(self, adapter_id: str) -> LoadedAdapter:
-        """The host copy of a known adapter, read from disk again if the cache evicted it."""
+        """The host copy of a known adapter, read from disk again if the cache evicted it. A
+        prefetch and an activation asking at once read it once."""
         adapter = self.host.get(adapter_id)
         if adapter is not None:
             return adapter
+        with self._lock:
+            reading = self._reading.setdefault(adapter_id, threading.Lock())
+        with reading:
+            return self.host.get(adapter_id) or self._read_again(adapter_id)
+
+    def _read_again(self, adapter_id: str) -> LoadedAdapter:
         with self._lock:
             known, root = self._known.get(adapter_id), self._roots.get(adapter_id)
         if known is None or root is None:
@@ -169,6 +177,7 @@ class AdapterRegistry:
             self._roots.pop(adapter_id, None)
             self._from_s3.discard(adapter_id)
             self._digests.pop(adapter_id, None)
+            self._reading.pop(adapter_id, None)
         self.host.remove(adapter_id)
 
     def _fetch_again(self, adapter_id: str, directory: Path) -> Path:

@@ -11,18 +11,25 @@ Each layer computing a projection is wrapped once in a LoRA wrapper holding its 
 (`layers.lora`), so the forward pass reads them without any lookup; with adapters disabled the
 plain layers are put back.
 
-Activating copies an adapter's host weights into its slot. The router does that between steps
-for a slot no running request uses, so the copy never races a forward pass reading the slot.
+Activating copies an adapter's host weights into its slot. The shard does it on a thread of its
+own, beside the steps (on CUDA on a stream of its own, from pinned memory), for a slot that no
+running request uses and that the router sends no request for until the copy is done: a forward
+pass never reads the rows being written. A lock orders activations and clears between them, so
+the set of projections in use always matches what the slots hold. Only the rows an adapter
+writes and the stale rows of the previous occupant are touched: rows at or past the rank
+written last are always zero.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
 
+from quiver_server.adapters import slot_copy
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.kernels.ops import KernelOps
@@ -80,6 +87,10 @@ class AdapterSlots:
         self._attach(model, spec)
         self._adapters: list[str | None] = [None] * num_slots  # adapter id held by each slot
         self._targets: list[frozenset[tuple[int, str]]] = [frozenset()] * num_slots
+        # Rank rows written per slot and projection: every row past it is zero.
+        self._written: list[dict[tuple[int, str], int]] = [{} for _ in range(num_slots)]
+        self._lock = threading.Lock()
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _attach(self, model: ModelFamily, spec: BaseModelSpec) -> None:
         """Wraps every layer that computes a projection in a LoRA wrapper reading its parts' slots."""
@@ -120,51 +131,65 @@ class AdapterSlots:
         self.check_slot(slot)
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
-        # Zero what the previous occupant wrote that this adapter does not overwrite.
-        for where in self._targets[slot] - adapter.weights.keys():
-            self._zero(self.parts[where], slot)
-        for where, (a, b) in adapter.weights.items():
-            part = self.parts[where]
-            held_rows, held_inputs = self._shares[where]
-            if held_inputs is not None:
-                a = a[..., held_inputs]
-            if held_rows is not None:
-                b = take_rows(b, held_rows, dim=-2)
-            lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
-            rank = a.shape[-2]
-            lora_a[:, :rank].copy_(a.reshape(-1, rank, a.shape[-1]), non_blocking=True)
-            lora_a[:, rank:].zero_()
-            lora_b[:, :, :rank].copy_(b.reshape(-1, b.shape[-2], rank), non_blocking=True)
-            lora_b[:, :, rank:].zero_()
-            ranks.fill_(rank)
-        for experts, scaling in self._scalings.items():
-            scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
-        previous = self._set_adapter(slot, adapter.adapter_id)
-        self._targets[slot] = frozenset(adapter.weights)
-        self._update_in_use()
+        with self._lock, self._on_copy_stream():
+            written = self._written[slot]
+            # Zero what the previous occupant wrote that this adapter does not overwrite.
+            for where in self._targets[slot] - adapter.weights.keys():
+                self._zero_ranks(where, slot, 0, written.pop(where, 0))
+            for where, (a, b) in adapter.weights.items():
+                part = self.parts[where]
+                held_rows, held_inputs = self._shares[where]
+                if held_inputs is not None:
+                    a = a[..., held_inputs]
+                if held_rows is not None:
+                    b = take_rows(b, held_rows, dim=-2)
+                lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
+                rank = a.shape[-2]
+                slot_copy.copy_into(lora_a[:, :rank], a.reshape(-1, rank, a.shape[-1]))
+                slot_copy.copy_into(lora_b[:, :, :rank], b.reshape(-1, b.shape[-2], rank))
+                self._zero_ranks(where, slot, rank, written.get(where, 0))
+                written[where] = rank
+                ranks.fill_(rank)
+            for experts, scaling in self._scalings.items():
+                scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()  # done before any step may read the slot
+            previous = self._set_adapter(slot, adapter.adapter_id)
+            self._targets[slot] = frozenset(adapter.weights)
+            self._update_in_use()
         return previous
 
     def clear(self, slot: int) -> str | None:
         """Empties `slot` (its buffers back to zero); returns the adapter it held."""
         self.check_slot(slot)
-        for where in self._targets[slot]:
-            self._zero(self.parts[where], slot)
-        for experts, scaling in self._scalings.items():
-            scaling.unflatten(0, (-1, experts))[slot] = 0.0
-        previous = self._set_adapter(slot, None)
-        self._targets[slot] = frozenset()
-        self._update_in_use()
+        with self._lock, self._on_copy_stream():
+            written = self._written[slot]
+            for where in self._targets[slot]:
+                self._zero_ranks(where, slot, 0, written.pop(where, 0))
+            for experts, scaling in self._scalings.items():
+                scaling.unflatten(0, (-1, experts))[slot] = 0.0
+            if self._copy_stream is not None:
+                self._copy_stream.synchronize()
+            previous = self._set_adapter(slot, None)
+            self._targets[slot] = frozenset()
+            self._update_in_use()
         return previous
+
+    def _on_copy_stream(self) -> AbstractContextManager[object]:
+        return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else nullcontext()
+
+    def _zero_ranks(self, where: tuple[int, str], slot: int, start: int, stop: int) -> None:
+        """Zeroes rank rows [start, stop) of `slot` in projection `where` (its rank to `start`)."""
+        lora_a, lora_b, ranks = self.parts[where].of_slot(slot)
+        if stop > start:
+            slot_copy.zero(lora_a[:, start:stop])
+            slot_copy.zero(lora_b[:, :, start:stop])
+        ranks.fill_(start)
 
     def _set_adapter(self, slot: int, adapter_id: str | None) -> str | None:
         previous = self._adapters[slot]
         self._adapters[slot] = adapter_id
         return previous
-
-    @staticmethod
-    def _zero(part: LoraPart, slot: int) -> None:
-        for buffer in part.of_slot(slot):
-            buffer.zero_()
 
     @contextmanager
     def every_part_in_use(self) -> Iterator[None]:
@@ -177,7 +202,8 @@ class AdapterSlots:
             self._update_in_use()
 
     def _update_in_use(self) -> None:
-        """A projection no slot targets skips its kernel call entirely."""
+        """A projection no slot targets skips its kernel call entirely (under `_lock`, or at
+        warmup, when nothing else runs)."""
         targeted = frozenset().union(*self._targets)
         for where, part in self.parts.items():
             part.in_use = where in targeted

@@ -1,17 +1,24 @@
-//! The batcher's adapter work between steps: activating the slots a new batch claimed, and
-//! unloading adapters whose requests are all done.
+//! The batcher's adapter work: filling device slots for the adapters queued requests need,
+//! warming the host copies of adapters that wait for a slot, and unloading adapters whose
+//! requests are all done.
 //!
-//! Both run only between shard steps (before a Prefill), so no running request ever sees its
-//! slot change: a slot is claimed for a new adapter only when no request uses it (`slots.rs`).
+//! A slot is filled beside the steps, not between them: ActivateAdapter runs as its own task
+//! (the shard copies on a thread of its own, on CUDA on a stream of its own), and the
+//! adapter's requests stay queued until it reports back (`finish_activations`). So a cold
+//! adapter's copy, or its read from disk when host memory lost it, stalls no running stream.
+//! The slot is one no request uses (`slots.rs`), and it takes none until it is filled.
+
+use std::time::Instant;
 
 use opentelemetry::KeyValue;
 use tokio::sync::oneshot;
 
-use super::{Admission, Batcher, Command, Entry};
+use super::{Batcher, Command};
 use crate::scheduler::UnloadError;
+use crate::shard::ShardResult;
 use crate::telemetry::{within_step, StepSpan};
 
-/// A slot the batch being built claimed for an adapter the slot does not hold yet.
+/// A slot the batcher began to fill for an adapter it did not hold.
 pub(super) struct Activation {
     slot: usize,
     adapter: String,
@@ -27,6 +34,14 @@ impl Activation {
             evicted,
         }
     }
+}
+
+/// What an ActivateAdapter task reports to the loop.
+pub(super) struct Activated {
+    activation: Activation,
+    started: Instant,
+    /// True when the weights were still in the shard's host memory.
+    outcome: ShardResult<bool>,
 }
 
 /// An unload waiting for the adapter's requests to finish; every caller hears the outcome.
@@ -58,72 +73,97 @@ impl Batcher {
         }
     }
 
-    /// Activates the claimed slots. An adapter whose activation fails loses its slot, and its
-    /// requests (in this batch and still queued) fail; the rest of the batch goes on.
-    pub(super) async fn activate(
-        &mut self,
-        activations: Vec<Activation>,
-        mut admitted: Vec<(Entry, Admission)>,
-    ) -> Vec<(Entry, Admission)> {
-        for Activation {
-            slot,
-            adapter,
-            evicted,
-        } in activations
-        {
-            let started = std::time::Instant::now();
+    /// Starts an ActivateAdapter task for each slot the batcher began to fill.
+    pub(super) fn start_activations(&mut self, activations: Vec<Activation>) {
+        for activation in activations {
+            self.prefetched.remove(&activation.adapter);
             // Traced under the requests that wait for it (the oldest is the parent).
             let step = StepSpan::start(
                 "adapter.activate",
-                || vec![KeyValue::new("quiver.adapter_slot", slot as i64)],
-                admitted
-                    .iter()
-                    .filter(|(entry, _)| entry.request.adapter_id == adapter)
-                    .filter_map(|(entry, _)| Some((entry.id, entry.trace.as_ref()?))),
+                || vec![KeyValue::new("quiver.adapter_slot", activation.slot as i64)],
+                self.queue
+                    .waiting(&activation.adapter)
+                    .filter_map(|entry| Some((entry.id, entry.trace.as_ref()?))),
             );
-            let outcome = within_step(
-                step.as_ref(),
-                self.shard.activate_adapter(adapter.clone(), slot as u32),
-            )
-            .await;
-            if let Some(step) = step {
-                step.end(outcome.as_ref().err().map(|e| e as _));
-            }
-            let error = match outcome {
-                Ok(host_cache_hit) => {
-                    self.gauges.observed.activated(
-                        &adapter,
-                        evicted.as_deref(),
-                        started.elapsed(),
-                        host_cache_hit,
-                    );
-                    tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
-                    continue;
+            let shard = self.shard.clone();
+            let done = self.activated_sender.clone();
+            tokio::spawn(async move {
+                let started = Instant::now();
+                let call =
+                    shard.activate_adapter(activation.adapter.clone(), activation.slot as u32);
+                let outcome = within_step(step.as_ref(), call).await;
+                if let Some(step) = step {
+                    step.end(outcome.as_ref().err().map(|e| e as _));
                 }
-                Err(error) => error,
-            };
-            tracing::error!(adapter = ?adapter, slot, %error, "adapter activation failed; failing its requests");
-            self.resources.slots.activation_failed(slot);
-            let message = error.to_string();
-            let (failed, kept): (Vec<_>, Vec<_>) = admitted
-                .into_iter()
-                .partition(|(entry, _)| entry.request.adapter_id == adapter);
-            admitted = kept;
-            for (entry, admission) in failed {
-                // Blocks it registered for the prefix cache this step will never be computed.
-                for block in admission.blocks.ids() {
-                    if self.step_registered.contains(block) {
-                        self.resources.allocator.unregister(*block);
-                    }
-                }
-                self.resources.allocator.free(admission.blocks);
-                entry.fail(&message);
+                // The loop owns the receiver as long as it runs.
+                let _ = done.send(Activated {
+                    activation,
+                    started,
+                    outcome,
+                });
+            });
+        }
+    }
+
+    /// Warms the shards' host copies of adapters that wait for a slot, once per wait, so that
+    /// filling their slot later is a copy, not a read from disk.
+    pub(super) fn prefetch(&mut self, adapters: &[String]) {
+        for adapter in adapters {
+            if !self.prefetched.insert(adapter.clone()) {
+                continue;
             }
-            for entry in self.queue.take_all(&adapter) {
-                entry.fail(&message);
+            let shard = self.shard.clone();
+            let adapter = adapter.clone();
+            tokio::spawn(async move {
+                // Best effort: a failure here shows again, and fails the requests, when the
+                // slot is filled.
+                if let Err(error) = shard.prefetch_adapter(adapter.clone()).await {
+                    tracing::warn!(adapter = ?adapter, %error, "PrefetchAdapter failed");
+                }
+            });
+        }
+    }
+
+    /// Takes in what the ActivateAdapter tasks reported: a filled slot takes its adapter's
+    /// requests from the next step on; a failed one is emptied, and the adapter's queued
+    /// requests fail.
+    pub(super) fn finish_activations(&mut self) {
+        while let Ok(report) = self.activated.try_recv() {
+            self.on_activated(report);
+        }
+    }
+
+    pub(super) fn on_activated(&mut self, report: Activated) {
+        let Activated {
+            activation:
+                Activation {
+                    slot,
+                    adapter,
+                    evicted,
+                },
+            started,
+            outcome,
+        } = report;
+        match outcome {
+            Ok(host_cache_hit) => {
+                self.resources.slots.activation_done(slot);
+                self.gauges.observed.activated(
+                    &adapter,
+                    evicted.as_deref(),
+                    started.elapsed(),
+                    host_cache_hit,
+                );
+                tracing::info!(adapter = ?adapter, slot, ?evicted, "adapter activated");
+            }
+            Err(error) => {
+                tracing::error!(adapter = ?adapter, slot, %error, "adapter activation failed; failing its requests");
+                self.resources.slots.activation_failed(slot);
+                let message = error.to_string();
+                for entry in self.queue.take_all(&adapter) {
+                    entry.fail(&message);
+                }
             }
         }
-        admitted
     }
 
     /// Unloads the adapters none of whose requests is queued or running any more: frees the

@@ -37,7 +37,7 @@ impl Batcher {
         let budget = u64::from(self.step_budget());
         let shares = self.prefill_shares(budget);
         let mut chunks = self.next_chunks(&shares.under_way);
-        let admitted = self.admit_waiting(shares.queue, !chunks.is_empty()).await;
+        let admitted = self.admit_waiting(shares.queue, !chunks.is_empty());
         let used = chunks
             .iter()
             .map(|&(_, from, until)| u64::from(until - from))
@@ -220,8 +220,9 @@ impl Batcher {
     }
 
     /// Takes the waiting requests that fit into this step (`budget` computed prompt tokens
-    /// left; `busy`: chunks of earlier prompts are in it already) and activates their adapters.
-    async fn admit_waiting(&mut self, budget: u64, busy: bool) -> Vec<(Entry, Admission)> {
+    /// left; `busy`: chunks of earlier prompts are in it already), and starts filling slots for
+    /// the adapters that need one.
+    fn admit_waiting(&mut self, budget: u64, busy: bool) -> Vec<(Entry, Admission)> {
         if self.queue.is_empty() {
             return Vec::new();
         }
@@ -284,7 +285,15 @@ impl Batcher {
             let adapter = request.adapter_id.as_str();
             let slot = if adapter.is_empty() {
                 None
+            } else if slots.is_activating(adapter) {
+                return Admit::Skip;
             } else if let Some(slot) = slots.find(adapter) {
+                if !slots.holds(adapter) {
+                    // Its requests wait in the queue while the slot is filled beside the steps.
+                    let evicted = slots.begin_activation(slot, adapter);
+                    activations.push(Activation::new(slot, adapter, evicted));
+                    return Admit::Skip;
+                }
                 Some(slot)
             } else {
                 waiting_for_slot.push(adapter.to_owned());
@@ -300,9 +309,8 @@ impl Batcher {
             };
             debug_assert_eq!(hits * block_size, cached);
             if let Some(slot) = slot {
-                if let Some(evicted) = slots.claim(slot, adapter) {
-                    activations.push(Activation::new(slot, adapter, evicted));
-                }
+                let filled = slots.claim(slot, adapter);
+                debug_assert!(filled.is_none(), "admitted before its slot was filled");
             }
             if !entry.block_hashes.is_empty() && request.prompt_logprobs.is_none() {
                 queried += u64::from(prompt);
@@ -330,12 +338,14 @@ impl Batcher {
         if !waiting_for_slot.is_empty() {
             slots.reserve(&waiting_for_slot);
         }
+        self.start_activations(activations);
+        self.prefetch(&waiting_for_slot);
         self.starved = starved;
         self.gauges
             .prefix_queries
             .fetch_add(queried, Ordering::Relaxed);
         self.gauges.prefix_hits.fetch_add(hit, Ordering::Relaxed);
-        self.activate(activations, admitted).await
+        admitted
     }
 
     /// A request taken from the queue, as the batcher keeps it from its first prefill on.

@@ -14,6 +14,10 @@
 //!   under running requests, whichever adapter it holds). `fail_adapter_activation(id)` makes
 //!   every activation of `id` fail with `Internal` and leaves the slot empty. Successful
 //!   activations are recorded in order (`activations`).
+//!   With `with_adapter_activation_delay` each activation takes that long (the copy), and the
+//!   slot changes at its end.
+//! - **PrefetchAdapter** needs a loaded adapter; it is recorded in order (`prefetches`) and
+//!   answers true (the fake keeps every loaded adapter in memory).
 //! - **UnloadAdapter** refuses while live requests use the adapter, else forgets it (host copy
 //!   and slot). Unknown ids are fine. Recorded in order (`unloaded_adapters`).
 //! - **Prefill** of a request whose adapter is not active in a slot is refused (`check_servable`).
@@ -38,6 +42,7 @@ pub(super) struct AdapterState {
     activation_failures: HashSet<String>,
     load_requests: Vec<AdapterLoad>,
     activations: Vec<(String, u32)>,
+    prefetches: Vec<String>,
     unloads: Vec<String>,
 }
 
@@ -102,6 +107,17 @@ impl FakeShard {
     pub fn with_adapter_load_delay(mut self, delay: Duration) -> Self {
         self.adapter_load_delay = delay;
         self
+    }
+
+    /// Time each ActivateAdapter takes (the copy into the slot runs beside the steps).
+    pub fn with_adapter_activation_delay(mut self, delay: Duration) -> Self {
+        self.adapter_activation_delay = delay;
+        self
+    }
+
+    /// Every PrefetchAdapter in order.
+    pub fn prefetches(&self) -> Vec<String> {
+        self.lock().adapters.prefetches.clone()
     }
 
     /// Makes every LoadAdapter of `adapter_id` fail with `InvalidArgument` and `message`.
@@ -262,6 +278,16 @@ impl FakeShard {
         state.adapters.activations.push((id.clone(), slot_id));
         state.stats.activate_calls += 1;
         // The fake keeps every loaded adapter in memory.
+        Ok(true)
+    }
+
+    pub(super) fn prefetch_adapter_now(&self, adapter_id: String) -> ShardResult<bool> {
+        let mut guard = self.begin(FakeRpc::PrefetchAdapter)?;
+        let state = &mut *guard;
+        if !state.adapters.loaded.contains_key(&adapter_id) {
+            return Err(invalid(format!("adapter {adapter_id:?} is not loaded")));
+        }
+        state.adapters.prefetches.push(adapter_id);
         Ok(true)
     }
 
