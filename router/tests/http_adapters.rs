@@ -280,6 +280,61 @@ async fn models_lists_the_base_model_first_then_every_adapter() {
 }
 
 #[tokio::test]
+async fn models_pages_with_limit_and_after() {
+    let dirs = adapter_dirs();
+    let app = TestApp::with_options(Options {
+        preload_adapters: vec!["team/sql".into(), "chatty".into(), "plain".into()],
+        ..local_options(&dirs)
+    })
+    .await;
+    let ids = |list: &serde_json::Value| -> Vec<String> {
+        let cards = list["data"].as_array().unwrap();
+        cards.iter().map(|c| c["id"].as_str().unwrap().to_owned()).collect()
+    };
+    // Without paging parameters: the whole list, and no cursor fields (as OpenAI's).
+    let (_, all) = app.get("/v1/models").await;
+    assert_eq!(ids(&all), [SERVED_NAME, "team/sql", "chatty", "plain"]);
+    assert!(all.get("has_more").is_none() && all.get("last_id").is_none());
+
+    let mut pages = Vec::new();
+    let mut path = "/v1/models?limit=3".to_owned();
+    loop {
+        let (status, page) = app.get(&path).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        assert_schema(&page, "ListModelsResponse");
+        let page_ids = ids(&page);
+        assert_eq!(page["first_id"], json!(page_ids.first()));
+        assert_eq!(page["last_id"], json!(page_ids.last()));
+        pages.push(page_ids);
+        if !page["has_more"].as_bool().unwrap() {
+            break;
+        }
+        path = format!("/v1/models?limit=3&after={}", page["last_id"].as_str().unwrap());
+    }
+    assert_eq!(
+        pages,
+        [vec![SERVED_NAME, "team/sql", "chatty"], vec!["plain"]]
+    );
+    // An id with a slash is a cursor too (percent-encoded by clients).
+    let (_, page) = app.get("/v1/models?after=team%2Fsql").await;
+    assert_eq!(ids(&page), ["chatty", "plain"]);
+    assert_eq!(page["has_more"], false);
+
+    for (query, param) in [
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=many", "limit"),
+        ("after=never-loaded", "after"),
+        ("order=desc", "order"),
+        ("limit=%ff", "limit"),
+    ] {
+        let (status, body) = app.get(&format!("/v1/models?{query}")).await;
+        assert_error(status, &body, StatusCode::BAD_REQUEST, "invalid_value");
+        assert_eq!(body["error"]["param"], param, "{query}: {body}");
+    }
+}
+
+#[tokio::test]
 async fn tokenize_loads_the_adapter_and_renders_its_own_template() {
     let dirs = adapter_dirs();
     let app = TestApp::with_options(local_options(&dirs)).await;

@@ -1,9 +1,15 @@
 //! `GET /v1/models` and `GET /v1/models/{id}`: the base model first, then every loaded
-//! adapter (its `parent` is the base model's served name, its `root` what it was loaded from),
-//! of those the caller's API key may use.
+//! adapter in load order (its `parent` is the base model's served name, its `root` what it was
+//! loaded from), of those the caller's API key may use.
+//!
+//! With thousands of adapters the list can be read in pages, with the cursor parameters of
+//! OpenAI's other list endpoints: `limit` (1 to 1000) cards after the card `after` names, and
+//! `has_more`, `first_id` and `last_id` in the answer. Without them, the whole list, as before.
 
-use axum::extract::rejection::PathRejection;
-use axum::extract::{Path, State};
+use std::collections::HashMap;
+
+use axum::extract::rejection::{PathRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
 use axum::http::Uri;
 use axum::{Extension, Json};
 
@@ -12,12 +18,56 @@ use crate::adapters::AdapterEntry;
 use crate::error::ApiError;
 use crate::openai::models::{ModelCard, ModelList};
 use crate::tenants::Caller;
+use crate::validation::ValidationError;
+
+/// The most cards one page holds.
+pub const MAX_PAGE: usize = 1000;
+
+/// `GET /v1/models`'s paging parameters.
+#[derive(Debug, Default)]
+struct Paging {
+    limit: Option<usize>,
+    after: Option<String>,
+}
+
+impl Paging {
+    /// Reads the query; any other parameter is refused, naming it.
+    fn parse(query: HashMap<String, String>) -> Result<Self, ValidationError> {
+        let mut paging = Self::default();
+        for (name, value) in query {
+            match name.as_str() {
+                "limit" => {
+                    let limit = value.parse().ok().filter(|l| (1..=MAX_PAGE).contains(l));
+                    paging.limit = Some(limit.ok_or_else(|| {
+                        ValidationError::invalid(
+                            "limit",
+                            format!("`limit` must be an integer from 1 to {MAX_PAGE}, got `{value}`"),
+                        )
+                    })?);
+                }
+                "after" => paging.after = Some(value),
+                _ => {
+                    return Err(ValidationError::invalid(
+                        name.clone(),
+                        format!("/v1/models takes `limit` and `after` only, not `{name}`"),
+                    ))
+                }
+            }
+        }
+        Ok(paging)
+    }
+}
 
 /// Only what the caller's key may use is listed.
 pub async fn list_models(
     State(state): State<AppState>,
     Extension(caller): Extension<Caller>,
-) -> Json<ModelList> {
+    query: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Result<Json<ModelList>, ApiError> {
+    let Query(query) = query.map_err(|rejection| {
+        ValidationError::invalid("query", format!("the query string does not parse: {rejection}"))
+    })?;
+    let paging = Paging::parse(query)?;
     let base = caller
         .may_use_base_model()
         .then(|| state.models.base_card());
@@ -26,7 +76,25 @@ pub async fn list_models(
         .iter()
         .filter(|entry| caller.may_use_adapter(&entry.id))
         .map(|entry| adapter_card(&state, entry));
-    Json(ModelList::new(base.into_iter().chain(adapters).collect()))
+    let cards = base.into_iter().chain(adapters);
+    if paging.limit.is_none() && paging.after.is_none() {
+        return Ok(Json(ModelList::new(cards.collect())));
+    }
+    let limit = paging.limit.unwrap_or(MAX_PAGE);
+    let mut cards = cards.peekable();
+    if let Some(after) = &paging.after {
+        // Cards come in a fixed order (base, then load order): skip to the cursor's.
+        if !cards.any(|card| &card.id == after) {
+            return Err(ValidationError::invalid(
+                "after",
+                format!("`after` names no listed model: `{after}` (unloaded since, or never listed)"),
+            )
+            .into());
+        }
+    }
+    let page: Vec<ModelCard> = cards.by_ref().take(limit).collect();
+    let has_more = cards.peek().is_some();
+    Ok(Json(ModelList::page(page, has_more)))
 }
 
 /// A model is retrievable exactly when it is listed: looking an id up never loads an adapter.

@@ -8,6 +8,14 @@ pub struct ModelList {
     #[schema(value_type = String, pattern = "^list$")]
     pub object: &'static str,
     pub data: Vec<ModelCard>,
+    /// Paged answers only (`limit` or `after` given): the first and last card's ids, and
+    /// whether more cards follow `last_id`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub has_more: Option<bool>,
 }
 
 impl ModelList {
@@ -15,6 +23,19 @@ impl ModelList {
         Self {
             object: "list",
             data,
+            first_id: None,
+            last_id: None,
+            has_more: None,
+        }
+    }
+
+    /// One page of a longer list.
+    pub fn page(data: Vec<ModelCard>, has_more: bool) -> Self {
+        Self {
+            first_id: data.first().map(|card| card.id.clone()),
+            last_id: data.last().map(|card| card.id.clone()),
+            has_more: Some(has_more),
+            ..Self::new(data)
         }
     }
 }

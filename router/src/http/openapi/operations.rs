@@ -77,9 +77,13 @@ fn embeddings() {}
 )]
 fn completions() {}
 
-/// The base model, then every loaded adapter.
+/// The base model, then every loaded adapter in load order; in pages with `limit` and `after`.
 #[utoipa::path(
     get, path = "/v1/models", tag = "models",
+    params(
+        ("limit" = Option<u32>, Query, description = "Cards per page, 1 to 1000 (paged answers only)"),
+        ("after" = Option<String>, Query, description = "The id of the last card of the previous page"),
+    ),
     responses((status = 200, description = "OpenAI's list object", body = ModelList), ListErrors),
     security((), ("api_key" = [])),
 )]

@@ -71,9 +71,10 @@ error_set!(
     UNAVAILABLE
 );
 error_set!(
-    /// `/v1/models`: only the key and its limits.
-    ListErrors: UNAUTHORIZED, OVERLOADED
+    /// `/v1/models`: the key and its limits, and a bad `limit` or `after`.
+    ListErrors: BAD_REQUEST, UNAUTHORIZED, OVERLOADED
 );
+
 error_set!(
     /// `/v1/models/{id}`: looking a model up never loads it.
     LookupErrors: UNAUTHORIZED, NOT_FOUND, OVERLOADED
