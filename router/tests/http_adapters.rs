@@ -289,7 +289,10 @@ async fn models_pages_with_limit_and_after() {
     .await;
     let ids = |list: &serde_json::Value| -> Vec<String> {
         let cards = list["data"].as_array().unwrap();
-        cards.iter().map(|c| c["id"].as_str().unwrap().to_owned()).collect()
+        cards
+            .iter()
+            .map(|c| c["id"].as_str().unwrap().to_owned())
+            .collect()
     };
     // Without paging parameters: the whole list, and no cursor fields (as OpenAI's).
     let (_, all) = app.get("/v1/models").await;
@@ -309,7 +312,10 @@ async fn models_pages_with_limit_and_after() {
         if !page["has_more"].as_bool().unwrap() {
             break;
         }
-        path = format!("/v1/models?limit=3&after={}", page["last_id"].as_str().unwrap());
+        path = format!(
+            "/v1/models?limit=3&after={}",
+            page["last_id"].as_str().unwrap()
+        );
     }
     assert_eq!(
         pages,

@@ -8,9 +8,14 @@ state and KV cache are not thread-safe, and the router never overlaps steps anyw
 decoding, so they run on loader threads (`Engine.load_adapter` is thread-safe). So does
 `ActivateAdapter`, on a slot-copy thread of its own: the router fills a slot no step reads and
 admits its requests once the copy is done (`adapters/slots.py`). Unloading runs on the engine
-thread, between steps. `CompileGrammar` runs on a compile
-pool too (a grammar can take seconds to build) and pins the grammar for the Prefills that name
-it, so the engine thread never compiles.
+thread, between steps. `CompileGrammar` runs on a compile pool too (a grammar can take seconds
+to build) and pins the grammar for the Prefills that name it, so the engine thread never
+compiles.
+
+Only the engine thread runs torch ops on a team of threads: the helper threads run theirs on
+themselves (`torch.set_num_threads(1)` as they start). OpenMP gives each thread that opens a
+parallel region a team of its own, and a second team slowed the engine's steps on small hosts
+(docs/architecture.md, "Threads"); a helper's copy or conversion then takes one core, not all.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
 from grpc import aio
 
 from quiver_server.batch_types import (
@@ -130,6 +136,12 @@ def _batch_to_pb(batch_id: int, request_ids: list[int]) -> shard_pb2.CachedBatch
     return shard_pb2.CachedBatch(id=batch_id, request_ids=request_ids)
 
 
+def _helper_pool(workers: int, name: str) -> ThreadPoolExecutor:
+    """Threads beside the engine's, whose torch ops each run on the thread itself."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name, initializer=torch.set_num_threads,
+                              initargs=(1,))
+
+
 class ShardService(shard_pb2_grpc.ShardServicer):
     """Implements `quiver.v1.Shard` by delegating to one `Engine`.
 
@@ -143,10 +155,13 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self._info = dataclasses.replace(engine.info, rank=rank, world_size=world_size)
         # The thread that built `engine`, where there is one (see engine_thread.py).
         self._worker = engine_thread or EngineThread()
-        self._loader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-adapter-load")
+        # The engine thread takes its team size now: the helpers' start sets torch's default
+        # for threads that have not run a torch op yet to 1.
+        self._worker.call(torch.get_num_threads)
+        self._loader = _helper_pool(2, "quiver-adapter-load")
         # Slot copies run beside the steps, one at a time (adapters/slots.py).
-        self._activator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quiver-adapter-slot")
-        self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="quiver-grammar")
+        self._activator = _helper_pool(1, "quiver-adapter-slot")
+        self._compiler = _helper_pool(2, "quiver-grammar")
 
     @property
     def info(self) -> ModelInfo:

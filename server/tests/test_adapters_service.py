@@ -30,6 +30,7 @@ class Shard:
     base_dir: Path
     adapters: dict[str, Path]
     engine: Engine
+    service: ShardService
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +45,13 @@ def shard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shard]:
     }
     engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
     socket_path = tmp_path_factory.mktemp("sock") / "shard.sock"
-    with running_shard(ShardService(engine), socket_path) as stub:
+    service = ShardService(engine)
+    with running_shard(service, socket_path) as stub:
         warm = stub.Warmup(shard_pb2.WarmupRequest(
             max_batch_prefill_tokens=64, max_total_tokens=64, max_batch_size=4,
             max_active_adapters=2, max_lora_rank=MAX_RANK,
         ))
-        yield Shard(stub, BlockPool(warm.block_size, warm.num_blocks), base_dir, adapters, engine)
+        yield Shard(stub, BlockPool(warm.block_size, warm.num_blocks), base_dir, adapters, engine, service)
 
 
 def _status(code: grpc.StatusCode, call, request) -> str:  # noqa: ANN001
@@ -151,20 +153,20 @@ def test_serve_takes_the_host_cache_size() -> None:
 def test_a_slot_copy_runs_beside_the_steps(shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
     """ActivateAdapter runs on the slot-copy thread: a base request generates to the end while a
     copy is held up, and the adapter then serves peft's output."""
-    from quiver_server.adapters import slot_copy
-
     stub = shard.stub
     stub.LoadAdapter(shard_pb2.LoadAdapterRequest(adapter_id="beside", source="local",
                                                   path=str(shard.adapters["mlp"])))
     entered, release = threading.Event(), threading.Event()
-    real_copy = slot_copy.copy_into
+    slots = shard.engine.lora.slots
+    assert slots is not None
+    real_activate = slots.activate
 
-    def held_copy(dst: object, src: object) -> None:
+    def held_activate(*args: object) -> object:
         entered.set()
         release.wait(60)
-        real_copy(dst, src)  # type: ignore[arg-type]
+        return real_activate(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(slot_copy, "copy_into", held_copy)
+    monkeypatch.setattr(slots, "activate", held_activate)
     pending = stub.ActivateAdapter.future(shard_pb2.ActivateAdapterRequest(adapter_id="beside", slot=1))
     try:
         assert entered.wait(30)
@@ -195,3 +197,14 @@ def test_prefetch_brings_an_evicted_adapter_back_into_host_memory(shard: Shard) 
                       shard_pb2.PrefetchAdapterRequest(adapter_id="never-loaded"))
     assert "'never-loaded' is not loaded" in details
     stub.UnloadAdapter(shard_pb2.UnloadAdapterRequest(adapter_id="warm"))
+
+
+def test_only_the_engine_thread_runs_torch_ops_on_a_team(shard: Shard) -> None:
+    """The slot copies, loads and grammar compiles run their torch ops on their own thread: a
+    second OpenMP team would slow the engine's steps (docs/architecture.md, "Threads")."""
+    import torch
+
+    service = shard.service
+    for pool in (service._activator, service._loader, service._compiler):
+        assert pool.submit(torch.get_num_threads).result(timeout=30) == 1
+    assert service._worker.call(torch.get_num_threads) == torch.get_num_threads()

@@ -41,7 +41,9 @@ impl Paging {
                     paging.limit = Some(limit.ok_or_else(|| {
                         ValidationError::invalid(
                             "limit",
-                            format!("`limit` must be an integer from 1 to {MAX_PAGE}, got `{value}`"),
+                            format!(
+                                "`limit` must be an integer from 1 to {MAX_PAGE}, got `{value}`"
+                            ),
                         )
                     })?);
                 }
@@ -65,7 +67,10 @@ pub async fn list_models(
     query: Result<Query<HashMap<String, String>>, QueryRejection>,
 ) -> Result<Json<ModelList>, ApiError> {
     let Query(query) = query.map_err(|rejection| {
-        ValidationError::invalid("query", format!("the query string does not parse: {rejection}"))
+        ValidationError::invalid(
+            "query",
+            format!("the query string does not parse: {rejection}"),
+        )
     })?;
     let paging = Paging::parse(query)?;
     let base = caller
@@ -87,7 +92,9 @@ pub async fn list_models(
         if !cards.any(|card| &card.id == after) {
             return Err(ValidationError::invalid(
                 "after",
-                format!("`after` names no listed model: `{after}` (unloaded since, or never listed)"),
+                format!(
+                    "`after` names no listed model: `{after}` (unloaded since, or never listed)"
+                ),
             )
             .into());
         }

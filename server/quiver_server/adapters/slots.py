@@ -12,7 +12,8 @@ Each layer computing a projection is wrapped once in a LoRA wrapper holding its 
 plain layers are put back.
 
 Activating copies an adapter's host weights into its slot. The shard does it on a thread of its
-own, beside the steps (on CUDA on a stream of its own, from pinned memory), for a slot that no
+own, beside the steps (on CUDA on a stream of its own, from pinned memory; on CPU on that one
+thread, `service.py`), for a slot that no
 running request uses and that the router sends no request for until the copy is done: a forward
 pass never reads the rows being written. A lock orders activations and clears between them, so
 the set of projections in use always matches what the slots hold. Only the rows an adapter
@@ -29,7 +30,6 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 import torch
 from torch import nn
 
-from quiver_server.adapters import slot_copy
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.kernels.ops import KernelOps
@@ -145,8 +145,8 @@ class AdapterSlots:
                     b = take_rows(b, held_rows, dim=-2)
                 lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
                 rank = a.shape[-2]
-                slot_copy.copy_into(lora_a[:, :rank], a.reshape(-1, rank, a.shape[-1]))
-                slot_copy.copy_into(lora_b[:, :, :rank], b.reshape(-1, b.shape[-2], rank))
+                lora_a[:, :rank].copy_(a.reshape(-1, rank, a.shape[-1]), non_blocking=True)
+                lora_b[:, :, :rank].copy_(b.reshape(-1, b.shape[-2], rank), non_blocking=True)
                 self._zero_ranks(where, slot, rank, written.get(where, 0))
                 written[where] = rank
                 ranks.fill_(rank)
@@ -182,8 +182,8 @@ class AdapterSlots:
         """Zeroes rank rows [start, stop) of `slot` in projection `where` (its rank to `start`)."""
         lora_a, lora_b, ranks = self.parts[where].of_slot(slot)
         if stop > start:
-            slot_copy.zero(lora_a[:, start:stop])
-            slot_copy.zero(lora_b[:, :, start:stop])
+            lora_a[:, start:stop].zero_()
+            lora_b[:, :, start:stop].zero_()
         ranks.fill_(start)
 
     def _set_adapter(self, slot: int, adapter_id: str | None) -> str | None:
