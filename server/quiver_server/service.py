@@ -155,9 +155,9 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self._info = dataclasses.replace(engine.info, rank=rank, world_size=world_size)
         # The thread that built `engine`, where there is one (see engine_thread.py).
         self._worker = engine_thread or EngineThread()
-        # The engine thread takes its team size now: the helpers' start sets torch's default
-        # for threads that have not run a torch op yet to 1.
-        self._worker.call(torch.get_num_threads)
+        # The engine thread's team is the caller's size, set now: a helper's start sets torch's
+        # default for threads that have not run a torch op yet to 1.
+        self._worker.call(torch.set_num_threads, torch.get_num_threads())
         self._loader = _helper_pool(2, "quiver-adapter-load")
         # Slot copies run beside the steps, one at a time (adapters/slots.py).
         self._activator = _helper_pool(1, "quiver-adapter-slot")
