@@ -4,8 +4,9 @@ request, sent after them, takes one of the next batch places that free up (a str
 is preempted for a queue head that waited too long), not the place behind all of them.
 
 Nothing is timed. The check is the order of events as the clients see them: the small request
-ends before at least two of the queued long streams produce their first token. Served first
-come, first served, it would end after all of them had started. Every stream carries
+ends before at least two of the queued long streams produce their first token (one more than
+the scheduler guarantees, as events reach separate clients over separate connections). Served
+first come, first served, it would end after all of them had started. Every stream carries
 transformers' greedy tokens, and afterwards every KV block is free and nothing runs or waits."""
 
 from __future__ import annotations
@@ -99,9 +100,9 @@ def test_a_small_request_of_another_tenant_is_not_queued_behind_long_streams(fai
     small_prompt = [rng.randrange(8, vocab) for _ in range(6)]
     events, outputs = asyncio.run(run_load(stack, long_prompt, small_prompt))
 
-    sent = events.index("small sent")
-    started_before = [e for e in events[:sent] if e.endswith(" first")]
-    assert len(started_before) == BATCH, f"the small request was sent after the queue moved: {events}"
+    # The small request was sent while four long streams waited (the server's own gauge said
+    # so). Served in turns it takes one of the next batch places; a long stream the scheduler
+    # starts just after it ends may still reach its client first, hence one place of slack.
     done = events.index("small done")
     started_first = [e for e in events[:done] if e.startswith("long") and e.endswith(" first")]
     assert len(started_first) <= LONG_STREAMS - 2, (

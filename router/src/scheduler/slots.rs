@@ -116,17 +116,7 @@ impl AdapterSlots {
         state.last_used = self.clock;
         state.activating = true;
         state.reserved_for = None;
-        let evicted = state.adapter.replace(adapter.to_owned());
-        if let Some(old) = &evicted {
-            self.by_adapter.remove(old);
-        }
-        self.by_adapter.insert(adapter.to_owned(), slot);
-        for other in &mut self.slots {
-            if other.reserved_for.as_deref() == Some(adapter) {
-                other.reserved_for = None;
-            }
-        }
-        evicted
+        self.assign(slot, adapter)
     }
 
     /// ActivateAdapter filled `slot`: its adapter takes requests from now on.
@@ -146,18 +136,23 @@ impl AdapterSlots {
         if state.adapter.as_deref() == Some(adapter) {
             return None;
         }
-        let evicted = state.adapter.replace(adapter.to_owned());
+        Some(self.assign(slot, adapter))
+    }
+
+    /// Makes `slot` hold `adapter`; returns what it held. Whatever was reserved for `adapter`
+    /// is no longer needed.
+    fn assign(&mut self, slot: usize, adapter: &str) -> Option<String> {
+        let evicted = self.slots[slot].adapter.replace(adapter.to_owned());
         if let Some(old) = &evicted {
             self.by_adapter.remove(old);
         }
         self.by_adapter.insert(adapter.to_owned(), slot);
-        // Whatever was reserved for this adapter is no longer needed.
         for other in &mut self.slots {
             if other.reserved_for.as_deref() == Some(adapter) {
                 other.reserved_for = None;
             }
         }
-        Some(evicted)
+        evicted
     }
 
     /// A request of `slot` finished or failed.
