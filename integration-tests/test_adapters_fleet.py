@@ -347,3 +347,26 @@ def test_models_lists_the_whole_fleet(fleet, stack, cycle):
         status, body = stack.get(f"/v1/models/{fleet_id(index)}")
         assert status == 200
         assert json.loads(body) == cards[fleet_id(index)]
+
+
+def test_the_official_sdk_pages_through_the_whole_fleet(fleet, stack, cycle):
+    """`limit`/`after` pages, read with the OpenAI SDK, give the whole list in order: each card
+    once, none skipped (docs/api.md, "Listing models in pages")."""
+    status, body = stack.get("/v1/models")
+    assert status == 200
+    whole = [card["id"] for card in json.loads(body)["data"]]
+    paged: list[str] = []
+    after: str | None = None
+    with openai.OpenAI(base_url=stack.base_url + "/v1", api_key="unused", max_retries=0) as client:
+        while True:
+            query: dict[str, Any] = {"limit": 300, **({"after": after} if after else {})}
+            page = client.models.list(extra_query=query)
+            ids = [model.id for model in page.data]
+            assert 0 < len(ids) <= 300
+            paged += ids
+            raw = page.model_extra or {}
+            assert (raw["first_id"], raw["last_id"]) == (ids[0], ids[-1])
+            if not raw["has_more"]:
+                break
+            after = raw["last_id"]
+    assert paged == whole and len(whole) == FLEET_SIZE + 1
