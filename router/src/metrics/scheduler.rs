@@ -34,6 +34,9 @@ pub struct SchedulerMetrics {
     /// from disk again.
     host_cache_hits: AtomicU64,
     host_cache_misses: AtomicU64,
+    /// PrefetchAdapter calls for adapters waiting for a slot, and those that read from disk.
+    prefetches: AtomicU64,
+    prefetch_reads: AtomicU64,
     lora: Mutex<LoraState>,
 }
 
@@ -55,6 +58,8 @@ impl SchedulerMetrics {
             activation_seconds: Histogram::new(histogram::LATENCY_SECONDS),
             host_cache_hits: AtomicU64::new(0),
             host_cache_misses: AtomicU64::new(0),
+            prefetches: AtomicU64::new(0),
+            prefetch_reads: AtomicU64::new(0),
             lora: Mutex::new(LoraState::default()),
         }
     }
@@ -95,6 +100,15 @@ impl SchedulerMetrics {
             self.evictions.get(&label).fetch_add(1, Ordering::Relaxed);
         }
         self.activation_seconds.observe(took.as_secs_f64());
+    }
+
+    /// The shards warmed the host copy of an adapter waiting for a slot; they read it from
+    /// disk unless it was in host memory already (`host_cache_hit`).
+    pub fn prefetched(&self, host_cache_hit: bool) {
+        self.prefetches.fetch_add(1, Ordering::Relaxed);
+        if !host_cache_hit {
+            self.prefetch_reads.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// The adapters on the device and waiting now; the timestamp moves only when they change.
@@ -173,7 +187,8 @@ impl SchedulerMetrics {
             out,
             name,
             "histogram",
-            "Time to copy an adapter from host memory into a device slot.",
+            "Time to copy an adapter into a device slot, from the router's ActivateAdapter to the \
+             shard's answer (the copy runs beside the steps).",
         );
         self.activation_seconds.render(out, name, &[]);
         text::single(
@@ -190,6 +205,20 @@ impl SchedulerMetrics {
             "Adapter activations that read the weights from disk again (evicted from host \
              memory by --max-cpu-adapters).",
             self.host_cache_misses.load(Ordering::Relaxed),
+        );
+        text::single(
+            out,
+            "quiver_adapter_prefetches_total",
+            "counter",
+            "Host copies of adapters waiting for a device slot that the shards were asked to warm.",
+            self.prefetches.load(Ordering::Relaxed),
+        );
+        text::single(
+            out,
+            "quiver_adapter_prefetch_reads_total",
+            "counter",
+            "Prefetches that read the adapter from disk (it was not in host memory).",
+            self.prefetch_reads.load(Ordering::Relaxed),
         );
     }
 }
@@ -231,5 +260,11 @@ mod tests {
         assert!(out.contains("quiver_adapter_activation_seconds_count 2\n"));
         assert!(out.contains("quiver_adapter_host_cache_hits_total 1\n"));
         assert!(out.contains("quiver_adapter_host_cache_misses_total 1\n"));
+        metrics.prefetched(true);
+        metrics.prefetched(false);
+        let mut out = String::new();
+        metrics.render(&mut out);
+        assert!(out.contains("quiver_adapter_prefetches_total 2\n"));
+        assert!(out.contains("quiver_adapter_prefetch_reads_total 1\n"));
     }
 }

@@ -113,12 +113,16 @@ impl Batcher {
                 continue;
             }
             let shard = self.shard.clone();
+            let gauges = self.gauges.clone();
             let adapter = adapter.clone();
             tokio::spawn(async move {
                 // Best effort: a failure here shows again, and fails the requests, when the
                 // slot is filled.
-                if let Err(error) = shard.prefetch_adapter(adapter.clone()).await {
-                    tracing::warn!(adapter = ?adapter, %error, "PrefetchAdapter failed");
+                match shard.prefetch_adapter(adapter.clone()).await {
+                    Ok(host_cache_hit) => gauges.observed.prefetched(host_cache_hit),
+                    Err(error) => {
+                        tracing::warn!(adapter = ?adapter, %error, "PrefetchAdapter failed")
+                    }
                 }
             });
         }
