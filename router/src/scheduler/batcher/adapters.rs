@@ -108,6 +108,9 @@ impl Batcher {
     /// Warms the shards' host copies of adapters that wait for a slot, once per wait, so that
     /// filling their slot later is a copy, not a read from disk.
     pub(super) fn prefetch(&mut self, adapters: &[String]) {
+        // An adapter whose requests all left waits no more: a later wait warms it again.
+        let queue = &self.queue;
+        self.prefetched.retain(|adapter| queue.has_waiting(adapter));
         for adapter in adapters {
             if !self.prefetched.insert(adapter.clone()) {
                 continue;
