@@ -2,9 +2,9 @@
 //! running batch, so none of it needs a lock.
 //!
 //! Each step: one Prefill (`batcher/prefill.rs`: the next chunks of prompts under way, then
-//! what fits from the queue, after activating the adapters it needs in their device slots),
-//! then one Decode over [running batch, the requests whose prompt is done], which the shard
-//! merges into the running batch.
+//! what fits from the queue whose adapter is in a device slot; slots for the others are filled
+//! beside the steps), then one Decode over [running batch, the requests whose prompt is done],
+//! which the shard merges into the running batch.
 //! After every shard call each request's token goes to its channel; requests that finished
 //! (EOS, length) or whose client left give their blocks back at once and leave the shard's batch
 //! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
