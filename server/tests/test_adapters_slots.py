@@ -4,6 +4,7 @@ again), slot and unload guards, and the host LRU's order and pinning."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,3 +288,55 @@ def test_an_adapter_evicted_between_activation_and_pin_is_put_back() -> None:
     assert cache.pin(activating) == []  # back, and pinned: it does not count either
     assert cache.ids() == ["in-slot", "loaded-meanwhile", "activating"]
     assert cache.get("activating") is activating
+
+
+def test_unloading_the_evicted_occupant_during_a_copy_keeps_the_new_adapter(setup: Setup) -> None:
+    """The router evicts X when it starts copying Y into X's slot, so it may unload X while the
+    copy runs: the unload must not clear the slot Y is being copied into."""
+    import threading
+    from contextlib import contextmanager
+
+    engine = _engine(setup)
+    engine.load_adapter("x", "local", str(setup.adapters["rank4"]))
+    engine.load_adapter("y", "local", str(setup.adapters["qv-only"]))
+    engine.activate_adapter("x", 0)
+    slots = engine.lora.slots
+    assert slots is not None
+    inside, release = threading.Event(), threading.Event()
+
+    @contextmanager
+    def held() -> Iterator[None]:
+        inside.set()  # the copy holds the slots' lock from here on
+        assert release.wait(60)
+        yield
+
+    slots._on_copy_stream = held  # type: ignore[method-assign]
+    copy = threading.Thread(target=engine.activate_adapter, args=("y", 0))
+    copy.start()
+    assert inside.wait(60)
+    unload = threading.Thread(target=engine.unload_adapter, args=("x",))
+    unload.start()
+    release.set()
+    copy.join(60)
+    unload.join(60)
+    assert slots.adapter_in(0) == "y" and "x" not in engine.lora.registry
+    outputs = [engine.prefill(1, [_request(0, "y")]).generations[0].token_id]
+    outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
+    assert_greedy_matches(outputs, setup.expected["qv-only"], "y after the racing unload")
+
+
+def test_an_adapter_moved_to_another_slot_leaves_its_old_one(setup: Setup) -> None:
+    """Activations run beside the steps, so a copy of an adapter into a new slot can reach the
+    shard before the copy that overwrites its old one: the old slot is emptied at once, and new
+    requests are bound to the new one."""
+    engine = _engine(setup)
+    engine.load_adapter("x", "local", str(setup.adapters["rank16"]))
+    engine.activate_adapter("x", 0)
+    engine.activate_adapter("x", 1)
+    slots = engine.lora.slots
+    assert slots is not None
+    assert (slots.adapter_in(0), slots.slot_of("x")) == (None, 1)
+    assert all(not part.lora_a[0].any() and int(part.ranks[0]) == 0 for part in slots.parts.values())
+    outputs = [engine.prefill(1, [_request(0, "x")]).generations[0].token_id]
+    outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
+    assert_greedy_matches(outputs, setup.expected["rank16"], "moved")

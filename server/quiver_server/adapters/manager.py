@@ -87,6 +87,13 @@ class AdapterManager:
             return True
         if slot in running:
             raise ValueError(f"slot {slot} holds adapter {running[slot]!r}, which running requests use")
+        other = slots.slot_of(adapter_id)
+        if other is not None and other not in running:
+            # A move: the router evicted the adapter from `other`, and the copy of another
+            # adapter into it may not have arrived yet (activations run beside the steps). New
+            # requests must not be bound to a slot about to be overwritten. (A copy in a slot
+            # that running requests use stays: it holds the same weights until they finish.)
+            slots.clear(other, adapter_id)
         host_cache_hit = adapter_id in self.registry.host
         adapter = self.registry.get(adapter_id)
         replaced = slots.activate(adapter, slot)
@@ -109,7 +116,7 @@ class AdapterManager:
             raise ValueError(f"adapter {adapter_id!r} still has running requests")
         if self.slots is not None:
             while (slot := self.slots.slot_of(adapter_id)) is not None:
-                self.slots.clear(slot)
+                self.slots.clear(slot, adapter_id)
         if adapter_id in self.registry:
             log.info("unloaded adapter %s", adapter_id)
         self.registry.forget(adapter_id)

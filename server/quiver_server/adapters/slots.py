@@ -132,10 +132,15 @@ class AdapterSlots:
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter rank {adapter.rank} exceeds max_lora_rank {self.max_rank}")
         with self._lock, self._on_copy_stream():
+            # Empty until the copy is done: an unload of the previous occupant, or a copy that
+            # fails half-way, leaves no adapter named on half-written rows.
+            previous = self._set_adapter(slot, None)
+            self._targets[slot] = frozenset()
+            self._update_in_use()
             written = self._written[slot]
-            # Zero what the previous occupant wrote that this adapter does not overwrite.
-            for where in self._targets[slot] - adapter.weights.keys():
-                self._zero_ranks(where, slot, 0, written.pop(where, 0))
+            # Zero what was written before that this adapter does not overwrite.
+            for where in written.keys() - adapter.weights.keys():
+                self._zero_ranks(where, slot, 0, written.pop(where))
             for where, (a, b) in adapter.weights.items():
                 part = self.parts[where]
                 held_rows, held_inputs = self._shares[where]
@@ -154,18 +159,22 @@ class AdapterSlots:
                 scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
             if self._copy_stream is not None:
                 self._copy_stream.synchronize()  # done before any step may read the slot
-            previous = self._set_adapter(slot, adapter.adapter_id)
+            self._set_adapter(slot, adapter.adapter_id)
             self._targets[slot] = frozenset(adapter.weights)
             self._update_in_use()
         return previous
 
-    def clear(self, slot: int) -> str | None:
-        """Empties `slot` (its buffers back to zero); returns the adapter it held."""
+    def clear(self, slot: int, expected: str | None = None) -> str | None:
+        """Empties `slot` (its buffers back to zero); returns the adapter it held. With
+        `expected`, only if the slot still holds that adapter once the lock is taken (a copy of
+        another adapter into it may have begun meanwhile): else nothing changes."""
         self.check_slot(slot)
         with self._lock, self._on_copy_stream():
+            if expected is not None and self._adapters[slot] != expected:
+                return None
             written = self._written[slot]
-            for where in self._targets[slot]:
-                self._zero_ranks(where, slot, 0, written.pop(where, 0))
+            for where in list(written):
+                self._zero_ranks(where, slot, 0, written.pop(where))
             for experts, scaling in self._scalings.items():
                 scaling.unflatten(0, (-1, experts))[slot] = 0.0
             if self._copy_stream is not None:

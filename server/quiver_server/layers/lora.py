@@ -64,7 +64,9 @@ class LoraWrapper(nn.Module):
     def _add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
         in_use = tuple(part.in_use for part in self.lora_parts)
         if in_use != self._in_use:
-            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks) for p in self.lora_parts if p.in_use]
+            # From the tuple read once: the slot-copy thread may flip a flag meanwhile.
+            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks)
+                     for p, used in zip(self.lora_parts, in_use, strict=True) if used]
             self._lora = LoraProjection(parts, self._backend) if parts else None
             self._in_use = in_use
         if self._lora is not None:
