@@ -13,12 +13,11 @@ plain layers are put back.
 
 Activating copies an adapter's host weights into its slot. The shard does it on a thread of its
 own, beside the steps (on CUDA on a stream of its own, from pinned memory; on CPU on that one
-thread, `service.py`), for a slot that no
-running request uses and that the router sends no request for until the copy is done: a forward
-pass never reads the rows being written. A lock orders activations and clears between them, so
-the set of projections in use always matches what the slots hold. Only the rows an adapter
-writes and the stale rows of the previous occupant are touched: rows at or past the rank
-written last are always zero.
+thread, `service.py`), for a slot that no running request uses and that the router sends no
+request for until the copy is done: a forward pass never reads the rows being written. A lock
+orders activations and clears between them, so the set of projections in use always matches
+what the slots hold. Only the rows an adapter writes and the stale rows of the previous
+occupant are touched: rows at or past the rank written last are always zero.
 """
 
 from __future__ import annotations
@@ -148,13 +147,13 @@ class AdapterSlots:
                     a = a[..., held_inputs]
                 if held_rows is not None:
                     b = take_rows(b, held_rows, dim=-2)
-                lora_a, lora_b, ranks = part.of_slot(slot)  # [E, R, in], [E, out, R], [E]
+                lora_a, lora_b, _ = part.of_slot(slot)  # [E, R, in], [E, out, R]
                 rank = a.shape[-2]
                 lora_a[:, :rank].copy_(a.reshape(-1, rank, a.shape[-1]), non_blocking=True)
                 lora_b[:, :, :rank].copy_(b.reshape(-1, b.shape[-2], rank), non_blocking=True)
+                # The stale rows past `rank` go to zero, and the part's rank is set to it.
                 self._zero_ranks(where, slot, rank, written.get(where, 0))
                 written[where] = rank
-                ranks.fill_(rank)
             for experts, scaling in self._scalings.items():
                 scaling.unflatten(0, (-1, experts))[slot] = adapter.scaling
             if self._copy_stream is not None:
