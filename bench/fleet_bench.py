@@ -3,7 +3,8 @@ to a small CPU host.
 
 The bench model is served with the adapters of `adapters.ensure_fleet` (1,000 distinct adapters,
 ranks drawn from 4 to 64, all seven projections) behind `--adapter-source local`, 32 device
-slots, a host cache of 64 adapters (`--max-cpu-adapters`) and `--max-lora-rank 64`; the disk
+slots in rank classes sized to that mix (`--lora-rank-classes`, up to `--max-lora-rank 64`), a
+host cache of 64 adapters (`--max-cpu-adapters`); the disk
 tier is the adapter directory itself. Requests pick their adapter from a power law: the
 adapter of popularity rank k (a seeded shuffle of the fleet) is drawn with weight 1 / k^s. The
 same seeded sequence of requests is sent in every run, by `clients` closed-loop streaming
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import statistics
 import sys
 import time
@@ -68,6 +70,9 @@ class FleetSpec:
     max_active_adapters: int = 32
     max_cpu_adapters: int = 64
     max_lora_rank: int = 64
+    # --lora-rank-classes, sized to the fleet's mix (ranks 4 to 64 about equally often: 8 holds
+    # two of the five); "" sizes every slot at max_lora_rank.
+    lora_rank_classes: str = "8:12,16:6,32:7"
     adapter_dtype: str = "bfloat16"  # on disk: half the files of float32; the shard converts
     seed: int = 31
 
@@ -219,14 +224,24 @@ def _adapter_metrics(before: dict[str, float], after: dict[str, float]) -> dict[
             "mean_activation_ms": round(activation_s / activations * 1e3, 2) if activations else None}
 
 
+def _server_flags(root: Path, spec: FleetSpec) -> list[str]:
+    classes = ["--lora-rank-classes", spec.lora_rank_classes] if spec.lora_rank_classes else []
+    return [*adapters.server_flags(root, spec.max_active_adapters, spec.max_lora_rank), *classes,
+            "--max-cpu-adapters", str(spec.max_cpu_adapters), "--prefix-caching", "false"]
+
+
 def _stack(model_dir: Path, dtype: str, root: Path, spec: FleetSpec, logs: Path, repeat: int) -> Stack:
-    flags = adapters.server_flags(root, spec.max_active_adapters, spec.max_lora_rank)
     return Stack(StackConfig(
         model_id=str(model_dir), served_model_name=SERVED, dtype=dtype, device="cpu", cpu_kv_cache_gib=1.0,
         max_input_tokens=spec.prompt_tokens + 8, max_total_tokens=spec.prompt_tokens + spec.long_stream_tokens + 16,
-        max_batch_size=spec.clients + spec.long_streams,
-        extra_args=[*flags, "--max-cpu-adapters", str(spec.max_cpu_adapters), "--prefix-caching", "false"]),
+        max_batch_size=spec.clients + spec.long_streams, extra_args=_server_flags(root, spec)),
         logs / f"quiver-fleet-{repeat}.log")
+
+
+def _slot_memory_mib(log_path: Path) -> float | None:
+    """The adapter slots' memory, as the shard logged it at warmup ("adapter slots: … (X MiB)")."""
+    found = re.findall(r"adapter slots: [^(]*\(([0-9.]+) MiB\)", log_path.read_text(errors="replace"))
+    return float(found[-1]) if found else None
 
 
 def _median(runs: list[dict], path: tuple[str, ...]) -> float | None:
@@ -254,6 +269,7 @@ def run(model_root: Path, shape: bench_model.Shape, repeats: int, spec: FleetSpe
     prompts = bench_model.prompts(spec.requests, spec.prompt_tokens, shape.vocab_size, seed=spec.seed)
     long_prompts = bench_model.prompts(spec.long_streams, spec.prompt_tokens, shape.vocab_size, seed=spec.seed + 1)
     runs: dict[str, list[dict]] = {"fleet": [], "base": []}
+    slot_memory: float | None = None
     for repeat in range(repeats):
         stack = _stack(model_dir, shape.dtype, root, spec, logs, repeat)
         log(f"fleet, run {repeat + 1}/{repeats}: starting a fresh stack; log: {stack.log_path}")
@@ -269,6 +285,7 @@ def run(model_root: Path, shape: bench_model.Shape, repeats: int, spec: FleetSpe
                 runs[name].append({"repeat": repeat, "order": order.index(name), **result})
         finally:
             stack.stop()
+        slot_memory = _slot_memory_mib(stack.log_path)
     popularity = Counter(fleet_models)
     fleet_tput = _median(runs["fleet"], ("throughput_tok_s",))
     base_tput = _median(runs["base"], ("throughput_tok_s",))
@@ -284,8 +301,7 @@ def run(model_root: Path, shape: bench_model.Shape, repeats: int, spec: FleetSpe
         "scenario": {
             **asdict(spec), "model": f"{shape.name} ({shape.dtype}, random weights)",
             "ranks": dict(sorted(Counter(adapters.fleet_ranks(spec.adapters)).items())),
-            "server_flags": [*adapters.server_flags(Path("ROOT"), spec.max_active_adapters, spec.max_lora_rank),
-                             "--max-cpu-adapters", str(spec.max_cpu_adapters), "--prefix-caching", "false"],
+            "server_flags": _server_flags(Path("ROOT"), spec),
             "distinct_adapters_requested": len(popularity),
             "top_adapter_share": round(popularity.most_common(1)[0][1] / spec.requests, 3),
             "adapters_requested_once": sum(1 for n in popularity.values() if n == 1),
@@ -294,6 +310,7 @@ def run(model_root: Path, shape: bench_model.Shape, repeats: int, spec: FleetSpe
                           "token (the long streams' tokens are not counted; they run in both loads)",
         },
         "repeats": repeats,
+        "adapter_slot_memory_mib": slot_memory,
         "throughput_tok_s": {"fleet": fleet_tput, "base": base_tput},
         "throughput_fleet_over_base": ratio,
         "throughput_fleet_over_base_per_repeat": paired,

@@ -49,7 +49,7 @@ def decode_step_check(work: Path, device: str) -> dict[str, Any]:
     lengths, table = [r.length for r in batch.requests], batch.block_table(engine.device)
     slots = [r.lora_slot for r in batch.requests]
     input_ids = batch.input_ids(engine.device)
-    lora = build_lora_meta(slots, [1] * ROWS, engine.lora.max_rank, engine.device)
+    lora = build_lora_meta(slots, [1] * ROWS, engine.lora.ranks or 0, engine.device)
     forward = build_decode(lengths, table, 16, engine.device, lora)
     assert engine.kv_cache is not None
     saved = [(k.clone(), v.clone()) for k, v in zip(engine.kv_cache.k, engine.kv_cache.v, strict=True)]

@@ -191,6 +191,8 @@ def parse_args() -> argparse.Namespace:
                    help="requests per run of the fleet block (the same seeded sequence in every run)")
     p.add_argument("--fleet-clients", type=int, default=fleet_bench.FleetSpec.clients,
                    help="streaming clients of the fleet block")
+    p.add_argument("--fleet-rank-classes", default=fleet_bench.FleetSpec.lora_rank_classes,
+                   help="--lora-rank-classes of the fleet block's server (\"\": every slot at rank 64)")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -461,7 +463,7 @@ def main() -> None:
                                                      args.requests_per_client, Path(tmp))
     if args.fleet_repeats and args.device == "cpu":
         fleet = fleet_bench.FleetSpec(adapters=args.fleet_adapters, requests=args.fleet_requests,
-                                      clients=args.fleet_clients)
+                                      clients=args.fleet_clients, lora_rank_classes=args.fleet_rank_classes)
         log(f"fleet: {fleet.adapters} adapters, Zipf popularity, against the base ({args.fleet_repeats} repeats)")
         with tempfile.TemporaryDirectory(prefix="quiver-bench-fleet-") as tmp:
             report["adapter_fleet"] = fleet_bench.run(args.model_root, shape, args.fleet_repeats, fleet, Path(tmp))

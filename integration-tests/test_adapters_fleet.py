@@ -1,5 +1,6 @@
 """Issue 31, "thousands of adapters": one server, 1,000 peft adapters of ranks 4 to 64, 32 device
-slots and a host-memory cache of 16 adapters.
+slots in four rank classes (8 slots each of rank 8, 16, 32 and 64: `--lora-rank-classes`) and a
+host-memory cache of 16 adapters.
 
 Every adapter is requested once, 12 requests in flight, so each one is loaded from disk, copied
 into a slot (evicting an idle one) and served while others decode. Then:
@@ -81,6 +82,8 @@ SCRAPE_EVERY = 25
 # --metrics-max-adapter-labels: the first this many adapters get a label of their own in /metrics,
 # all later ones share "other".
 MAX_ADAPTER_LABELS = 32
+# Two kinds of FLEET_KINDS per class; the 8 slots left over hold --max-lora-rank (64).
+RANK_CLASSES = "8:8,16:8,32:8"
 
 
 def fleet_id(index: int) -> str:
@@ -209,7 +212,7 @@ def fleet(tmp_path_factory) -> Fleet:
 def stack(fleet, tmp_path_factory) -> Iterator[Stack]:
     stack = start_adapter_stack(fleet.base_dir, fleet.root, tmp_path_factory.mktemp("logs"), "adapters-fleet",
                                 max_active_adapters=SLOTS,
-                                extra_args=["--max-cpu-adapters", str(HOST_CACHE),
+                                extra_args=["--max-cpu-adapters", str(HOST_CACHE), "--lora-rank-classes", RANK_CLASSES,
                                             "--metrics-max-adapter-labels", str(MAX_ADAPTER_LABELS)])
     yield stack
     stack.stop()
@@ -370,3 +373,9 @@ def test_the_official_sdk_pages_through_the_whole_fleet(fleet, stack, cycle):
                 break
             after = raw["last_id"]
     assert paged == whole and len(whole) == FLEET_SIZE + 1
+
+
+def test_the_slots_hold_the_rank_classes_asked_for(stack, cycle):
+    """--lora-rank-classes reached the shard: three classes of 8 slots, the other 8 at rank 64
+    (and every adapter above ran in a slot that holds its rank: the shard refuses any other)."""
+    assert "adapter slots: 8 of rank up to 8, 8 of rank up to 16, 8 of rank up to 32, 8 of rank up to 64" in stack.log()

@@ -167,6 +167,8 @@ def test_hub_token_and_api_key_come_from_the_named_secrets():
                     "QUIVER_API_KEY": {"name": "quiver-api-key", "key": "api-key"}}
     assert flag_value(container["args"], "--preload-adapters") == "org/support-bot-lora,org/sql-lora"
     assert flag_value(container["args"], "--adapter-source") == "hub"
+    assert flag_value(container["args"], "--lora-rank-classes") == "8:4,16:4"
+    assert "--lora-rank-classes" not in quiver_container(rendered("defaults"))["args"]
 
 
 def test_s3_buckets_and_store_credentials_reach_the_launcher():
@@ -227,7 +229,7 @@ def test_fewer_gpus_than_shards_is_refused():
 
 def test_values_outside_the_schema_are_refused():
     for bad in ('model.dtpye="bfloat16"', 'model.dtype="int4"', "model.numShard=0",
-                'adapters.source="gcs"'):
+                'adapters.source="gcs"', 'adapters.loraRankClasses="8x4"'):
         with pytest.raises(ChartError, match="values don't meet the specifications of the schema"):
             render([], sets=[bad])
 

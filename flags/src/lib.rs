@@ -4,12 +4,14 @@
 //! forwards them with [`ServingFlags::to_router_args`] instead of re-listing each one.
 
 mod adapter_source;
+mod lora_rank_classes;
 mod reasoning_parser;
 mod router_argv;
 mod serving;
 mod tool_call_parser;
 
 pub use adapter_source::{AdapterSource, UnknownAdapterSource};
+pub use lora_rank_classes::{slot_ranks, RankClass, RankClasses};
 pub use reasoning_parser::{ReasoningParser, ReasoningParserFlag};
 pub use serving::{ServingFlags, API_KEY_ENV};
 pub use tool_call_parser::ToolCallParser;

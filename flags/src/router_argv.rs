@@ -33,6 +33,7 @@ impl ServingFlags {
             preload_adapters,
             max_active_adapters,
             max_lora_rank,
+            lora_rank_classes,
             served_model_name,
             api_key: _,
             api_keys_file,
@@ -95,6 +96,10 @@ impl ServingFlags {
             )
             .flag("--max-active-adapters", max_active_adapters.to_string())
             .flag("--max-lora-rank", max_lora_rank.to_string())
+            .flag_if_set(
+                "--lora-rank-classes",
+                lora_rank_classes.as_ref().map(ToString::to_string),
+            )
             .flag_if_set("--served-model-name", served_model_name.as_deref())
             // A path, not a secret: the keys in it are digests.
             .flag_if_set("--api-keys-file", api_keys_file.as_deref())
@@ -199,6 +204,10 @@ mod tests {
             preload_adapters: vec!["a".into(), "org/b@v1".into()],
             max_active_adapters: 4,
             max_lora_rank: 32,
+            lora_rank_classes: Some(crate::RankClasses(vec![
+                crate::RankClass { rank: 16, count: 1 },
+                crate::RankClass { rank: 4, count: 2 },
+            ])),
             served_model_name: Some("my-model".into()),
             api_key: None,
             api_keys_file: Some(PathBuf::from("/etc/quiver/keys.yaml")),

@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use clap::Args;
 
-use crate::{AdapterSource, ReasoningParserFlag, ToolCallParser};
+use crate::{AdapterSource, RankClass, RankClasses, ReasoningParserFlag, ToolCallParser};
 
 /// The variable the API key is read from. The launcher hands the key to the router through it,
 /// never on the command line, where `ps` shows it to every user.
@@ -124,6 +124,14 @@ pub struct ServingFlags {
     #[arg(long, env = "QUIVER_MAX_LORA_RANK", default_value_t = 64)]
     pub max_lora_rank: u32,
 
+    /// Adapter slots that hold smaller ranks only, as RANK:COUNT pairs (comma-separated): COUNT
+    /// of the --max-active-adapters slots hold ranks up to RANK, and take less device memory;
+    /// the other slots hold --max-lora-rank. An adapter runs in the smallest free slot its rank
+    /// fits. Each RANK below --max-lora-rank and given once; at least one slot stays outside
+    /// the classes. Default: every slot holds --max-lora-rank.
+    #[arg(long, env = "QUIVER_LORA_RANK_CLASSES")]
+    pub lora_rank_classes: Option<RankClasses>,
+
     /// Name the base model is listed and answered under (default: --model-id, or quiver-demo for
     /// the demo model).
     #[arg(long, env = "QUIVER_SERVED_MODEL_NAME")]
@@ -188,6 +196,15 @@ pub struct ServingFlags {
     /// `service.name` of the router's spans; the shards report as `<name>-shard`.
     #[arg(long, env = "QUIVER_OTEL_SERVICE_NAME", default_value = "quiver")]
     pub otel_service_name: String,
+}
+
+impl ServingFlags {
+    /// `--lora-rank-classes`, none when unset.
+    pub fn rank_classes(&self) -> &[RankClass] {
+        self.lora_rank_classes
+            .as_ref()
+            .map_or(&[], |classes| classes.0.as_slice())
+    }
 }
 
 /// A pace of prefill against decode: finite, at least 0.

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use clap::error::ErrorKind;
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, ValueEnum};
 use quiver_flags::ServingFlags;
@@ -229,6 +230,14 @@ impl LauncherArgs {
 
     fn from_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
         let mut args = Self::from_arg_matches(matches)?;
+        // The router checks it too, but only once the shards have loaded the model.
+        let serving = &args.serving;
+        quiver_flags::slot_ranks(
+            serving.rank_classes(),
+            serving.max_active_adapters,
+            serving.max_lora_rank,
+        )
+        .map_err(|message| Self::command().error(ErrorKind::ArgumentConflict, message))?;
         args.adapter_source_given = matches!(
             matches.value_source("adapter_source"),
             Some(ValueSource::CommandLine | ValueSource::EnvVariable)
@@ -327,6 +336,30 @@ mod tests {
             assert!(argv(&["--adapter-disk-cache-gib", bad]).is_err(), "{bad}");
         }
         assert!(argv(&["--adapter-disk-cache-gib", "2.5"]).is_ok());
+    }
+
+    #[test]
+    fn rank_classes_that_do_not_fit_the_slots_stop_the_launcher_before_any_shard() {
+        let argv = |classes: &str| {
+            let argv = [
+                "quiver-launcher",
+                "--max-active-adapters",
+                "4",
+                "--lora-rank-classes",
+                classes,
+            ];
+            LauncherArgs::try_from_argv(argv)
+        };
+        let args = argv("8:2,16:1").unwrap();
+        assert_eq!(args.serving.rank_classes().len(), 2);
+        for (bad, why) in [
+            ("8:4", "--max-active-adapters is 4"),
+            ("64:1", "--max-lora-rank (64)"),
+        ] {
+            let error = argv(bad).unwrap_err().to_string();
+            assert!(error.contains("--lora-rank-classes"), "{bad}: {error}");
+            assert!(error.contains(why), "{bad}: {error}");
+        }
     }
 
     #[test]

@@ -87,6 +87,7 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
         root = ?args.serving.adapter_root,
         max_active_adapters = args.serving.max_active_adapters,
         max_lora_rank = args.serving.max_lora_rank,
+        lora_rank_classes = ?args.serving.lora_rank_classes.as_ref().map(ToString::to_string),
         preloaded = ?state.adapters.list().iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(),
         "adapters"
     );

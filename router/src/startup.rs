@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use quiver_flags::{slot_ranks, RankClass};
+
 use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
 };
@@ -76,7 +78,7 @@ impl Default for AdmissionSettings {
 }
 
 /// `--adapter-source`, `--adapter-root`, `--s3-adapter-buckets`, `--preload-adapters`,
-/// `--max-active-adapters`, `--max-lora-rank`.
+/// `--max-active-adapters`, `--max-lora-rank`, `--lora-rank-classes`.
 #[derive(Debug, Clone, Default)]
 pub struct AdapterSettings {
     pub source: AdapterSource,
@@ -87,6 +89,8 @@ pub struct AdapterSettings {
     /// Device slots; 0 serves no adapter (every adapter request fails in the scheduler).
     pub max_active_adapters: u32,
     pub max_lora_rank: u32,
+    /// Slots that hold smaller ranks only; none: every slot holds `max_lora_rank`.
+    pub lora_rank_classes: Vec<RankClass>,
 }
 
 impl Settings {
@@ -111,6 +115,7 @@ impl Settings {
                 preload: args.serving.preload_adapters.clone(),
                 max_active_adapters: args.serving.max_active_adapters,
                 max_lora_rank: args.serving.max_lora_rank,
+                lora_rank_classes: args.serving.rank_classes().to_vec(),
             },
             tool_call_parser: args.serving.tool_call_parser,
             reasoning_parser: args.serving.reasoning_parser,
@@ -151,6 +156,9 @@ pub enum StartupError {
     },
     #[error("{0}")]
     AdapterRoot(String),
+    /// `--lora-rank-classes` does not fit `--max-active-adapters` and `--max-lora-rank`.
+    #[error("{0}")]
+    AdapterSlots(String),
     #[error("cannot preload adapter: {0}")]
     Preload(AdapterError),
     #[error("API keys: {0}")]
@@ -176,6 +184,13 @@ pub async fn start(
     let resolver = Resolver::new(settings.adapters.source, settings.adapters.root.as_deref())
         .and_then(|resolver| resolver.with_s3_buckets(&settings.adapters.s3_buckets))
         .map_err(StartupError::AdapterRoot)?;
+    let adapters = &settings.adapters;
+    let slot_ranks = slot_ranks(
+        &adapters.lora_rank_classes,
+        adapters.max_active_adapters,
+        adapters.max_lora_rank,
+    )
+    .map_err(StartupError::AdapterSlots)?;
     if let Some(cap) = settings.max_batch_total_tokens {
         if cap < limits.max_total_tokens {
             return Err(StartupError::Limits(format!(
@@ -184,7 +199,7 @@ pub async fn start(
             )));
         }
     }
-    let cache = size_kv_cache(shard.as_ref(), &limits, &settings).await?;
+    let cache = size_kv_cache(shard.as_ref(), &limits, &settings, &slot_ranks).await?;
     let model_id = if settings.model_id.is_empty() {
         info.model_id.clone()
     } else {
@@ -211,6 +226,7 @@ pub async fn start(
             max_concurrent_requests: settings.max_concurrent_requests,
             max_total_tokens: limits.max_total_tokens,
             max_active_adapters: settings.adapters.max_active_adapters,
+            slot_ranks,
             preemption_wait: settings.admission.preemption_wait,
             max_queue_wait: settings.admission.max_queue_wait,
             prefix_caching: settings.prefix_caching,
@@ -334,12 +350,14 @@ struct KvCache {
     max_batch_total_tokens: u32,
 }
 
-/// Warms the shard up with the worst case the limits allow; the cache it reports must hold at
+/// Warms the shard up with the worst case the limits allow, and its adapter slots with their
+/// ranks (`slot_ranks`, empty: all at `--max-lora-rank`); the cache it reports must hold at
 /// least one request of `max_total_tokens`, or no request of that size could ever run.
 async fn size_kv_cache(
     shard: &dyn ShardBackend,
     limits: &Limits,
     settings: &Settings,
+    slot_ranks: &[u32],
 ) -> Result<KvCache, StartupError> {
     let warmup = shard
         .warmup(WarmupLimits {
@@ -350,6 +368,7 @@ async fn size_kv_cache(
             max_batch_total_tokens: settings.max_batch_total_tokens.unwrap_or(0),
             max_active_adapters: settings.adapters.max_active_adapters,
             max_lora_rank: settings.adapters.max_lora_rank,
+            slot_ranks: slot_ranks.to_vec(),
         })
         .await
         .map_err(StartupError::Warmup)?;

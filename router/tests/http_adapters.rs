@@ -417,3 +417,52 @@ async fn s3_ids_load_from_allowed_buckets_only_and_keep_their_url() {
     assert_error(status, &body, StatusCode::BAD_REQUEST, "invalid_value");
     assert_eq!(body["error"]["param"], "lora_name");
 }
+
+/// With rank classes each adapter runs in the smallest slot its rank (LoadAdapter's answer)
+/// fits, for generation and embeddings alike: the fake refuses an adapter in a slot too small
+/// for it, and a rank lost on the way (0) would put every adapter in the rank-64 slot.
+#[tokio::test]
+async fn adapters_run_in_the_slot_class_their_rank_fits() {
+    let dirs = adapter_dirs();
+    let app = TestApp::with_options(Options {
+        max_active_adapters: 3,
+        lora_rank_classes: vec![RankClass { rank: 16, count: 2 }],
+        adapter_ranks: vec![("team/sql".into(), 64)],
+        ..local_options(&dirs)
+    })
+    .await;
+    assert_eq!(app.shard.adapter_slot_ranks(), vec![16, 16, 64]);
+    for model in ["team/sql", "plain"] {
+        let (status, body) = app
+            .post(
+                "/v1/chat/completions",
+                &chat_for(model, "hi", json!({"max_tokens": 6})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (text, finish, _) = expected_reply(model, &chat_prompt_ids("hi"), 6);
+        assert_eq!(body["choices"][0]["message"]["content"], text, "{model}");
+        assert_eq!(body["choices"][0]["finish_reason"], finish, "{model}");
+    }
+    let (status, body) = app
+        .post("/v1/embeddings", &json!({"model": "chatty", "input": "hi"}))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // plain (rank 8) takes the first rank-16 slot; chatty the second, while plain's is idle.
+    let expected =
+        [("team/sql", 2), ("plain", 0), ("chatty", 1)].map(|(id, slot)| (id.to_string(), slot));
+    assert_eq!(app.shard.activations(), expected);
+}
+
+#[tokio::test]
+async fn rank_classes_that_leave_no_large_slot_stop_start_up() {
+    let result = TestApp::try_with_options(Options {
+        max_active_adapters: 2,
+        lora_rank_classes: vec![RankClass { rank: 8, count: 2 }],
+        ..Options::default()
+    })
+    .await;
+    let error = result.err().expect("start-up fails").to_string();
+    assert!(error.contains("--lora-rank-classes"), "{error}");
+    assert!(error.contains("--max-active-adapters is 2"), "{error}");
+}

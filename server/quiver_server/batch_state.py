@@ -9,7 +9,7 @@ import torch
 
 from quiver_server.batch_types import SamplingParams
 from quiver_server.forward_batch import build_lora_meta
-from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_meta import LoraBatchMeta, RankClasses
 from quiver_server.sampling import SamplingBatch
 
 
@@ -98,11 +98,11 @@ class CachedBatch:
             self._block_table = padded_block_table([r.blocks for r in self.requests], device)
         return self._block_table
 
-    def lora_meta(self, max_rank: int, device: torch.device) -> LoraBatchMeta | None:
+    def lora_meta(self, ranks: RankClasses, device: torch.device) -> LoraBatchMeta | None:
         """Decode's LoRA slot mapping (one token per request), None if no request has an adapter."""
         if not self._lora_built:
             slots = [r.lora_slot for r in self.requests]
-            self._lora = build_lora_meta(slots, [1] * len(slots), max_rank, device)
+            self._lora = build_lora_meta(slots, [1] * len(slots), ranks, device)
             self._lora_built = True
         return self._lora
 

@@ -26,7 +26,7 @@ from contextlib import AbstractContextManager
 import torch
 
 from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_meta import LoraBatchMeta, RankClasses
 from quiver_server.kv_cache import PagedKVCache
 from quiver_server.models.family import ModelFamily
 
@@ -52,11 +52,11 @@ class DecodeGraphs:
         max_batch_size: int,
         max_blocks_per_sequence: int,
         block_size: int,
-        max_lora_rank: int | None,
+        lora_ranks: RankClasses | None,
         device: torch.device,
     ) -> None:
         """scratch_block: a cache block no request is given (padded rows write their K/V there);
-        max_lora_rank: the adapter slots' rank, None without adapter slots."""
+        lora_ranks: the adapter slots' rank classes, None without adapter slots."""
         self.model, self.kv_cache = model, kv_cache
         self.sizes = bucket_sizes(max_batch_size)
         rows, self.block_size = self.sizes[-1], block_size
@@ -66,15 +66,18 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(rows, dtype=long, device=device)
         self.slot_mapping = torch.full((rows,), scratch_block * block_size, dtype=long, device=device)
         self.block_tables = torch.full((rows, max_blocks_per_sequence), scratch_block, dtype=long, device=device)
-        self.lora_slots = (torch.full((rows,), -1, dtype=torch.int32, device=device)
-                           if max_lora_rank is not None else None)
+        # Row 0: each row's slot; with several rank classes, row 1 + c: its row in class c.
+        self.lora_ranks = lora_ranks
+        classes = len(lora_ranks.ranks) if lora_ranks is not None and len(lora_ranks.ranks) > 1 else 0
+        self.lora_slots = (torch.full((1 + classes, rows), -1, dtype=torch.int32, device=device)
+                           if lora_ranks is not None else None)
         self.scratch_slot = scratch_block * block_size
         # Host staging for the per-step metadata: pinned on a GPU, so its copies are truly
         # asynchronous (from pageable memory the copy waits for the host-side staging).
         pinned = device.type == "cuda"
         self._host_positions = torch.zeros(rows, dtype=long, pin_memory=pinned)
-        self._host_slots = torch.zeros(rows, dtype=torch.int32, pin_memory=pinned)
-        self.batches = {size: self._batch(size, max_lora_rank) for size in self.sizes}
+        self._host_slots = torch.zeros(1 + classes, rows, dtype=torch.int32, pin_memory=pinned)
+        self.batches = {size: self._batch(size) for size in self.sizes}
         # Each graph copies its logits here: its own output then lives only inside the capture,
         # and the buckets' graphs reuse one pool instead of each keeping [b, vocab] alive.
         self.logits: torch.Tensor | None = None
@@ -84,11 +87,12 @@ class DecodeGraphs:
     def max_rows(self) -> int:
         return self.sizes[-1]
 
-    def _batch(self, size: int, max_lora_rank: int | None) -> ForwardBatch:
+    def _batch(self, size: int) -> ForwardBatch:
         """The decode batch of bucket `size`: views of the static buffers' first rows."""
         lora = None
-        if self.lora_slots is not None and max_lora_rank is not None:
-            lora = LoraBatchMeta.for_rows(self.lora_slots[:size], max_lora_rank)
+        if self.lora_slots is not None and self.lora_ranks is not None:
+            lora = LoraBatchMeta.for_class_rows(self.lora_slots[0, :size], self.lora_slots[1:, :size].unbind(0),
+                                                self.lora_ranks.ranks)
         return ForwardBatch(
             is_prefill=False,
             positions=self.positions[:size],
@@ -146,9 +150,13 @@ class DecodeGraphs:
         rows_index = torch.arange(rows, device=positions.device)
         self.slot_mapping[:rows].copy_(
             block_table[rows_index, positions // self.block_size] * self.block_size + positions % self.block_size)
-        if self.lora_slots is not None:
-            self._host_slots[:rows] = torch.tensor(lora_slots if lora_slots is not None else [-1] * rows)
-            self.lora_slots[:rows].copy_(self._host_slots[:rows], non_blocking=True)
+        if self.lora_slots is not None and self.lora_ranks is not None:
+            slots = lora_slots if lora_slots is not None else [-1] * rows
+            per_class = self.lora_ranks.split(slots) if self.lora_slots.shape[0] > 1 else []
+            self._host_slots[:, :rows] = torch.tensor([slots, *per_class], dtype=torch.int32)
+            self._host_slots[:, rows:] = -1
+            # The whole buffer: a copy of a strided part would stage through pageable memory.
+            self.lora_slots.copy_(self._host_slots, non_blocking=True)
         self._reset_padding(rows, size)
         graph = self.graphs.get(size)
         if graph is None or self.logits is None:
@@ -164,7 +172,7 @@ class DecodeGraphs:
         self.seq_lens[rows:size] = 0
         self.slot_mapping[rows:size] = self.scratch_slot
         if self.lora_slots is not None:
-            self.lora_slots[rows:size] = -1
+            self.lora_slots[:, rows:size] = -1
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.batches[size], self.kv_cache)

@@ -182,16 +182,18 @@ class Engine:
         max_batch_total_tokens: int = 0,
         max_active_adapters: int = 0,
         max_lora_rank: int = 0,
+        slot_ranks: Sequence[int] = (),
     ) -> tuple[int, int]:
-        """Allocates the adapter slots (max_active_adapters of rank up to max_lora_rank; 0 slots
-        disables adapters) and the paged KV cache; returns (block_size, num_blocks)."""
+        """Allocates the adapter slots (max_active_adapters of rank up to max_lora_rank, or each
+        of its rank in slot_ranks: rank classes; 0 slots disables adapters) and the paged KV
+        cache; returns (block_size, num_blocks)."""
         if min(max_batch_prefill_tokens, max_total_tokens, max_batch_size) < 1:
             raise ValueError("warmup limits must be positive")
         if max_active_adapters > 0 and max_lora_rank < 1:
             raise ValueError(f"max_lora_rank must be positive with max_active_adapters={max_active_adapters}")
         self.batches.clear()
         self.kv_cache = self.graphs = self._ahead = None
-        self.lora.allocate_slots(max_active_adapters, max_lora_rank)
+        self.lora.allocate_slots(max_active_adapters, max_lora_rank, slot_ranks)
         if self.device.type == "cuda":
             num_blocks = self._cuda_blocks(max_batch_prefill_tokens, max_total_tokens, max_batch_size)
         else:
@@ -222,10 +224,9 @@ class Engine:
 
     def _capture_decode_graphs(self, scratch_block: int, max_batch_size: int, max_total_tokens: int) -> None:
         assert self.kv_cache is not None
-        slots = self.lora.slots
         self.graphs = DecodeGraphs(
             self.model, self.kv_cache, scratch_block, max_batch_size, self.kv_spec.blocks_for_tokens(max_total_tokens),
-            BLOCK_SIZE, slots.max_rank if slots is not None else None, self.device,
+            BLOCK_SIZE, self.lora.ranks, self.device,
         )
         seconds, nbytes = self.graphs.capture(self.lora.exercising_every_slot_buffer)
         log.info("CUDA graphs: decode batches %s captured in %.1f s, %.2f GiB",
@@ -250,18 +251,26 @@ class Engine:
         table = torch.arange(prefill_blocks, dtype=torch.long).view(len(lens), blocks_per_seq)
         host_ids = torch.arange(num_tokens) % self.vocab_size
         input_ids = host_ids.to(self.device)
-        # With adapter slots, every token goes through the LoRA kernels too (on slot 0, whatever
-        # it holds: the logits are thrown away), so their memory and compilation are covered.
-        slots = [0] * len(lens) if self.lora.slots is not None else None
-        max_rank = self.lora.max_rank
-        fresh = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, [True] * len(lens))
+        # With adapter slots, every token goes through the LoRA kernels too (on the first slot of
+        # each rank class, whatever it holds: the logits are thrown away), so their memory and
+        # compilation are covered.
+        # With more classes than rows, further passes run the classes the first one left out.
+        ranks = self.lora.ranks
+        prefill_slots = self.lora.warmup_slots(len(lens)) if ranks is not None else [None]
+        lora_ranks = ranks if ranks is not None else 0
+        slots = prefill_slots[0]
+        fresh = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, lora_ranks, [True] * len(lens))
         spans = logprobs.prompt_spans(host_ids.split(lens), [logprobs.MAX_LOGPROBS] * len(lens), lens)
-        cached = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, max_rank, context_lens=lens)
+        cached = build_prefill(lens, table, BLOCK_SIZE, self.device, slots, lora_ranks, context_lens=lens)
+        more_prefills = [build_prefill(lens, table, BLOCK_SIZE, self.device, more, lora_ranks)
+                         for more in prefill_slots[1:]]
         rows = max_batch_size
         decode_table = torch.arange(prefill_blocks, prefill_blocks + rows, dtype=torch.long, device=self.device)
-        decode_slots = [0] * rows if slots is not None else None
-        decode_lora = build_lora_meta(decode_slots, [1] * rows, max_rank, self.device) if decode_slots else None
-        decode = build_decode([0] * rows, decode_table[:, None], BLOCK_SIZE, self.device, decode_lora)
+        decodes = [
+            build_decode([0] * rows, decode_table[:, None], BLOCK_SIZE, self.device,
+                         build_lora_meta(decode_slots, [1] * rows, lora_ranks, self.device) if decode_slots else None)
+            for decode_slots in (self.lora.warmup_slots(rows) if ranks is not None else [None])
+        ]
         costliest = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
                                    presence_penalty=0.5, frequency_penalty=0.5, top_logprobs=logprobs.MAX_LOGPROBS)
         with self.lora.exercising_every_slot_buffer():
@@ -270,7 +279,11 @@ class Engine:
                 return
             logprobs.prompt_logprobs(self.model(input_ids, fresh, scratch), list(spans.values()))
             self.model(input_ids, cached, scratch)
-            logits = self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decode, scratch)
+            for more in more_prefills:
+                self.model(input_ids, more, scratch)
+            for decode in decodes[1:]:
+                self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decode, scratch)
+            logits = self.model(torch.zeros(rows, dtype=torch.long, device=self.device), decodes[0], scratch)
             sampling.sample(
                 logits, SamplingBatch.from_params([costliest] * rows, self.device),
                 torch.zeros(rows, dtype=torch.long, device=self.device),
@@ -352,7 +365,7 @@ class Engine:
         table = batch.block_table(self.device) if len(finals) == len(requests) else padded_block_table(
             [r.blocks for r in requests], self.device)
         forward = build_prefill(
-            new_lens, table, BLOCK_SIZE, self.device, lora_slots, self.lora.max_rank, all_logits,
+            new_lens, table, BLOCK_SIZE, self.device, lora_slots, self.lora.ranks or 0, all_logits,
             [r.cached_tokens for r in requests], sampled,
         )
         if not finals:
@@ -379,7 +392,7 @@ class Engine:
         input_ids = torch.tensor([t for r in requests for t in r.input_ids], dtype=torch.long).to(self.device)
         table = padded_block_table([r.blocks for r in requests], self.device)
         forward = build_prefill(lens, table, BLOCK_SIZE, self.device, slots if any(s >= 0 for s in slots) else None,
-                                self.lora.max_rank, sampled=[False] * len(requests))
+                                self.lora.ranks or 0, sampled=[False] * len(requests))
         vectors = pool(self.model.hidden_states(input_ids, forward, kv_cache), lens, self.pooling)
         return [TokenOut(request_id=r.id, token_id=0, logprob=0.0, embedding=v)
                 for r, v in zip(requests, vectors, strict=True)]
@@ -424,7 +437,8 @@ class Engine:
         if graphs is not None and graphs.bucket(len(lengths)) is not None:
             slots = [r.lora_slot for r in batch.requests]
             return graphs.run(input_ids, lengths, table, slots if any(s >= 0 for s in slots) else None)
-        lora = batch.lora_meta(self.lora.max_rank, self.device) if self.lora.slots is not None else None
+        ranks = self.lora.ranks
+        lora = batch.lora_meta(ranks, self.device) if ranks is not None else None
         return self.model(input_ids, build_decode(lengths, table, BLOCK_SIZE, self.device, lora), kv_cache)
 
     def _launch_ahead(self, batch: CachedBatch, tokens: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_meta import LoraBatchMeta, RankClasses
 
 
 @dataclass
@@ -99,13 +99,20 @@ def _slots(
 
 
 def build_lora_meta(
-    slots: list[int], tokens_per_request: list[int], max_rank: int, device: torch.device
+    slots: list[int], tokens_per_request: list[int], ranks: int | RankClasses, device: torch.device
 ) -> LoraBatchMeta | None:
     """The LoRA slot mapping of one pass (see LoraBatchMeta.build), or None when every request
-    is on the base model (slot -1)."""
+    is on the base model (slot -1). ranks: the slots' rank classes (an int: one class of that
+    rank); with several, the meta carries one per class."""
     if max(slots, default=-1) < 0:
         return None
-    return LoraBatchMeta.build(slots, tokens_per_request, max_rank, device)
+    if isinstance(ranks, int) or len(ranks.ranks) == 1:
+        return LoraBatchMeta.build(slots, tokens_per_request, ranks if isinstance(ranks, int) else ranks.max_rank,
+                                   device)
+    whole = LoraBatchMeta.build(slots, tokens_per_request, ranks.max_rank, device)
+    classes = tuple(LoraBatchMeta.build(rows, tokens_per_request, rank, device)
+                    for rows, rank in zip(ranks.split(slots), ranks.ranks, strict=True))
+    return dataclasses.replace(whole, classes=classes)
 
 
 def logits_rows_per_sequence(
@@ -128,7 +135,7 @@ def build_prefill(
     block_size: int,
     device: torch.device,
     lora_slots: list[int] | None = None,
-    max_lora_rank: int = 0,
+    lora_ranks: int | RankClasses = 0,
     all_logits: list[bool] | None = None,
     context_lens: list[int] | None = None,
     sampled: list[bool] | None = None,
@@ -136,6 +143,7 @@ def build_prefill(
     """prompt_lens: new tokens per sequence (computed in this pass, >= 1 each);
     block_table: [B, max_blocks] long (rows padded with any valid id), on any device;
     lora_slots: each request's adapter slot (-1 = base model), None if no request has one;
+    lora_ranks: the slots' rank classes (see build_lora_meta);
     all_logits: per request, whether it wants the logits of every prompt token (None: none);
     context_lens: per request, tokens already cached before its new ones (None: all 0);
     sampled: per request, whether its last new token gets a logits row (None: all do; False
@@ -161,9 +169,9 @@ def build_prefill(
             sample_rows = (rows.cumsum(0) - 1)[rows > 0].to(device, non_blocking=True)
     lora = lora_rows = None
     if lora_slots is not None:
-        lora = build_lora_meta(lora_slots, prompt_lens, max_lora_rank, device)
+        lora = build_lora_meta(lora_slots, prompt_lens, lora_ranks, device)
         if lora is not None:
-            lora_rows = build_lora_meta(lora_slots, rows_per_seq, max_lora_rank, device)
+            lora_rows = build_lora_meta(lora_slots, rows_per_seq, lora_ranks, device)
     return ForwardBatch(
         is_prefill=True,
         positions=positions.to(device, non_blocking=True),

@@ -200,6 +200,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
             request.max_batch_total_tokens,
             request.max_active_adapters,
             request.max_lora_rank,
+            list(request.slot_ranks),
         )
         return shard_pb2.WarmupResponse(block_size=block_size, num_blocks=num_blocks)
 

@@ -1,6 +1,8 @@
 """LoRA adapters against peft: every adapter kind (ranks 4 to 64; attention, q/v, MLP, every
 linear layer; rsLoRA; regex and layer-filtered targets) gives peft's logits and peft's greedy
-tokens, alone and mixed with other adapters and the base model in one batch."""
+tokens, alone and mixed with other adapters and the base model in one batch; with every slot at
+rank 64, and with slots in rank classes (8, 16 and 64, interleaved in slot order) each adapter in
+the smallest class that holds it."""
 
 from __future__ import annotations
 
@@ -53,8 +55,12 @@ class Setup:
         return self._greedy[(kind, prompt)]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
+def _class_of(rank: int) -> int:
+    return next(capacity for capacity in (8, 16, 64) if capacity >= rank)
+
+
+@pytest.fixture(scope="module", params=["one-class", "rank-classes"])
+def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[Setup]:
     base_dir = build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=3)
     root = tmp_path_factory.mktemp("adapters")
     adapters = {
@@ -62,7 +68,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         for i, (kind, config) in enumerate(ADAPTER_KINDS.items())
     }
     engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
-    engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=64)
+    slot_ranks = [_class_of(ADAPTER_KINDS[kind]["r"]) for kind in adapters] if request.param == "rank-classes" else []
+    engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=64, slot_ranks=slot_ranks)
+    assert engine.lora.slots is not None and len(engine.lora.slots.classes) == (3 if slot_ranks else 1)
     for slot, (kind, path) in enumerate(adapters.items()):
         info = engine.load_adapter(kind, "local", str(path))
         assert info.rank == ADAPTER_KINDS[kind]["r"]
@@ -104,7 +112,8 @@ def test_prefill_and_decode_logits_equal_peft_in_one_mixed_batch(setup: Setup) -
     cache = PagedKVCache(engine.kv_spec, blocks_each * len(kinds), engine.device)
     table = torch.arange(blocks_each * len(kinds)).view(len(kinds), blocks_each)
 
-    batch = build_prefill(lens, table, BLOCK_SIZE, engine.device, slots, 64)
+    assert engine.lora.ranks is not None
+    batch = build_prefill(lens, table, BLOCK_SIZE, engine.device, slots, engine.lora.ranks)
     # Ask for every position's logits: the last layer then runs on every row.
     batch = dataclasses.replace(batch, logits_indices=torch.arange(sum(lens)), lora_rows=batch.lora)
     logits = engine.model(torch.tensor([t for p in prompts for t in p]), batch, cache).split(lens)
@@ -117,7 +126,7 @@ def test_prefill_and_decode_logits_equal_peft_in_one_mixed_batch(setup: Setup) -
     assert float((adapted - base_logits).abs().max()) > 0.5
 
     sequences = [list(p) for p in prompts]
-    decode_lora = build_lora_meta(slots, [1] * len(slots), 64, engine.device)
+    decode_lora = build_lora_meta(slots, [1] * len(slots), engine.lora.ranks, engine.device)
     for step in range(3):
         fed = [(17 * step + 5 * i + 3) % 300 for i in range(len(kinds))]
         batch = build_decode([len(s) for s in sequences], table, BLOCK_SIZE, engine.device, decode_lora)

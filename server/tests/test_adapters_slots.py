@@ -17,6 +17,7 @@ from quiver_server.adapters.host_cache import HostAdapterCache
 from quiver_server.adapters.loader import LoadedAdapter
 from quiver_server.batch_types import RequestSpec
 from quiver_server.engine import Engine
+from quiver_server.kernels import LoraBatchMeta, LoraProjection
 from quiver_server.kv_cache import BLOCK_SIZE
 
 NEW_TOKENS = 12
@@ -117,8 +118,9 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     engine.unload_adapter("a")
     assert engine.lora.slots.adapter_in(1) is None
     assert "a" not in engine.lora.registry and len(engine.lora.registry.host) == 0
-    assert all(float(p.lora_a[1].abs().max()) == 0 for p in engine.lora.slots.parts.values())
-    assert all(int(p.ranks[1]) == 0 for p in engine.lora.slots.parts.values())
+    slots = engine.lora.slots
+    assert all(float(slots.buffers(where, 1)[0].abs().max()) == 0 for where in slots.projections)
+    assert all(int(slots.buffers(where, 1)[2][0]) == 0 for where in slots.projections)
     with pytest.raises(ValueError, match="'a' is not active in a slot"):
         engine.prefill(1, [_request(0, "a")])
     with pytest.raises(ValueError, match="'a' is not loaded"):
@@ -138,12 +140,12 @@ def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
     engine = _engine(setup)
     for kind in ("rank16", "qv-only", "rank8-attention"):
         engine.load_adapter(kind, "local", str(setup.adapters[kind]))
-    parts = engine.lora.slots.parts
+    slots = engine.lora.slots
 
     def ranks(slot: int) -> dict[str, set[int]]:
         by_name: dict[str, set[int]] = {}
-        for (_, name), part in parts.items():
-            by_name.setdefault(name, set()).add(int(part.ranks[slot]))
+        for where in slots.projections:
+            by_name.setdefault(where[1], set()).add(int(slots.buffers(where, slot)[2][0]))
         return by_name
 
     engine.activate_adapter("rank16", 0)
@@ -154,10 +156,11 @@ def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
     engine.activate_adapter("qv-only", 0)  # replaces rank16: the projections it skips drop to 0
     assert ranks(0) == {"q_proj": {8}, "k_proj": {0}, "v_proj": {8}, "o_proj": {0},
                         "gate_proj": {0}, "up_proj": {0}, "down_proj": {0}}
-    for part in parts.values():  # the rows past a slot's rank are zero, as promised
+    for where in slots.projections:  # the rows past a slot's rank are zero, as promised
         for slot in (0, 1):
-            rank = int(part.ranks[slot])
-            assert not part.lora_a[slot, rank:].any() and not part.lora_b[slot, :, rank:].any()
+            lora_a, lora_b, slot_ranks = slots.buffers(where, slot)
+            rank = int(slot_ranks[0])
+            assert not lora_a[:, rank:].any() and not lora_b[:, :, rank:].any()
     engine.unload_adapter("rank8-attention")  # empties its slot
     assert set().union(*ranks(1).values()) == {0}
 
@@ -198,7 +201,7 @@ def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
     engine.activate_adapter("a", 0)
     host = engine.lora.registry.get("a")
     assert {t.dtype for pair in host.weights.values() for t in pair} == {torch.bfloat16}
-    part = engine.lora.slots.parts[(0, "q_proj")]
+    part = engine.lora.slots.classes[0].parts[(0, "q_proj")]
     assert part.lora_a.dtype == part.lora_b.dtype == torch.bfloat16 and part.scaling.dtype == torch.float32
     # Rank 16 fills the slot's first 16 rank rows; peft's own bf16-rounded A is what is there.
     reference = peft_reference(setup.base_dir, setup.adapters["rank16"])
@@ -336,7 +339,70 @@ def test_an_adapter_moved_to_another_slot_leaves_its_old_one(setup: Setup) -> No
     slots = engine.lora.slots
     assert slots is not None
     assert (slots.adapter_in(0), slots.slot_of("x")) == (None, 1)
-    assert all(not part.lora_a[0].any() and int(part.ranks[0]) == 0 for part in slots.parts.values())
+    assert all(not slots.buffers(where, 0)[0].any() and int(slots.buffers(where, 0)[2][0]) == 0
+               for where in slots.projections)
     outputs = [engine.prefill(1, [_request(0, "x")]).generations[0].token_id]
     outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
     assert_greedy_matches(outputs, setup.expected["rank16"], "moved")
+
+
+def test_rank_classes_hold_adapters_up_to_their_rank_in_smaller_buffers(setup: Setup) -> None:
+    """Slots of rank 8, 16 and 8 (two rank classes, interleaved: slot 2 is row 1 of the rank-8
+    class). A rank-16 adapter is refused by a rank-8 slot without leaving its own; three
+    adapters, one per slot, generate peft's tokens in one batch; unloading one leaves its
+    class neighbour serving; a rank-8 slot's buffers are half a rank-16 slot's."""
+    engine = Engine(str(setup.base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+    with pytest.raises(ValueError, match="at least one of them max_lora_rank=16"):
+        engine.warmup(128, 64, 8, max_active_adapters=3, max_lora_rank=16, slot_ranks=[8, 8, 8])
+    engine.warmup(128, 64, 8, max_active_adapters=3, max_lora_rank=16, slot_ranks=[8, 16, 8])
+    slots = engine.lora.slots
+    assert slots is not None and [slots.rank_of(s) for s in range(3)] == [8, 16, 8]
+    assert slots.ranks.local == (0, 0, 1)
+    for where in slots.projections:
+        small, large = slots.buffers(where, 2), slots.buffers(where, 1)
+        assert 2 * small[0].nbytes == large[0].nbytes and 2 * small[1].nbytes == large[1].nbytes
+    kinds = {0: "rank4", 1: "rank16", 2: "rank8-attention"}
+    for kind in kinds.values():
+        engine.load_adapter(kind, "local", str(setup.adapters[kind]))
+    engine.activate_adapter("rank16", 1)
+    with pytest.raises(ValueError, match="'rank16' has rank 16, but slot 2 holds ranks up to 8"):
+        engine.activate_adapter("rank16", 2)
+    assert (slots.slot_of("rank16"), slots.adapter_in(2)) == (1, None)
+    for slot, kind in kinds.items():
+        engine.activate_adapter(kind, slot)
+
+    def generate(slot_kinds: dict[int, str], batch_id: int) -> dict[int, list[int]]:
+        outputs: dict[int, list[int]] = {slot: [] for slot in slot_kinds}
+        step = engine.prefill(batch_id, [_request(slot, kind) for slot, kind in slot_kinds.items()])
+        for _ in range(NEW_TOKENS):
+            for g in step.generations:
+                outputs[g.request_id].append(g.token_id)
+            if len(outputs[next(iter(outputs))]) == NEW_TOKENS:
+                break
+            step = engine.decode([batch_id])
+        engine.clear_cache(batch_id)
+        return outputs
+
+    for slot, tokens in generate(kinds, 1).items():
+        assert_greedy_matches(tokens, setup.expected[kinds[slot]], f"{kinds[slot]} in slot {slot}")
+    engine.unload_adapter("rank4")  # row 0 of the rank-8 class: row 1 keeps its adapter
+    assert_greedy_matches(generate({2: "rank8-attention"}, 2)[2], setup.expected["rank8-attention"],
+                          "rank8-attention after its class neighbour left")
+
+
+def test_warmup_runs_every_rank_class_through_prefill_and_decode(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each class's kernels are compiled and their memory counted at warmup, even when the dry
+    run's prefill has fewer sequences than there are classes (here one)."""
+    ran: set[tuple[int, bool]] = set()
+    add = LoraProjection.add
+
+    def recording(self: LoraProjection, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
+        if meta.has_lora:
+            ran.add((self.lora_a[0].shape[1], meta.is_decode))
+        add(self, y, x, meta)
+
+    monkeypatch.setattr(LoraProjection, "add", recording)
+    engine = Engine(str(setup.base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+    engine.warmup(32, 64, 2, max_active_adapters=4, max_lora_rank=16, slot_ranks=[4, 8, 8, 16])
+    assert ran == {(rank, decode) for rank in (4, 8, 16) for decode in (False, True)}

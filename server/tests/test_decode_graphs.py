@@ -39,16 +39,21 @@ def test_buckets_hold_every_batch_size_with_little_padding() -> None:
             assert padded - rows < max(8, rows)  # under 8 rows past 8, under 2x below
 
 
+# Rank classes: slot 1, the adapter's, is then the one slot of a class of MAX_RANK (row 0 of its
+# own buffers) beside a slot of twice that.
+@pytest.mark.parametrize("slot_ranks", [(), (2 * MAX_RANK, MAX_RANK)], ids=["one-class", "rank-classes"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @torch.inference_mode()
-def test_padded_rows_never_change_real_rows_in_the_cpu_interpreter(arch: str, tmp_path: Path) -> None:
+def test_padded_rows_never_change_real_rows_in_the_cpu_interpreter(arch: str, slot_ranks: tuple[int, ...],
+                                                                   tmp_path: Path) -> None:
     base = build_tiny_model(tmp_path / "base", arch, seed=3)
     adapter = build_adapter(base, tmp_path / "adapter", seed=4, r=4, lora_alpha=8, target_modules="all-linear")
     config = load_config(base)
     ops = TritonKernelOps(CPU, "torch", None)
     model = load_model(base, config, torch.float32, CPU, ops)
     lora = AdapterManager(model, config, torch.float32, ops, max_cpu_adapters=2)
-    lora.allocate_slots(2, MAX_RANK)
+    lora.allocate_slots(2, max(slot_ranks, default=MAX_RANK), slot_ranks)
+    assert lora.ranks is not None
     lora.load("a", "local", str(adapter), "")
     lora.activate("a", 1, {})
 
@@ -62,11 +67,11 @@ def test_padded_rows_never_change_real_rows_in_the_cpu_interpreter(arch: str, tm
     cache = PagedKVCache(spec, num_blocks + 1, CPU)  # block num_blocks: the scratch
     table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(2)).view(len(prompts), blocks_each)
     lens = [len(p) for p in prompts]
-    prefill = build_prefill(lens, table, BLOCK_SIZE, CPU, slots, MAX_RANK)
+    prefill = build_prefill(lens, table, BLOCK_SIZE, CPU, slots, lora.ranks)
     model(torch.tensor([t for p in prompts for t in p]), prefill, cache)
 
     graphs = DecodeGraphs(model, cache, num_blocks, max_batch_size=8, max_blocks_per_sequence=blocks_each,
-                          block_size=BLOCK_SIZE, max_lora_rank=MAX_RANK, device=CPU)
+                          block_size=BLOCK_SIZE, lora_ranks=lora.ranks, device=CPU)
     eager_cache = PagedKVCache(spec, num_blocks + 1, CPU)
     for layer in range(cfg.num_layers):
         eager_cache.k[layer].copy_(cache.k[layer])
@@ -76,7 +81,7 @@ def test_padded_rows_never_change_real_rows_in_the_cpu_interpreter(arch: str, tm
     assert graphs.bucket(3) == 4  # one padded row
     before = [(k.clone(), v.clone()) for k, v in zip(cache.k, cache.v, strict=True)]
     ours = graphs.run(fed, lengths, table, slots).clone()
-    eager_batch = build_decode(lengths, table, BLOCK_SIZE, CPU, build_lora_meta(slots, [1, 1, 1], MAX_RANK, CPU))
+    eager_batch = build_decode(lengths, table, BLOCK_SIZE, CPU, build_lora_meta(slots, [1, 1, 1], lora.ranks, CPU))
     eager = model(fed, eager_batch, eager_cache)
     torch.testing.assert_close(ours, eager, atol=1e-5, rtol=0)
 

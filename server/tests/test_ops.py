@@ -54,13 +54,13 @@ def _linear_with_an_adapter(ops: KernelOps) -> tuple[LoraWrapper, LoraPart]:
     )
     unused = LoraPart(slice(0, 8), torch.zeros(2, 4, 16), torch.zeros(2, 8, 4), part.scaling,
                       torch.zeros(2, dtype=torch.int32))
-    return with_lora(linear, [unused, part]), part
+    return with_lora(linear, [[unused, part]]), part
 
 
 def test_a_layer_keeps_the_lora_backend_chosen_at_load(monkeypatch: pytest.MonkeyPatch) -> None:
     ops = KernelOps(CPU, lora_backend="reference", packed_matmul=None)
     linear, part = _linear_with_an_adapter(ops)
-    batch = build_prefill([3, 2], torch.arange(2)[:, None], 16, CPU, lora_slots=[1, -1], max_lora_rank=4)
+    batch = build_prefill([3, 2], torch.arange(2)[:, None], 16, CPU, lora_slots=[1, -1], lora_ranks=4)
     assert batch.lora is not None
     x = torch.randn(5, 16, generator=torch.Generator().manual_seed(1))
     expected = torch.nn.functional.linear(x, linear.base.weight)

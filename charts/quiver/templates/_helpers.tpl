@@ -112,6 +112,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- include "quiver.flag" (dict "flag" "--max-active-adapters" "value" $v.adapters.maxActiveAdapters) }}
 {{- include "quiver.flag" (dict "flag" "--max-lora-rank" "value" $v.adapters.maxLoraRank) }}
+{{- include "quiver.flag" (dict "flag" "--lora-rank-classes" "value" $v.adapters.loraRankClasses) }}
 {{- include "quiver.flag" (dict "flag" "--max-cpu-adapters" "value" $v.adapters.maxCpuAdapters) }}
 {{- include "quiver.flag" (dict "flag" "--adapter-disk-cache-gib" "value" $v.adapters.diskCacheGib) }}
 {{- if $v.secrets.apiKeysFile.secretName }}

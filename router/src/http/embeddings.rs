@@ -55,7 +55,7 @@ pub async fn create_embeddings(
             code: "embeddings_unavailable",
         });
     }
-    let (adapter_id, assets) = state
+    let model = state
         .resolve_model(
             &caller,
             request.model.as_deref(),
@@ -65,14 +65,17 @@ pub async fn create_embeddings(
     let inputs = state
         .validator
         .embedding_inputs(
-            &assets,
+            &model.assets,
             request.input,
             request.add_special_tokens.unwrap_or(true),
         )
         .instrument(telemetry::span("validate"))
         .await?;
     let prompt_tokens: u32 = inputs.iter().map(|ids| ids.len() as u32).sum();
-    let vectors = state.infer.embed(&caller, &adapter_id, inputs).await?;
+    let vectors = state
+        .infer
+        .embed(&caller, &model.adapter_id, model.adapter_rank, inputs)
+        .await?;
     let base64 = request.encoding_format.as_deref() == Some("base64");
     let data = vectors
         .into_iter()

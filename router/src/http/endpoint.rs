@@ -18,7 +18,7 @@ use super::infer::Generation;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
-use super::state::AppState;
+use super::state::{AppState, ResolvedModel};
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields};
@@ -155,7 +155,11 @@ pub(super) async fn answer<E: Endpoint>(
     params: GenerationParams,
     context: E::Context,
 ) -> Result<Response, ApiError> {
-    let (adapter_id, assets) = state
+    let ResolvedModel {
+        adapter_id,
+        adapter_rank,
+        assets,
+    } = state
         .resolve_model(
             caller,
             params.model.as_deref(),
@@ -188,6 +192,7 @@ pub(super) async fn answer<E: Endpoint>(
     let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
     let generation = Generation {
         adapter_id,
+        adapter_rank,
         choices: valid.choices,
         grammar: valid.grammar,
         prompt_tokens: valid.prompt_tokens,

@@ -38,6 +38,8 @@ pub struct Infer {
 pub struct Generation {
     /// "" for the base model.
     pub adapter_id: String,
+    /// The adapter's LoRA rank (0 for the base model), set on every choice.
+    pub adapter_rank: u32,
     /// One per choice, in choice order.
     pub choices: Vec<GenerationRequest>,
     /// The constraint every choice carries, with the field it came from.
@@ -108,6 +110,7 @@ impl Infer {
     ) -> Result<Vec<BoxStream<'static, ChoiceEvent>>, ApiError> {
         let Generation {
             adapter_id,
+            adapter_rank,
             mut choices,
             grammar,
             prompt_tokens,
@@ -116,6 +119,7 @@ impl Infer {
         let scope = request_scope(caller, cache_salt.as_deref());
         for choice in &mut choices {
             choice.scope = scope.clone();
+            choice.adapter_rank = adapter_rank;
         }
         if let Some(source) = &grammar {
             // The choices' EOS ids end the output once the grammar is complete.
@@ -158,13 +162,14 @@ impl Infer {
         }
     }
 
-    /// The embedding of each input (token ids), in input order, on `adapter_id`: admitted as
-    /// one request, each input one whole Prefill that holds no batch slot. Its tokens are
-    /// charged to `caller` once admitted, as a generation's prompt is.
+    /// The embedding of each input (token ids), in input order, on `adapter_id` (of LoRA rank
+    /// `adapter_rank`): admitted as one request, each input one whole Prefill that holds no
+    /// batch slot. Its tokens are charged to `caller` once admitted, as a generation's prompt is.
     pub async fn embed(
         &self,
         caller: &Caller,
         adapter_id: &str,
+        adapter_rank: u32,
         inputs: Vec<Vec<u32>>,
     ) -> Result<Vec<Vec<f32>>, ApiError> {
         let tokens: u64 = inputs.iter().map(|ids| ids.len() as u64).sum();
@@ -174,7 +179,7 @@ impl Infer {
             .into_iter()
             .map(|ids| GenerationRequest {
                 scope: scope.clone(),
-                ..GenerationRequest::embedding(ids, adapter_id)
+                ..GenerationRequest::embedding(ids, adapter_id, adapter_rank)
             })
             .collect();
         let receivers = self.scheduler.submit_all(requests)?;

@@ -124,8 +124,18 @@ pub struct ServedLimits {
     pub num_blocks: u32,
 }
 
+/// What a request's `model` runs with (`AppState::resolve_model`).
+pub struct ResolvedModel {
+    /// "" for the base model.
+    pub adapter_id: String,
+    /// The adapter's LoRA rank, which picks its slot class; 0 for the base model.
+    pub adapter_rank: u32,
+    /// The tokenizer and chat template.
+    pub assets: Arc<ModelAssets>,
+}
+
 impl AppState {
-    /// The adapter id ("" for the base model) and the tokenizer/template a request's `model`
+    /// The adapter (none for the base model) and the tokenizer/template a request's `model`
     /// runs with. An adapter not loaded yet is looked up in `adapter_source` (else
     /// `--adapter-source`) and loaded; this waits for that load, and only this request does.
     ///
@@ -137,7 +147,7 @@ impl AppState {
         caller: &Caller,
         requested: Option<&str>,
         adapter_source: Option<&str>,
-    ) -> Result<(String, Arc<ModelAssets>), ApiError> {
+    ) -> Result<ResolvedModel, ApiError> {
         let source = adapter_source
             .map(AdapterSource::parse)
             .transpose()
@@ -148,7 +158,11 @@ impl AppState {
             if !caller.may_use_base_model() {
                 return Err(not_found());
             }
-            return Ok((String::new(), self.base.clone()));
+            return Ok(ResolvedModel {
+                adapter_id: String::new(),
+                adapter_rank: 0,
+                assets: self.base.clone(),
+            });
         }
         if !caller.may_use_adapter(requested) {
             return Err(not_found());
@@ -164,6 +178,10 @@ impl AppState {
                     ApiError::from(error)
                 }
             })?;
-        Ok((entry.id.clone(), entry.assets.clone()))
+        Ok(ResolvedModel {
+            adapter_id: entry.id.clone(),
+            adapter_rank: entry.rank,
+            assets: entry.assets.clone(),
+        })
     }
 }

@@ -32,13 +32,14 @@ pub async fn tokenize(
     Extension(caller): Extension<Caller>,
     OpenAiJson(request): OpenAiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
-    let (_, assets) = state
+    let assets = state
         .resolve_model(
             &caller,
             request.model.as_deref(),
             request.adapter_source.as_deref(),
         )
-        .await?;
+        .await?
+        .assets;
     let return_token_strs = request.return_token_strs == Some(true);
     let max_model_len = state.info.limits.max_total_tokens;
     let tokens = tokenize_ids(&assets, request, max_model_len).await?;
@@ -63,13 +64,14 @@ pub async fn detokenize(
     Extension(caller): Extension<Caller>,
     OpenAiJson(request): OpenAiJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
-    let (_, assets) = state
+    let assets = state
         .resolve_model(
             &caller,
             request.model.as_deref(),
             request.adapter_source.as_deref(),
         )
-        .await?;
+        .await?
+        .assets;
     let ids = vocabulary_ids(&assets.tokenizer, request.tokens)?;
     // Special tokens are kept, as vLLM and `tokenizer.decode` do by default.
     let prompt = assets

@@ -473,3 +473,128 @@ async fn an_adapter_waiting_for_a_slot_has_its_host_copy_warmed_once() {
     collect(long).await;
     assert_all_released(&shard, &scheduler).await;
 }
+
+/// A fake whose slots hold `slot_ranks` and whose adapters (id, rank) are loaded; the config
+/// that matches it.
+async fn classed(
+    slot_ranks: &[u32],
+    adapters: &[(&str, u32)],
+) -> (Arc<FakeShard>, SchedulerConfig) {
+    let mut shard = FakeShard::new(VOCAB)
+        .with_adapter_slot_ranks(slot_ranks)
+        .with_step_delay(Duration::from_millis(1));
+    for &(id, rank) in adapters {
+        shard = shard.with_adapter_rank(id, rank);
+    }
+    for &(id, rank) in adapters {
+        let loaded = shard
+            .load_adapter(AdapterLoad {
+                adapter_id: id.to_string(),
+                source: AdapterSource::Local,
+                path: format!("/adapters/{id}"),
+                revision: String::new(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(loaded.rank, rank);
+    }
+    let config = SchedulerConfig {
+        slot_ranks: slot_ranks.to_vec(),
+        ..with_slots(slot_ranks.len() as u32)
+    };
+    (Arc::new(shard), config)
+}
+
+/// A request on `adapter`, which has LoRA rank `rank`.
+fn ranked(adapter: &str, rank: u32, prompt: &[u32], max_new_tokens: u32) -> GenerationRequest {
+    GenerationRequest {
+        adapter_rank: rank,
+        ..on(adapter, prompt, max_new_tokens)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn rank_classes_serve_every_adapter_in_a_slot_that_holds_its_rank() {
+    let adapters = [
+        ("small-0", 8),
+        ("small-1", 8),
+        ("small-2", 8),
+        ("big-0", 64),
+        ("big-1", 64),
+    ];
+    let slot_ranks = [8, 8, 64];
+    let (shard, config) = classed(&slot_ranks, &adapters).await;
+    let scheduler = start(&shard, config);
+    let cases: Vec<(&str, u32, Vec<u32>, u32)> = (0..20u32)
+        .map(|i| {
+            let (adapter, rank) = adapters[i as usize % adapters.len()];
+            (
+                adapter,
+                rank,
+                vec![i % VOCAB, (i * 5 + 3) % VOCAB],
+                2 + i % 7,
+            )
+        })
+        .collect();
+    let receivers: Vec<_> = cases
+        .iter()
+        .map(|(adapter, rank, prompt, max_new)| {
+            scheduler
+                .submit(ranked(adapter, *rank, prompt, *max_new))
+                .unwrap()
+        })
+        .collect();
+    for ((adapter, _, prompt, max_new), events) in cases.iter().zip(receivers) {
+        let outcome = collect(events).await;
+        assert_eq!(outcome.finish, Ok(FinishReason::Length), "{adapter}");
+        assert_eq!(
+            outcome.tokens,
+            reference(adapter, prompt, *max_new as usize)
+        );
+    }
+    // The fake refuses a too-small slot, which would have failed requests above; and the
+    // large adapters never took the small slots even when those were empty.
+    let activations = shard.activations();
+    for (adapter, slot) in &activations {
+        let rank = adapters.iter().find(|(id, _)| id == adapter).unwrap().1;
+        assert!(
+            rank <= slot_ranks[*slot as usize],
+            "{adapter} in slot {slot}"
+        );
+    }
+    for (adapter, rank) in adapters {
+        assert!(shard.activation_count(adapter) >= 1, "{adapter} ({rank})");
+    }
+    // And the small ones went to the small slots (a rank lost on the way, 0, would not).
+    for small in 0..2 {
+        assert!(
+            activations.iter().any(|(_, slot)| *slot == small),
+            "slot {small} unused: {activations:?}"
+        );
+    }
+    assert_all_released(&shard, &scheduler).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_large_adapter_waits_for_the_large_slot_while_small_ones_stand_empty() {
+    let (shard, config) = classed(&[8, 8, 64], &[("big-a", 64), ("big-b", 64)]).await;
+    let scheduler = start(&shard, config);
+    let mut long = scheduler.submit(ranked("big-a", 64, &[1], 40)).unwrap();
+    let mut tokens = vec![next_token(&mut long).await.token_id];
+    let waiting = scheduler.submit(ranked("big-b", 64, &[2], 3)).unwrap();
+    // The batcher publishes `queued` after a step: big-b was passed over, small slots empty.
+    eventually("big-b waits", || scheduler.stats().queued == 1).await;
+    assert_eq!(
+        shard.active_adapters(),
+        vec![None, None, Some("big-a".into())]
+    );
+    let rest = collect(long).await;
+    tokens.extend(rest.tokens);
+    assert_eq!(tokens, reference("big-a", &[1], 40));
+    assert_eq!(collect(waiting).await.tokens, reference("big-b", &[2], 3));
+    assert_eq!(
+        shard.activations(),
+        vec![("big-a".to_string(), 2), ("big-b".to_string(), 2)]
+    );
+    assert_all_released(&shard, &scheduler).await;
+}

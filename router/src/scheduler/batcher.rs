@@ -250,7 +250,7 @@ impl Batcher {
             shard,
             resources: Resources {
                 allocator: BlockAllocator::new(config.usable_blocks()),
-                slots: AdapterSlots::new(config.max_active_adapters),
+                slots: AdapterSlots::new(&config.slot_capacities()),
             },
             pace: PrefillPace::new(config.prefill_pace),
             config,

@@ -43,7 +43,7 @@ async fn an_embedding_is_one_whole_prefill_and_leaves_nothing_held() {
     let prompt: Vec<u32> = (1..=40).collect();
     let event = embedding_of(
         scheduler
-            .submit(GenerationRequest::embedding(prompt.clone(), ""))
+            .submit(GenerationRequest::embedding(prompt.clone(), "", 0))
             .unwrap(),
     )
     .await;
@@ -71,7 +71,7 @@ async fn embeddings_take_no_batch_slot_from_a_decoding_request() {
         .submit_all(
             prompts
                 .iter()
-                .map(|p| GenerationRequest::embedding(p.clone(), ""))
+                .map(|p| GenerationRequest::embedding(p.clone(), "", 0))
                 .collect(),
         )
         .unwrap();
@@ -110,7 +110,7 @@ async fn embeddings_run_under_their_adapter_and_never_touch_the_prefix_cache() {
     for _ in 0..2 {
         let event = embedding_of(
             scheduler
-                .submit(GenerationRequest::embedding(prompt.clone(), adapter))
+                .submit(GenerationRequest::embedding(prompt.clone(), adapter, 0))
                 .unwrap(),
         )
         .await;

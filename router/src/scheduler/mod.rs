@@ -66,6 +66,9 @@ pub struct GenerationRequest {
     pub min_tokens: u32,
     /// "" is the base model; otherwise an adapter loaded on the shards.
     pub adapter_id: String,
+    /// The adapter's LoRA rank (LoadAdapter's answer), which picks the slot class; 0 when
+    /// unknown: only slots of the largest capacity.
+    pub adapter_rank: u32,
     /// Report the prompt's logprobs (with this many alternatives) on the first event.
     pub prompt_logprobs: Option<u32>,
     /// Constrains the output (structured output, tool calls); compiled and pinned on the shards
@@ -95,8 +98,9 @@ pub struct RequestScope {
 }
 
 impl GenerationRequest {
-    /// An embedding request for `input_ids` on `adapter_id` ("" is the base model).
-    pub fn embedding(input_ids: Vec<u32>, adapter_id: &str) -> Self {
+    /// An embedding request for `input_ids` on `adapter_id` ("" is the base model) of LoRA
+    /// rank `adapter_rank`.
+    pub fn embedding(input_ids: Vec<u32>, adapter_id: &str, adapter_rank: u32) -> Self {
         Self {
             input_ids,
             max_new_tokens: 0,
@@ -106,6 +110,7 @@ impl GenerationRequest {
             stop_token_ids: Vec::new(),
             min_tokens: 0,
             adapter_id: adapter_id.to_owned(),
+            adapter_rank,
             prompt_logprobs: None,
             grammar: None,
             embed: true,
@@ -189,7 +194,7 @@ pub enum UnloadError {
 pub type EventReceiver = mpsc::UnboundedReceiver<Result<TokenEvent, GenerationError>>;
 
 /// Sizes the scheduler works within; the KV geometry comes from the shard's Warmup.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
     /// Tokens per KV block.
     pub block_size: u32,
@@ -207,6 +212,9 @@ pub struct SchedulerConfig {
     pub max_total_tokens: u32,
     /// Adapter device slots on the shard (Warmup's `max_active_adapters`); 0 disables adapters.
     pub max_active_adapters: u32,
+    /// Each slot's largest LoRA rank, in slot order (Warmup's `slot_ranks`); empty: all slots
+    /// alike.
+    pub slot_ranks: Vec<u32>,
     /// How long the request at a queue head waits for blocks or a batch slot before running
     /// requests are preempted for it; also how long a request runs before it may be preempted.
     pub preemption_wait: Duration,
@@ -223,6 +231,16 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
+    /// The largest rank each adapter slot holds; slots all alike take whatever rank the shards
+    /// loaded.
+    fn slot_capacities(&self) -> Vec<u32> {
+        if self.slot_ranks.is_empty() {
+            return vec![u32::MAX; self.max_active_adapters as usize];
+        }
+        debug_assert_eq!(self.slot_ranks.len(), self.max_active_adapters as usize);
+        self.slot_ranks.clone()
+    }
+
     /// Blocks the scheduler hands out: the shard's cache, capped by `max_batch_total_tokens`.
     pub fn usable_blocks(&self) -> u32 {
         if self.max_batch_total_tokens == 0 {
@@ -335,7 +353,7 @@ impl Scheduler {
             ..Gauges::default()
         });
         gauges.free_blocks.store(usable_blocks, Ordering::Relaxed);
-        let batcher = Batcher::new(shard, config, incoming, gauges.clone());
+        let batcher = Batcher::new(shard, config.clone(), incoming, gauges.clone());
         tokio::spawn(batcher.run());
         tracing::info!(
             block_size = config.block_size,
@@ -344,6 +362,7 @@ impl Scheduler {
             max_batch_prefill_tokens = config.max_batch_prefill_tokens,
             max_concurrent_requests = config.max_concurrent_requests,
             max_active_adapters = config.max_active_adapters,
+            slot_ranks = ?config.slot_ranks,
             "scheduler started"
         );
         Self {

@@ -124,7 +124,7 @@ async fn a_flood_of_embeddings_is_paced_while_streams_decode() {
     next_token(&mut stream).await;
     let before = shard.stats().prefill_tokens.len();
     let inputs: Vec<_> = (0..16)
-        .map(|n| super::GenerationRequest::embedding((0..32).map(|i| 20 + n + i).collect(), ""))
+        .map(|n| super::GenerationRequest::embedding((0..32).map(|i| 20 + n + i).collect(), "", 0))
         .collect();
     let embeddings = tokio::spawn(async move {
         for events in scheduler.submit_all(inputs).unwrap() {

@@ -134,6 +134,30 @@ async fn every_rank_sees_each_call_and_rank_zero_answers() {
 }
 
 #[tokio::test]
+async fn warmup_gives_every_rank_the_slot_ranks() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+    let limits = WarmupLimits {
+        max_active_adapters: 3,
+        max_lora_rank: 64,
+        slot_ranks: vec![8, 16, 64],
+        ..Default::default()
+    };
+    client.warmup(limits.clone()).await.unwrap();
+    for shard in &shards {
+        assert_eq!(shard.adapter_slot_ranks(), vec![8, 16, 64]);
+        assert_eq!(shard.active_adapters(), vec![None, None, None]);
+    }
+    // Without classes the list stays empty: the shards size every slot at max_lora_rank.
+    let uniform = WarmupLimits {
+        slot_ranks: Vec::new(),
+        ..limits
+    };
+    client.warmup(uniform).await.unwrap();
+    assert!(shards.iter().all(|s| s.adapter_slot_ranks().is_empty()));
+}
+
+#[tokio::test]
 async fn errors_keep_their_code_message_and_rank() {
     let dir = SocketDir::new();
     let (shards, client) = ranks(&dir, 2).await;
@@ -195,6 +219,7 @@ async fn the_scheduler_runs_over_grpc() {
         max_concurrent_requests: 8,
         max_total_tokens: 64,
         max_active_adapters: 0,
+        slot_ranks: Vec::new(),
         preemption_wait: std::time::Duration::from_millis(500),
         max_queue_wait: None,
         prefix_caching: true,
@@ -212,6 +237,7 @@ async fn the_scheduler_runs_over_grpc() {
             stop_token_ids: Vec::new(),
             min_tokens: 0,
             adapter_id: String::new(),
+            adapter_rank: 0,
             prompt_logprobs: None,
             grammar: None,
             embed: false,

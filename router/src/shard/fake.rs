@@ -557,7 +557,7 @@ impl ShardBackend for FakeShard {
         async move {
             self.begin(FakeRpc::Warmup)?
                 .adapters
-                .set_slot_count(limits.max_active_adapters);
+                .set_slots(limits.max_active_adapters, limits.slot_ranks)?;
             let mut num_blocks = self.num_blocks;
             if limits.max_batch_total_tokens > 0 {
                 num_blocks = num_blocks.min(limits.max_batch_total_tokens / self.block_size);

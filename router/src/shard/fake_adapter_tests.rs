@@ -251,3 +251,40 @@ async fn loads_answer_paths_and_injected_failures() {
         vec!["owner/own-template", "owner/plain"]
     );
 }
+
+#[tokio::test]
+async fn an_adapter_goes_only_into_a_slot_that_holds_its_rank() {
+    let shard = FakeShard::new(VOCAB).with_adapter_rank("big", 64);
+    assert_invalid(
+        shard
+            .warmup(WarmupLimits {
+                max_active_adapters: 3,
+                slot_ranks: vec![8, 64],
+                ..Default::default()
+            })
+            .await,
+        "2 slot ranks for 3 adapter slots",
+    );
+    shard
+        .warmup(WarmupLimits {
+            max_active_adapters: 2,
+            slot_ranks: vec![16, 64],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(shard.adapter_slot_ranks(), vec![16, 64]);
+    assert_eq!(shard.load_adapter(load("big")).await.unwrap().rank, 64);
+    assert_eq!(shard.load_adapter(load("small")).await.unwrap().rank, 8);
+    assert_invalid(
+        shard.activate_adapter("big".into(), 0).await,
+        "rank 64, but slot 0 holds ranks up to 16",
+    );
+    assert_eq!(shard.active_adapters(), vec![None, None]);
+    shard.activate_adapter("small".into(), 0).await.unwrap();
+    shard.activate_adapter("big".into(), 1).await.unwrap();
+    assert_eq!(
+        shard.activations(),
+        vec![("small".to_string(), 0), ("big".to_string(), 1)]
+    );
+}

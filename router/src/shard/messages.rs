@@ -34,7 +34,7 @@ pub struct ShardInfo {
 }
 
 /// What the router will ask of the shard, so that it sizes its KV cache and adapter slots.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct WarmupLimits {
     pub max_batch_prefill_tokens: u32,
     pub max_total_tokens: u32,
@@ -43,6 +43,9 @@ pub struct WarmupLimits {
     pub max_batch_total_tokens: u32,
     pub max_active_adapters: u32,
     pub max_lora_rank: u32,
+    /// Each slot's largest rank, in slot order (`--lora-rank-classes`); empty: every slot holds
+    /// `max_lora_rank`.
+    pub slot_ranks: Vec<u32>,
 }
 
 /// The KV cache the shard allocated: blocks `0..num_blocks` of `block_size` tokens.

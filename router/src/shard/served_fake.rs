@@ -45,6 +45,7 @@ impl Shard for Served {
             max_batch_total_tokens: r.max_batch_total_tokens,
             max_active_adapters: r.max_active_adapters,
             max_lora_rank: r.max_lora_rank,
+            slot_ranks: r.slot_ranks,
         };
         let layout = self.0.warmup(limits).await;
         answer(layout.map(|kv| pb::WarmupResponse {

@@ -41,6 +41,7 @@ impl From<WarmupLimits> for pb::WarmupRequest {
             max_batch_total_tokens: limits.max_batch_total_tokens,
             max_active_adapters: limits.max_active_adapters,
             max_lora_rank: limits.max_lora_rank,
+            slot_ranks: limits.slot_ranks,
         }
     }
 }

@@ -262,6 +262,8 @@ impl Validator {
                     stop_token_ids: checked.stop_token_ids.clone(),
                     min_tokens: checked.min_tokens,
                     adapter_id: adapter_id.to_owned(),
+                    // The registry's (`Infer::generate`).
+                    adapter_rank: 0,
                     prompt_logprobs,
                     // Pinned once the shards compiled it (`Infer::generate`).
                     grammar: None,

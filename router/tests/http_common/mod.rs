@@ -18,6 +18,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use http_body_util::BodyExt;
+pub use quiver_flags::RankClass;
 use quiver_router::adapters::AdapterSource;
 use quiver_router::http::{self, AppState};
 use quiver_router::shard::{fake_next_token, fake_next_token_for, FakeShard, ShardBackend};
@@ -161,6 +162,10 @@ pub struct Options {
     pub s3_buckets: Vec<String>,
     pub preload_adapters: Vec<String>,
     pub max_active_adapters: u32,
+    /// `--lora-rank-classes` (`--max-lora-rank` is 64).
+    pub lora_rank_classes: Vec<RankClass>,
+    /// (adapter id, rank) the fake's LoadAdapter answers; others have rank 8.
+    pub adapter_ranks: Vec<(String, u32)>,
     /// How long each LoadAdapter takes in the fake shard.
     pub adapter_load_delay: Duration,
     /// (adapter id, directory) the fake's LoadAdapter answers for a hub adapter.
@@ -191,6 +196,8 @@ impl Default for Options {
             s3_buckets: Vec::new(),
             preload_adapters: Vec::new(),
             max_active_adapters: 4,
+            lora_rank_classes: Vec::new(),
+            adapter_ranks: Vec::new(),
             adapter_load_delay: Duration::ZERO,
             adapter_paths: Vec::new(),
             seeded_sampling: false,
@@ -231,6 +238,9 @@ impl TestApp {
         for (id, dir) in &options.adapter_paths {
             fake = fake.with_adapter_path(id.clone(), dir.clone());
         }
+        for (id, rank) in &options.adapter_ranks {
+            fake = fake.with_adapter_rank(id.clone(), *rank);
+        }
         let shard = Arc::new(fake);
         let backend: Arc<dyn ShardBackend> = shard.clone();
         let info = backend.info().await.expect("fake Info");
@@ -267,6 +277,7 @@ impl TestApp {
                 preload: options.preload_adapters,
                 max_active_adapters: options.max_active_adapters,
                 max_lora_rank: 64,
+                lora_rank_classes: options.lora_rank_classes,
             },
             admission: AdmissionSettings::default(),
             tool_call_parser: options.tool_call_parser,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from quiver_server.adapters.registry import AdapterRegistry
 from quiver_server.adapters.slots import AdapterSlots
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.batch_types import AdapterInfo
+from quiver_server.kernels.lora_meta import RankClasses
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.models.family import ModelFamily
 
@@ -55,8 +56,17 @@ class AdapterManager:
     def max_rank(self) -> int:
         return self.slots.max_rank if self.slots is not None else 0
 
-    def allocate_slots(self, num_slots: int, max_rank: int) -> None:
-        """(Re)allocates the slot table at warmup; every slot starts empty."""
+    @property
+    def ranks(self) -> RankClasses | None:
+        """The slots' rank classes, which every pass's LoRA meta follows (None: no slots)."""
+        return self.slots.ranks if self.slots is not None else None
+
+    def allocate_slots(self, num_slots: int, max_rank: int, slot_ranks: Sequence[int] = ()) -> None:
+        """(Re)allocates the slot table at warmup; every slot starts empty. slot_ranks: each
+        slot's largest rank (rank classes), none: every slot holds max_rank."""
+        if slot_ranks and (len(slot_ranks) != num_slots or max(slot_ranks) != max_rank or min(slot_ranks) < 1):
+            raise ValueError(f"slot_ranks must give each of the {num_slots} slots a rank in 1..{max_rank}, at least "
+                             f"one of them max_lora_rank={max_rank}; got {list(slot_ranks)}")
         # The old buffers go first, so a bigger table can reuse their memory.
         AdapterSlots.detach(self.model, self.spec)
         self.slots = None
@@ -65,9 +75,22 @@ class AdapterManager:
         self._warmed_up = True
         if num_slots < 1:
             return
-        self.slots = AdapterSlots(self.model, self.spec, num_slots, max_rank, self.dtype, self.ops)
-        self.registry.max_rank = max_rank
-        log.info("adapter slots: %d of rank up to %d (%.1f MiB)", num_slots, max_rank, self.slots.nbytes / 2**20)
+        self.slots = AdapterSlots(self.model, self.spec, list(slot_ranks) or [max_rank] * num_slots, self.dtype,
+                                  self.ops)
+        self.registry.max_rank = self.slots.max_rank
+        classes = ", ".join(f"{self.slots.ranks.count(c)} of rank up to {rank}"
+                            for c, rank in enumerate(self.slots.ranks.ranks))
+        log.info("adapter slots: %s (%.1f MiB)", classes, self.slots.nbytes / 2**20)
+
+    def warmup_slots(self, rows: int) -> list[list[int]]:
+        """The slots of warmup's dry-run passes of `rows` rows each: the first slot of each rank
+        class in turn, largest class first, and as many passes as it takes for every class's
+        kernels to run (compiled, their memory counted). The first pass, which sets the memory
+        peak, holds the largest class."""
+        slots = self._require_slots()
+        firsts = [slots.ranks.of_slot.index(c) for c in reversed(range(len(slots.ranks.ranks)))]
+        chunks = [firsts[start:start + rows] for start in range(0, len(firsts), max(rows, 1))]
+        return [[chunk[row % len(chunk)] for row in range(rows)] for chunk in chunks]
 
     def exercising_every_slot_buffer(self) -> contextlib.AbstractContextManager[None]:
         """Warmup's dry run: LoRA kernels run for every projection, whatever the slots hold."""
@@ -87,6 +110,11 @@ class AdapterManager:
             return True
         if slot in running:
             raise ValueError(f"slot {slot} holds adapter {running[slot]!r}, which running requests use")
+        info = self.registry.info(adapter_id)
+        if info is not None and info.rank > slots.rank_of(slot):
+            # Before any move or read: a refused activation changes nothing.
+            raise ValueError(f"adapter {adapter_id!r} has rank {info.rank}, but slot {slot} holds ranks up to "
+                             f"{slots.rank_of(slot)}")
         other = slots.slot_of(adapter_id)
         if other is not None and other not in running:
             # A move: the router evicted the adapter from `other`, and the copy of another

@@ -20,6 +20,8 @@ step. Prefill uses the batch-order segments (a request's tokens are contiguous a
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,55 @@ class RowSegments:
 
 
 @dataclass(frozen=True)
+class RankClasses:
+    """How the adapter slots split into rank classes (`adapters.slots`): class c's slots hold
+    ranks up to ranks[c] (ascending) in buffers of their own; slot s, as the router numbers
+    it, is row local[s] of class of_slot[s]. With one class, local[s] == s."""
+
+    ranks: tuple[int, ...]
+    of_slot: tuple[int, ...]
+    local: tuple[int, ...]
+
+    @classmethod
+    def of(cls, slot_ranks: Sequence[int]) -> RankClasses:
+        """From each slot's largest rank, in slot order."""
+        ranks = tuple(sorted(set(slot_ranks)))
+        if not ranks or ranks[0] < 1:
+            raise ValueError(f"adapter slots need a positive rank each, got {list(slot_ranks)}")
+        index = {rank: c for c, rank in enumerate(ranks)}
+        counts = [0] * len(ranks)
+        of_slot, local = [], []
+        for rank in slot_ranks:
+            c = index[rank]
+            of_slot.append(c)
+            local.append(counts[c])
+            counts[c] += 1
+        return cls(ranks, tuple(of_slot), tuple(local))
+
+    @classmethod
+    def uniform(cls, num_slots: int, rank: int) -> RankClasses:
+        return cls.of([rank] * num_slots)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.of_slot)
+
+    @property
+    def max_rank(self) -> int:
+        return self.ranks[-1]
+
+    def count(self, c: int) -> int:
+        """Slots of class c."""
+        return self.of_slot.count(c)
+
+    def split(self, slots: Sequence[int]) -> list[list[int]]:
+        """Per class, each entry of `slots` as that class's row (-1: the base model or another
+        class)."""
+        return [[self.local[s] if s >= 0 and self.of_slot[s] == c else -1 for s in slots]
+                for c in range(len(self.ranks))]
+
+
+@dataclass(frozen=True)
 class LoraBatchMeta:
     token_slots: torch.Tensor  # int32 [T]: slot of each token's adapter, -1 = base model (no delta)
     seg_indptr: torch.Tensor  # int32 [num_segments+1]: consecutive token runs sharing one slot
@@ -55,6 +106,14 @@ class LoraBatchMeta:
     # Decode: the adapter rows sorted by slot (stable), one segment per slot in the batch; base
     # rows are left out. None: the grouped kernels run the batch-order segments.
     adapter_groups: RowSegments | None = None
+    # With more than one rank class: the same mapping once per class, in class order, each
+    # naming its class's rows (-1 elsewhere); a layer runs its kernels once per class. Empty
+    # with one class: this meta is that class's.
+    classes: tuple[LoraBatchMeta, ...] = ()
+
+    def per_class(self) -> tuple[LoraBatchMeta, ...]:
+        """The meta each rank class's kernels read, in class order."""
+        return self.classes or (self,)
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +130,17 @@ class LoraBatchMeta:
         if self.adapter_groups is not None:
             return self.adapter_groups
         return RowSegments(self.seg_indptr, self.seg_slots, None, self.max_seg_len)
+
+    @staticmethod
+    def for_class_rows(row_slots: torch.Tensor, class_rows: Sequence[torch.Tensor],
+                       ranks: Sequence[int]) -> LoraBatchMeta:
+        """`for_rows` over every slot, with one per rank class when there are several:
+        class_rows[c] (int32 [N]) names each row's row in class c's buffers, -1 elsewhere."""
+        whole = LoraBatchMeta.for_rows(row_slots, max(ranks))
+        if len(ranks) < 2:
+            return whole
+        classes = tuple(LoraBatchMeta.for_rows(rows, rank) for rows, rank in zip(class_rows, ranks, strict=True))
+        return dataclasses.replace(whole, classes=classes)
 
     @staticmethod
     def for_rows(row_slots: torch.Tensor, max_rank: int) -> LoraBatchMeta:

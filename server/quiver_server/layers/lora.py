@@ -49,28 +49,37 @@ class LoraPart:
 
 
 class LoraWrapper(nn.Module):
-    """The adapter half of a wrapped layer: `lora_parts` (one per part of the base, in column
-    order, set by `AdapterSlots`) and the kernel call for those in use."""
+    """The adapter half of a wrapped layer: `lora_parts` (per rank class, one per part of the
+    base in column order; set by `AdapterSlots`) and, per class, the kernel call for those in
+    use."""
 
-    def __init__(self, base: Linear | GroupedLinear, parts: list[LoraPart]) -> None:
+    def __init__(self, base: Linear | GroupedLinear, parts: list[list[LoraPart]]) -> None:
         super().__init__()
         self.base = base
         self.lora_parts = parts
         self._backend = base.ops.lora_backend
-        # The kernel call for the parts in use, rebuilt when that set changes (slot activations).
-        self._lora: LoraProjection | None = None
-        self._in_use: tuple[bool, ...] | None = None
+        # Per class, the kernel call for the parts in use, rebuilt when that set changes (slot
+        # activations).
+        self._lora: list[LoraProjection | None] = [None] * len(parts)
+        self._in_use: list[tuple[bool, ...] | None] = [None] * len(parts)
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, meta: LoraBatchMeta) -> None:
-        in_use = tuple(part.in_use for part in self.lora_parts)
-        if in_use != self._in_use:
-            # From the tuple read once: the slot-copy thread may flip a flag meanwhile.
-            parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks)
-                     for p, used in zip(self.lora_parts, in_use, strict=True) if used]
-            self._lora = LoraProjection(parts, self._backend) if parts else None
-            self._in_use = in_use
-        if self._lora is not None:
-            self._lora.add(y, x, meta)
+        metas = meta.per_class()
+        if len(metas) != len(self.lora_parts):
+            raise ValueError(f"a LoRA batch meta of {len(metas)} rank classes for slots of {len(self.lora_parts)}")
+        for c, (class_parts, class_meta) in enumerate(zip(self.lora_parts, metas, strict=True)):
+            if not class_meta.has_lora:
+                continue
+            in_use = tuple(part.in_use for part in class_parts)
+            if in_use != self._in_use[c]:
+                # From the tuple read once: the slot-copy thread may flip a flag meanwhile.
+                parts = [(p.lora_a, p.lora_b, p.scaling, p.columns, p.ranks)
+                         for p, used in zip(class_parts, in_use, strict=True) if used]
+                self._lora[c] = LoraProjection(parts, self._backend) if parts else None
+                self._in_use[c] = in_use
+            projection = self._lora[c]
+            if projection is not None:
+                projection.add(y, x, class_meta)
 
 
 class LoraLinear(LoraWrapper):
@@ -89,8 +98,9 @@ class LoraGroupedLinear(LoraWrapper):
         return y
 
 
-def with_lora(base: Linear | GroupedLinear, parts: list[LoraPart]) -> LoraWrapper:
-    """`base` wrapped so that it adds the deltas of `parts` (one per part of base, in order)."""
+def with_lora(base: Linear | GroupedLinear, parts: list[list[LoraPart]]) -> LoraWrapper:
+    """`base` wrapped so that it adds the deltas of `parts` (per rank class, one per part of
+    base, in order)."""
     if isinstance(base, GroupedLinear):
         return LoraGroupedLinear(base, parts)
     return LoraLinear(base, parts)

@@ -22,6 +22,8 @@ all-reduce of the layer's output (LoRA deltas included) completes it.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable
 
 import torch
@@ -82,12 +84,21 @@ class SparseMoe(nn.Module):
 
     def _pair_lora(self, lora: LoraBatchMeta | None, token_of: torch.Tensor,
                    expert_of: torch.Tensor) -> LoraBatchMeta | None:
-        """The (token, expert) pairs' adapter buffer rows: slot * E + expert, -1 for base tokens."""
+        """The (token, expert) pairs' adapter buffer rows: slot * E + expert, -1 for base tokens
+        (per rank class too, with several: each class's rows in its own buffers)."""
         if lora is None or not lora.has_lora:
             return None
-        slots = lora.token_slots[token_of]
-        rows = torch.where(slots >= 0, slots * self.num_experts + expert_of, -1).to(torch.int32)
-        return LoraBatchMeta.for_rows(rows, lora.max_rank)
+
+        def rows_of(meta: LoraBatchMeta) -> torch.Tensor:
+            slots = meta.token_slots[token_of]
+            return torch.where(slots >= 0, slots * self.num_experts + expert_of, -1).to(torch.int32)
+
+        pairs = LoraBatchMeta.for_class_rows(rows_of(lora), [rows_of(meta) for meta in lora.classes],
+                                             [meta.max_rank for meta in lora.per_class()])
+        # A class without tokens in this pass runs no kernel (in a graph every class has rows).
+        classes = tuple(dataclasses.replace(pair, has_lora=meta.has_lora)
+                        for pair, meta in zip(pairs.classes, lora.classes, strict=True))
+        return dataclasses.replace(pairs, classes=classes) if classes else pairs
 
     def route(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k])."""

@@ -105,13 +105,13 @@ impl Batcher {
         }
     }
 
-    /// Warms the shards' host copies of adapters that wait for a slot, once per wait, so that
-    /// filling their slot later is a copy, not a read from disk.
-    pub(super) fn prefetch(&mut self, adapters: &[String]) {
+    /// Warms the shards' host copies of adapters that wait for a slot (with their ranks), once
+    /// per wait, so that filling their slot later is a copy, not a read from disk.
+    pub(super) fn prefetch(&mut self, waiting: &[(String, u32)]) {
         // An adapter whose requests all left waits no more: a later wait warms it again.
         let queue = &self.queue;
         self.prefetched.retain(|adapter| queue.has_waiting(adapter));
-        for adapter in adapters {
+        for (adapter, _) in waiting {
             if !self.prefetched.insert(adapter.clone()) {
                 continue;
             }

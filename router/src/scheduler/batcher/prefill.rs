@@ -287,7 +287,7 @@ impl Batcher {
                 None
             } else if slots.is_activating(adapter) {
                 return Admit::Skip;
-            } else if let Some(slot) = slots.find(adapter) {
+            } else if let Some(slot) = slots.find(adapter, request.adapter_rank) {
                 if !slots.holds(adapter) {
                     // Its requests wait in the queue while the slot is filled beside the steps.
                     let evicted = slots.begin_activation(slot, adapter);
@@ -296,7 +296,7 @@ impl Batcher {
                 }
                 Some(slot)
             } else {
-                waiting_for_slot.push(adapter.to_owned());
+                waiting_for_slot.push((adapter.to_owned(), request.adapter_rank));
                 return Admit::Skip;
             };
             let Some((blocks, hits)) =

@@ -7,11 +7,14 @@
 //!   rank 0) `fake-hub/<id>`. A rank other than 0 asked to download a hub adapter itself (source
 //!   "hub" with no path) refuses: only rank 0 downloads. A "local" load without a path, an empty
 //!   id or an unknown source are refused too. Every request is recorded
-//!   (`adapter_load_requests`), failed ones included. Rank 8, scaling 2, targets q/v.
+//!   (`adapter_load_requests`), failed ones included. Rank 8 (or `with_adapter_rank`'s),
+//!   scaling 2, targets q/v.
 //! - **ActivateAdapter** needs a slot below the slot count (Warmup's `max_active_adapters`, or
-//!   `with_adapter_slots` for tests that skip Warmup), a loaded adapter that is not active in
-//!   another slot, and a slot that no live request uses (the proto forbids activating a slot
-//!   under running requests, whichever adapter it holds). `fail_adapter_activation(id)` makes
+//!   `with_adapter_slots` / `with_adapter_slot_ranks` for tests that skip Warmup), a loaded
+//!   adapter that is not active in another slot, whose rank the slot holds (Warmup's
+//!   `slot_ranks`; without them any rank fits: the fake checks no `max_lora_rank`), and a slot
+//!   that no live request uses (the proto forbids activating a slot under running requests,
+//!   whichever adapter it holds). `fail_adapter_activation(id)` makes
 //!   every activation of `id` fail with `Internal` and leaves the slot empty. Successful
 //!   activations are recorded in order (`activations`).
 //!   With `with_adapter_activation_delay` each activation takes that long (the copy), and the
@@ -30,14 +33,21 @@ use quiver_flags::AdapterSource;
 use super::{invalid, FakeRpc, FakeShard, State};
 use crate::shard::{AdapterLoad, LoadedAdapter, ShardError, ShardResult};
 
+/// The rank LoadAdapter reports for an adapter `with_adapter_rank` did not name.
+const DEFAULT_RANK: u32 = 8;
+
 #[derive(Debug, Default)]
 pub(super) struct AdapterState {
     /// Slot → the adapter it holds.
     slots: Vec<Option<String>>,
+    /// Slot → the largest rank it holds (Warmup's `slot_ranks`); empty: any rank.
+    slot_ranks: Vec<u32>,
     /// Loaded adapter id → its path.
     loaded: HashMap<String, String>,
     /// Paths tests chose per id (`with_adapter_path`).
     paths: HashMap<String, String>,
+    /// Ranks tests chose per id (`with_adapter_rank`).
+    ranks: HashMap<String, u32>,
     load_failures: HashMap<String, (tonic::Code, String)>,
     activation_failures: HashSet<String>,
     load_requests: Vec<AdapterLoad>,
@@ -47,9 +57,23 @@ pub(super) struct AdapterState {
 }
 
 impl AdapterState {
-    /// Warmup (re)allocates the slots, all empty.
-    pub(super) fn set_slot_count(&mut self, slots: u32) {
+    /// Warmup (re)allocates the slots, all empty: `slots` of them, each holding up to its rank
+    /// in `slot_ranks` (empty: any rank). Refused, as a real shard refuses it, when the ranks
+    /// are not one per slot.
+    pub(super) fn set_slots(&mut self, slots: u32, slot_ranks: Vec<u32>) -> ShardResult<()> {
+        if !slot_ranks.is_empty() && slot_ranks.len() != slots as usize {
+            return Err(invalid(format!(
+                "{} slot ranks for {slots} adapter slots",
+                slot_ranks.len()
+            )));
+        }
         self.slots = vec![None; slots as usize];
+        self.slot_ranks = slot_ranks;
+        Ok(())
+    }
+
+    fn rank_of(&self, adapter_id: &str) -> u32 {
+        self.ranks.get(adapter_id).copied().unwrap_or(DEFAULT_RANK)
     }
 
     fn slot_of(&self, adapter_id: &str) -> Option<usize> {
@@ -85,7 +109,30 @@ impl FakeShard {
     /// Adapter slots for tests that do not call Warmup (Warmup sets them from
     /// `max_active_adapters`).
     pub fn with_adapter_slots(mut self, slots: u32) -> Self {
-        self.state_mut().adapters.set_slot_count(slots);
+        self.state_mut()
+            .adapters
+            .set_slots(slots, Vec::new())
+            .expect("no slot ranks to check");
+        self
+    }
+
+    /// One adapter slot per rank, holding adapters up to that rank, for tests that do not call
+    /// Warmup (Warmup sets them from `slot_ranks`).
+    pub fn with_adapter_slot_ranks(mut self, ranks: &[u32]) -> Self {
+        self.state_mut()
+            .adapters
+            .set_slots(ranks.len() as u32, ranks.to_vec())
+            .expect("one rank per slot");
+        self
+    }
+
+    /// The rank LoadAdapter reports for `adapter_id` (default 8), which ActivateAdapter checks
+    /// against the slot's.
+    pub fn with_adapter_rank(mut self, adapter_id: impl Into<String>, rank: u32) -> Self {
+        self.state_mut()
+            .adapters
+            .ranks
+            .insert(adapter_id.into(), rank);
         self
     }
 
@@ -149,6 +196,11 @@ impl FakeShard {
     /// What each slot holds, by slot.
     pub fn active_adapters(&self) -> Vec<Option<String>> {
         self.lock().adapters.slots.clone()
+    }
+
+    /// The largest rank of each slot, by slot, as Warmup gave them (empty: any rank).
+    pub fn adapter_slot_ranks(&self) -> Vec<u32> {
+        self.lock().adapters.slot_ranks.clone()
     }
 
     /// Successful activations in order: (adapter id, slot).
@@ -230,7 +282,7 @@ impl FakeShard {
         adapters.loaded.insert(id.clone(), path.clone());
         Ok(LoadedAdapter {
             path,
-            rank: 8,
+            rank: adapters.rank_of(id),
             scaling: 2.0,
             target_modules: vec!["q_proj".to_string(), "v_proj".to_string()],
         })
@@ -256,6 +308,17 @@ impl FakeShard {
         if let Some(other) = state.adapters.slot_of(id).filter(|&other| other != slot) {
             return Err(invalid(format!(
                 "adapter {id:?} is already active in slot {other}"
+            )));
+        }
+        let rank = state.adapters.rank_of(id);
+        if let Some(&held) = state
+            .adapters
+            .slot_ranks
+            .get(slot)
+            .filter(|&&held| rank > held)
+        {
+            return Err(invalid(format!(
+                "adapter {id:?} has rank {rank}, but slot {slot} holds ranks up to {held}"
             )));
         }
         if let Some(current) = &state.adapters.slots[slot] {
