@@ -3,8 +3,8 @@ to a small CPU host.
 
 The bench model is served with the adapters of `adapters.ensure_fleet` (1,000 distinct adapters,
 ranks drawn from 4 to 64, all seven projections) behind `--adapter-source local`, 32 device
-slots in rank classes sized to that mix (`--lora-rank-classes`, up to `--max-lora-rank 64`), a
-host cache of 64 adapters (`--max-cpu-adapters`); the disk
+slots at `--max-lora-rank 64` (or in rank classes: `--fleet-rank-classes`), a host cache of 64
+adapters (`--max-cpu-adapters`); the disk
 tier is the adapter directory itself. Requests pick their adapter from a power law: the
 adapter of popularity rank k (a seeded shuffle of the fleet) is drawn with weight 1 / k^s. The
 same seeded sequence of requests is sent in every run, by `clients` closed-loop streaming
@@ -70,9 +70,10 @@ class FleetSpec:
     max_active_adapters: int = 32
     max_cpu_adapters: int = 64
     max_lora_rank: int = 64
-    # --lora-rank-classes, sized to the fleet's mix (ranks 4 to 64 about equally often: 8 holds
-    # two of the five); "" sizes every slot at max_lora_rank.
-    lora_rank_classes: str = "8:12,16:6,32:7"
+    # --lora-rank-classes; "" (every slot at max_lora_rank) by default: on this CPU block slot
+    # memory is no constraint, and classes cost a few percent of step time (one kernel call per
+    # class). "8:12,16:6,32:7" sizes the slots to the fleet's mix (docs/benchmarks.md).
+    lora_rank_classes: str = ""
     adapter_dtype: str = "bfloat16"  # on disk: half the files of float32; the shard converts
     seed: int = 31
 

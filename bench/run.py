@@ -192,7 +192,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--fleet-clients", type=int, default=fleet_bench.FleetSpec.clients,
                    help="streaming clients of the fleet block")
     p.add_argument("--fleet-rank-classes", default=fleet_bench.FleetSpec.lora_rank_classes,
-                   help="--lora-rank-classes of the fleet block's server (\"\": every slot at rank 64)")
+                   help="--lora-rank-classes of the fleet block's server (default \"\": every slot at rank 64; "
+                        "8:12,16:6,32:7 sizes the slots to the fleet's mix of ranks)")
     p.add_argument("--max-active-adapters", type=int, default=32, help="device slots of the server")
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
