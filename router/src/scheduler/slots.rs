@@ -4,12 +4,13 @@
 //! Rules (the batcher applies them between steps, so no slot changes under a running request):
 //! - An adapter already in a slot runs there.
 //! - Otherwise it takes a slot no request uses and whose capacity holds its rank (rank
-//!   classes, `--lora-rank-classes`): one reserved for it, else an empty one, else the one
-//!   whose adapter was used least recently (LRU eviction, only ever of idle adapters); among
-//!   those, the smallest capacity first, so that small adapters leave the large slots to the
-//!   large ones.
+//!   classes, `--lora-rank-classes`): one reserved for it or an empty one, else the one whose
+//!   adapter was used least recently (LRU eviction, only ever of idle adapters); among each,
+//!   the smallest capacity first, so that small adapters leave the large slots to the large
+//!   ones.
 //! - If every such slot is busy, the adapter waits; the batcher then reserves a busy slot that
-//!   holds its rank for it (`reserve`, least recently used first): the slot's adapter gets no
+//!   holds its rank for it (`reserve`: of the smallest class, least recently used within it):
+//!   the slot's adapter gets no
 //!   new requests, its running ones finish, and the slot goes to the waiting adapter. Without
 //!   that, an adapter with a steady stream of requests would keep its slot busy forever and
 //!   starve the others.
@@ -108,11 +109,14 @@ impl AdapterSlots {
             if slot.users > 0 || slot.activating || !self.fits(slot, rank) {
                 continue;
             }
+            // A slot drained for it is as good as an empty one: of the two, the smaller goes
+            // (a small adapter that had to reserve a large slot takes a small one that came
+            // free, and its reservation goes with `assign`).
             let preference = match slot.reserved_for.as_deref() {
                 Some(r) if r == adapter => 0,
                 Some(_) => continue,
-                None if slot.adapter.is_none() => 1,
-                None => 2,
+                None if slot.adapter.is_none() => 0,
+                None => 1,
             };
             let key = (preference, slot.capacity, slot.last_used);
             if best.is_none_or(|(_, best_key)| key < best_key) {
@@ -466,6 +470,34 @@ mod tests {
         assert_eq!(slots.find("big2", 64), None);
         assert_eq!(slots.find("big1", 64), Some(large));
         assert_eq!(slots.find("tiny", 8), Some(small));
+    }
+
+    #[test]
+    fn a_small_adapter_that_reserved_a_large_slot_takes_a_small_one_that_came_free() {
+        let mut slots = AdapterSlots::new(&[16, 64]);
+        let small = admit(&mut slots, "a");
+        let large = admit_ranked(&mut slots, "big", 64);
+        // tiny reserves the small slot, then tiny2 (also small) can only reserve the large one.
+        slots.reserve(&[("tiny".to_string(), 8), ("tiny2".to_string(), 8)]);
+        assert_eq!(slots.find("big", 64), None, "big drains for tiny2");
+        slots.release(large);
+        slots.release(small);
+        slots.claim(slots.find("tiny", 8).expect("its reserved slot"), "tiny");
+        let tiny = slots.find("tiny", 8).unwrap();
+        assert_eq!(tiny, small);
+        slots.release(tiny);
+        // Both the drained large slot and the now idle small one hold tiny2; evicting tiny is
+        // not preferred over the slot drained for tiny2...
+        assert_eq!(slots.find("tiny2", 8), Some(large));
+        // ...but an empty small slot is: the large one then stays for the large adapters.
+        assert!(slots.evict("tiny"));
+        assert_eq!(slots.find("tiny2", 8), Some(small));
+        slots.claim(small, "tiny2");
+        assert_eq!(
+            slots.find("big", 64),
+            Some(large),
+            "the large slot's reservation is gone"
+        );
     }
 
     #[test]
