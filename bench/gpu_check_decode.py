@@ -1,5 +1,6 @@
 """`make gpu-check`, kernels phase: one decode step of the real engine on a small random Llama
-with adapters, on the device, as the server runs it:
+with adapters, on the device, as the server runs it, its two adapters (ranks 8 and 16) in two
+rank classes (`--lora-rank-classes`: one LoRA kernel call per class, in the graph too):
 
 - the eager forward pass and the CUDA-graph replay under `torch.cuda.set_sync_debug_mode("error")`,
   so any host round trip inside a step (an `.item()`, a `.tolist()`, a `bincount`) is named;
@@ -35,7 +36,7 @@ def decode_step_check(work: Path, device: str) -> dict[str, Any]:
     started = time.perf_counter()
     # A small cache: the check clones it whole to replay the same step twice.
     _, num_blocks = engine.warmup(256, 128, 16, max_batch_total_tokens=4096, max_active_adapters=2,
-                                  max_lora_rank=16)
+                                  max_lora_rank=16, slot_ranks=[adapters.rank_of(i) for i in range(2)])
     report: dict[str, Any] = {"warmup_s": round(time.perf_counter() - started, 2), "kv_blocks": num_blocks,
                               "graph_buckets": engine.graphs.sizes if engine.graphs is not None else None}
     for slot, adapter_id in enumerate(adapter_ids):
