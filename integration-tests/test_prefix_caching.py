@@ -25,6 +25,7 @@ from conftest import MAX_INPUT_TOKENS, MAX_TOTAL_TOKENS, SHARD_ENV
 from model_builders import build_model_dir
 from served import RETURN_TOKEN_IDS, token_ids
 from stack import Stack, StackConfig
+from tenant_keys import poll
 
 BLOCK = 16  # the shard's KV block size
 MAX_TOKENS = 12
@@ -169,9 +170,17 @@ def test_an_adapter_reloaded_with_new_weights_reuses_none_of_the_old_blocks(tmp_
     full = (len(prompt) - 1) // BLOCK * BLOCK
 
     def load() -> None:
-        status, body = stack.post_raw("/v1/load_lora_adapter",
-                                      json.dumps({"lora_name": name, "lora_path": name}).encode())
-        assert status == 200, body
+        # An unload answers once new requests are refused; until the shards have forgotten the
+        # adapter, a load of its name is refused as "being unloaded". Asked again until then.
+        def loaded() -> bool:
+            status, body = stack.post_raw("/v1/load_lora_adapter",
+                                          json.dumps({"lora_name": name, "lora_path": name}).encode())
+            if status == 404 and b"is being unloaded" in body:
+                return False
+            assert status == 200, body
+            return True
+
+        poll(loaded, f"{name} to load")
 
     stack = start_adapter_stack(base, root, tmp_path, "reloaded", extra_args=["--prefix-caching", "true"])
     try:
