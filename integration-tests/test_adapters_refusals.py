@@ -5,7 +5,10 @@
   `model_not_found`; a symlink that stays inside the root is served;
 * an adapter that does not fit the base model (made for a narrower model, or of a rank over
   --max-lora-rank) is 400 `invalid_adapter` whose message says what differs, and is not
-  remembered as loaded.
+  remembered as loaded;
+* an adapter whose refusal would quote kilobytes of its own config (200 long target module
+  names) is one bounded 400: the shard's message once broke the router's connection to it and
+  every later request got 503 (issue 48).
 
 No message may show a server path (docs/adapters.md)."""
 
@@ -17,6 +20,7 @@ import pytest
 import openai_schema
 import reference
 from adapter_models import MAX_TOKENS, SERVED_NAME, adapter_set, completion_ids, peft_greedy, start_stack
+from hostile_adapters import MAX_MESSAGE_BYTES, hostile_copy
 from served import RETURN_TOKEN_IDS, token_ids
 
 
@@ -187,3 +191,15 @@ def test_refusal_messages_show_no_server_path(adapters, client):
         if _server_paths_shown(adapters, message, model):
             leaks[model] = message
     assert not leaks, f"error messages show server paths: {leaks}"
+
+
+# ---- adapters whose files would flood the error path ---------------------------------------------
+
+
+def test_an_adapter_naming_200_long_modules_is_one_bounded_400_and_the_server_serves_on(adapters, client, stack):
+    hostile_copy(adapters.adapter_dir("kinds/rank8"), adapters.root / "hostile" / "modules")
+    for _ in range(2):
+        message = _refused(adapters, client, "hostile/modules", openai.BadRequestError, "invalid_adapter")
+        assert len(message.encode()) <= MAX_MESSAGE_BYTES, f"{len(message.encode())} bytes: {message[:200]}"
+    # The base model and another adapter answer as transformers and peft do, and /health is 200.
+    _assert_still_serving(adapters, client, stack)

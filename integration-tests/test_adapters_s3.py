@@ -8,6 +8,8 @@ authentication on) through a proxy that records, holds or alters what the shard 
 * a missing prefix is 404 `model_not_found`, a file larger than any adapter of --max-lora-rank
   400 `invalid_adapter` (refused from the listing, never downloaded), a bucket outside
   --s3-adapter-buckets 400 `invalid_adapter_id`;
+* an adapter whose refusal would quote kilobytes of its config is one bounded 400, and the base
+  model and other adapters are served on (issue 48);
 * refused credentials are 500 `adapter_load_failed`, and the secret is in neither the answer nor
   the server's log;
 * while the store holds a download, a streamed request on the base model runs to its end.
@@ -35,6 +37,7 @@ from adapter_models import (
     completion_ids,
     greedy_with,
 )
+from hostile_adapters import MAX_MESSAGE_BYTES, hostile_copy
 from s3_store import AWS_VARIABLES_TO_CLEAR, S3Store, StoreProxy, start_store
 from served import RETURN_TOKEN_IDS, prompt_token_ids, stream_token_ids, token_ids
 from stack import Stack, StackConfig
@@ -170,6 +173,22 @@ def test_a_bucket_the_server_does_not_read_is_refused(served, client):
     message = _refused(client, "s3://someone-elses-bucket/team/a", openai.BadRequestError, "invalid_adapter_id")
     assert "someone-elses-bucket" in message
     assert len(proxy.requests) == before  # refused before any shard asked the store
+
+
+def test_an_adapter_naming_200_long_modules_is_one_bounded_400_and_the_server_serves_on(
+        adapters, store, served, client, tmp_path):
+    hostile = tmp_path / "hostile"
+    hostile_copy(adapters.adapter_dir("kinds/rank8"), hostile)
+    store.upload_dir(BUCKET, "team/hostile", hostile)
+    for _ in range(2):
+        message = _refused(client, f"s3://{BUCKET}/team/hostile", openai.BadRequestError, "invalid_adapter")
+        assert len(message.encode()) <= MAX_MESSAGE_BYTES, f"{len(message.encode())} bytes: {message[:200]}"
+    stack, _ = served
+    assert stack.get("/health")[0] == 200
+    _assert_peft_s(adapters, _complete(client, SERVED_NAME), None, "the base model after the hostile adapter")
+    directory = _upload(store, adapters, "rank8", "team/after-hostile")
+    _assert_peft_s(adapters, _complete(client, f"s3://{BUCKET}/team/after-hostile"), directory,
+                   "an adapter after the hostile one")
 
 
 def test_refused_credentials_are_a_server_error_that_never_shows_the_secret(adapters, store, tmp_path):

@@ -16,10 +16,10 @@ from stack import Stack, StackConfig, wait_processes_gone
 LONG = 1000  # a few seconds of decoding: the drain is observable
 
 
-def _own_stack(pool, tmp_path, name: str, **config) -> Stack:
+def _own_stack(pool, tmp_path, name: str, env: dict[str, str] | None = None, **config) -> Stack:
     model_dir = pool.model_dir("llama")
     cfg = StackConfig(model_id=str(model_dir), served_model_name="tiny", max_total_tokens=1024,
-                      extra_env=SHARD_ENV, **config)
+                      extra_env={**SHARD_ENV, **(env or {})}, **config)
     return Stack(cfg, tmp_path / f"{name}.log").start()
 
 
@@ -113,3 +113,27 @@ def test_killed_shard_stops_everything_nonzero_and_is_named_in_the_log(pool, tmp
             pass
     finally:
         stack.kill()
+
+
+def test_a_killed_launchers_socket_folder_is_removed_by_the_next_launcher(pool, tmp_path):
+    """SIGKILL runs no clean-up: the killed launcher's `quiver-<pid>` folder (and the shards'
+    sockets in it) stays behind until the next launcher using the same TMPDIR removes it."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    first = _own_stack(pool, tmp_path, "killed-launcher", env={"TMPDIR": str(tmpdir)})
+    try:
+        spawned = [pid for pid, _ in first.descendants()]
+        left = tmpdir / f"quiver-{first.process.pid}"
+        assert left.is_dir(), sorted(tmpdir.iterdir())
+        os.kill(first.process.pid, signal.SIGKILL)
+        first.process.wait(timeout=30)
+        _assert_all_gone(first, spawned)
+        assert left.is_dir(), "the test's premise: a SIGKILLed launcher leaves its folder"
+    finally:
+        first.kill()
+    second = _own_stack(pool, tmp_path, "next-launcher", env={"TMPDIR": str(tmpdir)})
+    try:
+        assert not left.exists(), sorted(tmpdir.iterdir())
+        assert (tmpdir / f"quiver-{second.process.pid}").is_dir()
+    finally:
+        second.stop()

@@ -9,6 +9,7 @@ use axum::Json;
 use quiver_flags::UnknownAdapterSource;
 
 use crate::adapters::AdapterError;
+use crate::bounded_text::bounded;
 use crate::metrics::http::ErrorCode;
 use crate::openai::error::{ErrorObject, ErrorResponse};
 use crate::scheduler::{AdmissionError, GenerationError};
@@ -168,11 +169,16 @@ impl ApiError {
         }
     }
 
+    /// The client's message, bounded: it may quote unbounded input (`bounded_text`).
+    pub fn message(&self) -> String {
+        bounded(&self.to_string()).into_owned()
+    }
+
     pub fn to_body(&self) -> ErrorResponse {
         let (kind, code) = self.kind_and_code();
         ErrorResponse {
             error: ErrorObject {
-                message: self.to_string(),
+                message: self.message(),
                 kind: kind.to_owned(),
                 param: self.param(),
                 code: Some(code.to_owned()),
@@ -227,9 +233,9 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
         if status.is_server_error() {
-            tracing::error!(error = ?self.to_string(), "request failed");
+            tracing::error!(error = ?self.message(), "request failed");
         } else {
-            tracing::debug!(error = ?self.to_string(), status = status.as_u16(), "request refused");
+            tracing::debug!(error = ?self.message(), status = status.as_u16(), "request refused");
         }
         let (_, code) = self.kind_and_code();
         let mut response = (status, Json(self.to_body())).into_response();
@@ -270,5 +276,25 @@ mod tests {
         }
         let response = ApiError::NotFound("x".to_owned()).into_response();
         assert!(!response.headers().contains_key(RETRY_AFTER));
+    }
+
+    #[test]
+    fn no_error_body_echoes_unbounded_input() {
+        let role = "r".repeat(800_000);
+        let error = ApiError::BadRequestBody {
+            message: format!("unknown role `{role}` in messages[0]"),
+            param: Some("messages[0].role".to_owned()),
+            code: "invalid_value",
+        };
+        let body = error.to_body();
+        assert!(body.error.message.len() <= crate::bounded_text::MAX_MESSAGE_BYTES);
+        assert!(body.error.message.starts_with("unknown role `rrr"));
+        assert!(body.error.message.ends_with("` in messages[0]"));
+        // Wrapped errors are bounded as a whole too.
+        let respelled = ApiError::Respelled {
+            error: Box::new(error),
+            param: Some("input[0].role".to_owned()),
+        };
+        assert!(respelled.to_body().error.message.len() <= crate::bounded_text::MAX_MESSAGE_BYTES);
     }
 }

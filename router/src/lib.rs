@@ -5,6 +5,7 @@
 //! token events → `detokenizer` → `stop` → SSE or JSON. `startup` builds the state they share.
 
 pub mod adapters;
+pub mod bounded_text;
 pub mod config;
 pub mod detokenizer;
 pub mod error;

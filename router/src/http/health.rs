@@ -7,8 +7,15 @@ use axum::Json;
 use super::state::{AppState, ServerInfo};
 use crate::error::ApiError;
 
-/// 200 when the shard answers `Health`; 503 (OpenAI error body) when it does not.
+/// 200 when every shard rank answers `Health`; 503 (OpenAI error body) when one does not, or
+/// while the router is dialling a rank whose connection failed: requests are refused then, and
+/// a probe that said 200 would keep the pod in rotation while it refuses them.
 pub async fn health(State(state): State<AppState>) -> Result<StatusCode, ApiError> {
+    if state.shard.is_unavailable() {
+        return Err(ApiError::ShardUnavailable(
+            "the router is reconnecting to it".to_owned(),
+        ));
+    }
     match state.shard.health().await {
         Ok(_) => Ok(StatusCode::OK),
         Err(error) => {

@@ -11,7 +11,6 @@
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,6 +18,7 @@ use futures::future::{try_join_all, BoxFuture};
 use futures::{FutureExt, TryFutureExt};
 use hyper_util::rt::TokioIo;
 use tokio::net::UnixStream;
+use tokio::sync::watch;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 use super::wire;
@@ -26,6 +26,7 @@ use super::{
     AdapterLoad, CachedBatch, Grammar, GrammarCompiled, KvLayout, LoadedAdapter, PrefillEntry,
     ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
 };
+use crate::bounded_text::bounded;
 use crate::pb;
 use crate::pb::shard_client::ShardClient as RankClient;
 use crate::telemetry;
@@ -35,12 +36,18 @@ const MAX_MESSAGE_BYTES: usize = pb::ChannelLimit::MaxMessageBytes as usize;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// First wait before a rank that failed at the transport is asked `Health` again; doubled
+/// after every failed try, up to `RECONNECT_MAX_DELAY`.
+const RECONNECT_FIRST_DELAY: Duration = Duration::from_millis(50);
+const RECONNECT_MAX_DELAY: Duration = Duration::from_secs(2);
+
 /// Client of all ranks of one model; cheap to clone (channels are shared).
 #[derive(Debug, Clone)]
 pub struct ShardClient {
     ranks: Vec<RankClient<Channel>>,
-    /// Set by the first call that fails at the transport (see `is_transport_failure`).
-    unavailable: Arc<AtomicBool>,
+    /// False from a call that fails at the transport (see `is_transport_failure`) until the
+    /// reconnect probe finds every rank answering again.
+    reachable: Arc<watch::Sender<bool>>,
 }
 
 impl ShardClient {
@@ -55,7 +62,7 @@ impl ShardClient {
         let ranks = try_join_all(paths.iter().map(|path| connect_rank(path))).await?;
         Ok(Self {
             ranks,
-            unavailable: Arc::new(AtomicBool::new(false)),
+            reachable: Arc::new(watch::Sender::new(true)),
         })
     }
 
@@ -161,12 +168,46 @@ impl ShardClient {
         match call.await {
             Ok(response) => Ok(response.into_inner()),
             Err(status) => {
-                if is_transport_failure(&status) && !self.unavailable.swap(true, Ordering::AcqRel) {
-                    tracing::error!(rank, %status, "shard unreachable; refusing new requests with 503");
+                if is_transport_failure(&status) && self.reachable.send_replace(false) {
+                    tracing::error!(rank, status = %bounded(&status.to_string()),
+                        "shard unreachable; refusing new requests with 503 until it answers again");
+                    self.probe_until_reachable();
                 }
                 Err(ShardError::from_status(rank, &status))
             }
         }
+    }
+
+    /// Asks every rank `Health`, with growing pauses, until all answer, then lets requests in
+    /// again. A broken connection is dialled anew by the channel on its next call, so a shard
+    /// whose process lives on (the connection alone failed) comes back within one probe; one
+    /// whose process died keeps failing until the launcher tears the stack down.
+    fn probe_until_reachable(&self) {
+        let ranks = self.ranks.clone();
+        let reachable = self.reachable.clone();
+        tokio::spawn(async move {
+            let mut delay = RECONNECT_FIRST_DELAY;
+            loop {
+                tokio::time::sleep(delay).await;
+                let probes = ranks.iter().map(|rank| {
+                    let mut rank = rank.clone();
+                    async move { rank.health(pb::HealthRequest {}).await }
+                });
+                if try_join_all(probes).await.is_ok() {
+                    reachable.send_replace(true);
+                    tracing::warn!("shard reachable again; accepting requests");
+                    return;
+                }
+                delay = (delay * 2).min(RECONNECT_MAX_DELAY);
+            }
+        });
+    }
+
+    /// Returns once every rank is reachable (at once if none failed).
+    pub async fn reachable(&self) {
+        let mut watched = self.reachable.subscribe();
+        // The sender lives in `self`, so the wait cannot end with an error.
+        let _ = watched.wait_for(|reachable| *reachable).await;
     }
 }
 
@@ -218,7 +259,7 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 
 impl ShardBackend for ShardClient {
     fn is_unavailable(&self) -> bool {
-        self.unavailable.load(Ordering::Acquire)
+        !*self.reachable.borrow()
     }
 
     fn info(&self) -> BoxFuture<'_, ShardResult<ShardInfo>> {

@@ -429,7 +429,7 @@ async fn a_shard_that_goes_away_is_unavailable_one_that_refuses_is_not() {
                 let _ = stopped.await;
             }),
     );
-    let client = ShardClient::connect(&[path]).await.unwrap();
+    let client = ShardClient::connect(&[path.clone()]).await.unwrap();
 
     // An error the shard sends is about the call, not the shard.
     shard.fail_next(FakeRpc::Health);
@@ -441,4 +441,40 @@ async fn a_shard_that_goes_away_is_unavailable_one_that_refuses_is_not() {
     let _ = server.await;
     assert!(client.health().await.is_err());
     assert!(client.is_unavailable());
+
+    // A shard answers on the socket again (its process lived on, only the connection broke):
+    // the client dials it anew and lets calls through again.
+    std::fs::remove_file(&path).unwrap();
+    serve(shard.clone(), &path);
+    within_seconds(10, client.reachable()).await;
+    assert!(!client.is_unavailable());
+    client.health().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_status_too_large_for_the_connection_costs_one_call_not_the_shard() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 1).await;
+    // Four times what HTTP/2 lets a trailer carry by default (16 KiB of headers): the
+    // connection breaks on it, as it did on an adapter refusal quoting 200 module names.
+    let message = format!("target modules {}", "m".repeat(64 * 1024));
+    shards[0].fail_next_with(FakeRpc::Health, message);
+    let error = client.health().await.unwrap_err();
+    assert!(
+        error.message().len() <= crate::bounded_text::MAX_MESSAGE_BYTES,
+        "{} bytes",
+        error.message().len()
+    );
+    within_seconds(10, client.reachable()).await;
+    client.health().await.unwrap();
+    let info = client.info().await.unwrap();
+    assert_eq!(info.vocab_size, shards[0].info().await.unwrap().vocab_size);
+}
+
+/// Awaits `event`, failing the test if it has not happened in `seconds` (a guard against a
+/// hang, not a measure: the event ends the wait).
+async fn within_seconds(seconds: u64, event: impl std::future::Future<Output = ()>) {
+    tokio::time::timeout(std::time::Duration::from_secs(seconds), event)
+        .await
+        .expect("the client did not become reachable again");
 }

@@ -171,6 +171,8 @@ struct State {
     /// What every written KV slot holds.
     kv: KvContent,
     fail_next: Option<FakeRpc>,
+    /// The message of the `fail_next` failure.
+    failure_message: String,
     stats: FakeShardStats,
     adapters: AdapterState,
     grammars: GrammarLog,
@@ -293,7 +295,14 @@ impl FakeShard {
 
     /// Makes the next call of `rpc` fail with `Internal` (and change nothing).
     pub fn fail_next(&self, rpc: FakeRpc) {
-        self.lock().fail_next = Some(rpc);
+        self.fail_next_with(rpc, format!("injected failure of {rpc:?}"));
+    }
+
+    /// As `fail_next`, with the status message `message`.
+    pub fn fail_next_with(&self, rpc: FakeRpc, message: impl Into<String>) {
+        let mut state = self.lock();
+        state.fail_next = Some(rpc);
+        state.failure_message = message.into();
     }
 
     /// Requests whose KV the shard still holds.
@@ -345,7 +354,7 @@ impl FakeShard {
             return Err(ShardError::Status {
                 rank: self.rank as usize,
                 code: tonic::Code::Internal,
-                message: format!("injected failure of {rpc:?}"),
+                message: std::mem::take(&mut state.failure_message),
             });
         }
         Ok(state)

@@ -11,6 +11,8 @@ use std::path::PathBuf;
 
 use futures::future::BoxFuture;
 
+use crate::bounded_text::bounded;
+
 mod client;
 #[cfg(any(test, feature = "test-support"))]
 mod fake;
@@ -63,14 +65,16 @@ pub enum ShardError {
 }
 
 impl ShardError {
-    /// Maps a gRPC status from rank `rank`, keeping its code and message.
+    /// Maps a gRPC status from rank `rank`, keeping its code and its message, bounded: a shard
+    /// message can quote an adapter's files or a client's grammar.
     pub fn from_status(rank: usize, status: &tonic::Status) -> Self {
+        let message = bounded(status.message()).into_owned();
         match status.code() {
-            tonic::Code::InvalidArgument => Self::InvalidArgument(status.message().to_string()),
+            tonic::Code::InvalidArgument => Self::InvalidArgument(message),
             code => Self::Status {
                 rank,
                 code,
-                message: status.message().to_string(),
+                message,
             },
         }
     }
@@ -99,8 +103,10 @@ impl ShardError {
 /// Object-safe (methods return boxed futures) so the scheduler holds an
 /// `Arc<dyn ShardBackend>` and tests swap in `FakeShard`.
 pub trait ShardBackend: Send + Sync {
-    /// The shard is known to be gone (a call failed at the transport: its process died or its
-    /// socket closed). It does not come back: the launcher restarts the whole stack.
+    /// A rank is unreachable: a call failed at the transport (its process died, its socket
+    /// closed, or the connection broke). The client dials again in the background and the shard
+    /// is available again once every rank answers `Health`; a process that died does not come
+    /// back, and the launcher restarts the whole stack.
     fn is_unavailable(&self) -> bool {
         false
     }
