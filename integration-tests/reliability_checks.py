@@ -23,6 +23,8 @@ _RESPONSE_SCHEMA = {CHAT_PATH: "CreateChatCompletionResponse", COMPLETIONS_PATH:
 _CHUNK_SCHEMA = {CHAT_PATH: "CreateChatCompletionStreamResponse", COMPLETIONS_PATH: COMPLETION_CHUNK}
 # A guard against a hang, not a timing assertion: generous for a loaded 2-core box.
 REQUEST_TIMEOUT_S = 120.0
+# docs/security.md: every error message is bounded to this many bytes.
+MAX_MESSAGE_BYTES = 512
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,9 @@ def assert_error_shape(body: object, context: str) -> None:
     assert isinstance(error["message"], str) and error["message"], f"{context}: {body}"
     assert isinstance(error["type"], str) and error["type"], f"{context}: {body}"
     assert "param" in error and "code" in error, f"{context}: {body}"
+    # docs/security.md: a message never echoes unbounded input.
+    size = len(error["message"].encode())
+    assert size <= MAX_MESSAGE_BYTES, f"{context}: a {size}-byte message: {error['message'][:300]}"
 
 
 def sse_payloads(body: bytes) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from reliability_checks import MAX_MESSAGE_BYTES
 from structured_checks import (
     CHAT,
     MODELS,
@@ -104,3 +105,28 @@ def test_refusals_beside_a_running_request(stack):
                     for name, extra, _ in BAD if name != "schema-over-budget"]
         assert all(future.result()[0] == 400 for future in refusals)
         running.result()
+
+
+# Each about 200 KB of the client's own text inside an input the server refuses (issue 48: the
+# refusals once quoted it whole, an 800 KB body for a 200 KB regex).
+LONG = 200_000
+ECHOING: list[tuple[str, str, dict[str, Any]]] = [
+    ("regex", "/v1/chat/completions", {"structured_outputs": {"regex": "(" * LONG}}),
+    ("lark", "/v1/chat/completions", {"structured_outputs": {"grammar": "start: " + "foo(" * (LONG // 4)}}),
+    ("schema", "/v1/chat/completions", {"response_format": json_schema_format("x", {"type": "s" * LONG})}),
+    ("role", "/v1/chat/completions", {"messages": [{"role": "r" * LONG, "content": "hi"}]}),
+    ("tool-choice", "/v1/chat/completions", {"tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "n" * LONG}}}),
+]
+
+
+@pytest.mark.parametrize(("path", "extra"), [(path, extra) for _, path, extra in ECHOING],
+                         ids=[name for name, _, _ in ECHOING])
+def test_a_refusal_never_echoes_unbounded_input(stack, path, extra):
+    body = {"model": BASE, "messages": CHAT, "max_tokens": 16, **extra}
+    status, response = stack.post_json(path, body, timeout=120)
+    assert status == 400, (status, str(response)[:300])
+    message = response["error"]["message"]
+    assert len(message.encode()) <= MAX_MESSAGE_BYTES, f"{len(message.encode())} bytes: {message[:300]}"
+    assert "bytes cut" in message, message
+    valid_request(stack)
