@@ -1,6 +1,6 @@
 """`make bench`'s quantization block (issue 28): the demo model (SmolLM2-135M-Instruct) served by
 quiver with its projections in float32, bfloat16, int8 and int4 (`--quantize`, with float32 and
-bfloat16 activations; int4 also in groups of 32), and from the wheel's own Q4_1 GGUF file
+bfloat16 activations; int4 also in groups of 128), and from the wheel's own Q4_1 GGUF file
 (`--model-id file.gguf`), and over a float8 KV cache (`--kv-cache-dtype fp8`) in float32 and
 bfloat16, each stack up side by side, repeats alternating between them.
 
@@ -38,14 +38,14 @@ class Config:
     name: str
     dtype: str
     quantize: str | None = None
-    group_size: int | None = None  # --quantize-group-size (int4); None: the default, 128
+    group_size: int | None = None  # --quantize-group-size (int4); None: the default, 32
     gguf: bool = False
     kv_cache_dtype: str | None = None  # --kv-cache-dtype; None: the model's dtype
 
 
 CONFIGS = [Config("float32", "float32"), Config("bfloat16", "bfloat16"),
            Config("float32-int8", "float32", "int8"), Config("float32-int4", "float32", "int4"),
-           Config("float32-int4-g32", "float32", "int4", 32),
+           Config("float32-int4-g128", "float32", "int4", 128),
            Config("bfloat16-int8", "bfloat16", "int8"), Config("bfloat16-int4", "bfloat16", "int4"),
            Config("float32-kv-fp8", "float32", kv_cache_dtype="fp8"),
            Config("bfloat16-kv-fp8", "bfloat16", kv_cache_dtype="fp8")]

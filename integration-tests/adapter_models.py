@@ -143,7 +143,8 @@ def _build(tmp: Path) -> AdapterSet:
     tokenizer.chat_template = POET_TEMPLATE
     tokenizer.save_pretrained(own_tok)
 
-    narrow = build_narrow_base(base_dir, tmp / "narrow-base")
+    # Inside the root: the shard reads the config of the base an adapter names only there.
+    narrow = build_narrow_base(base_dir, root / "bases" / "narrow-32")
     qv = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     build_adapter(narrow, root / "bad" / "hidden-32", seed=300, **qv)
     shapes = build_adapter(narrow, root / "bad" / "hidden-32-no-hint", seed=301, **qv)

@@ -3,7 +3,7 @@ weight replaced by its quantized-then-dequantized value, derived here from the d
 (docs/quantization.md), written with `save_pretrained` for transformers and peft to run:
 
 - int8: one symmetric scale per output channel, scale = max|w| / 127 (float32), q = round(w / scale);
-- int4: groups of 128 inputs (else the largest of 64, 32 dividing the width, else the whole row),
+- int4: groups of 32 inputs (the default group; else the whole row),
   scale = (max - min) / 15 (float32), offset = min, q = round((w - min) / scale) in [0, 15].
 """
 
@@ -18,7 +18,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _group(width: int) -> int:
-    return next((g for g in (128, 64, 32) if width % g == 0), width)
+    return 32 if width % 32 == 0 else width
 
 
 def dequantized(w: torch.Tensor, method: str) -> torch.Tensor:

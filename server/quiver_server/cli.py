@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from quiver_server.logging_setup import adopt_transformers_logging, setup_logging
+from quiver_server.quant import DEFAULT_INT4_GROUP
 
 # kv_cache_dtype.CHOICES, written out: that module imports torch, which `--help` should not wait for.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -60,10 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: cuda if available")
     serve.add_argument("--quantize", choices=["int8", "int4"],
                        help="quantize the projection weights at load (weight-only: int8 per output channel, int4 "
-                            "in groups of 128 with scale and offset); activations, embeddings and the LM head "
-                            "stay in --dtype"),
-    serve.add_argument("--quantize-group-size", type=int, default=128, metavar="N",
-                       help="inputs per scale and offset of --quantize int4 (a power of two, 16 or more)"),
+                            f"in groups of {DEFAULT_INT4_GROUP} with scale and offset); activations, embeddings and "
+                            "the LM head stay in --dtype"),
+    serve.add_argument("--quantize-group-size", type=int, default=DEFAULT_INT4_GROUP, metavar="N",
+                       help="inputs per scale and offset of --quantize int4 (a power of two, 16 or more; "
+                            f"default {DEFAULT_INT4_GROUP}, llama.cpp's Q4 block)"),
     serve.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantize, the LM head too (a quantized copy where it is tied to the embeddings)"),
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",

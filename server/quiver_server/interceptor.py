@@ -9,6 +9,9 @@ without a traceback: it is the store's trouble, not the shard's. Anything else i
 failure: INTERNAL, logged with its traceback here because the router only ever sees the
 one-line message.
 
+Every message is cut to a few hundred bytes (bounded_text): it travels in a gRPC trailer, and
+one past about 16 KB drops the router's whole connection to the shard.
+
 Some errors leave the process unable to serve at all (a CUDA error poisons the device context:
 every later call fails too). For those the interceptor also calls `on_fatal`, so the server can
 shut down and the launcher restarts the stack, instead of answering INTERNAL forever.
@@ -24,6 +27,7 @@ import grpc
 from grpc import aio
 
 from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
+from quiver_server.bounded_text import MAX_MESSAGE_BYTES, bounded
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +37,11 @@ FatalHandler = Callable[[BaseException], None]
 
 def _method_name(full_method: str) -> str:
     return full_method.rsplit("/", 1)[-1]
+
+
+async def _abort(context: aio.ServicerContext, code: grpc.StatusCode, message: str, suffix: str = "") -> None:
+    """Ends the call with `message` cut to the bound; `suffix` is kept whole after the cut."""
+    await context.abort(code, bounded(message, MAX_MESSAGE_BYTES - len(suffix.encode())) + suffix)
 
 
 class ErrorInterceptor(aio.ServerInterceptor):
@@ -67,23 +76,25 @@ class ErrorInterceptor(aio.ServerInterceptor):
                 # The servicer already chose a status via context.abort(); keep it.
                 raise
             except AdapterNotFoundError as error:
-                logger.warning("%s: %s", method, error)
-                await context.abort(grpc.StatusCode.NOT_FOUND, str(error))
+                logger.warning("%s: %s", method, bounded(str(error)))
+                await _abort(context, grpc.StatusCode.NOT_FOUND, str(error))
             except AdapterStoreError as error:
-                logger.warning("%s failed: %s", method, error)
-                await context.abort(grpc.StatusCode.INTERNAL, f"{method} failed: {error}")
+                logger.warning("%s failed: %s", method, bounded(str(error)))
+                await _abort(context, grpc.StatusCode.INTERNAL, f"{method} failed: {error}")
             except ValueError as error:
-                logger.warning("%s rejected: %s", method, error)
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)
+                logger.warning("%s rejected: %s", method, bounded(str(error)))
+                await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(error) or type(error).__name__)
             except Exception as error:  # noqa: BLE001  (the point: nothing escapes unlabelled)
                 message = f"{method} failed: {type(error).__name__}: {error}"
-                if isinstance(error, self._fatal_errors):
-                    logger.critical("%s; the shard cannot continue", message, exc_info=True)
+                fatal = isinstance(error, self._fatal_errors)
+                if fatal:
+                    logger.critical("%s; the shard cannot continue", bounded(message), exc_info=True)
                     if self._on_fatal is not None:
                         self._on_fatal(error)
-                    message += " (fatal: the shard is shutting down)"
                 else:
                     logger.exception("%s failed", method)
-                await context.abort(grpc.StatusCode.INTERNAL, message)
+                # The suffix survives the cut: the router must learn that the shard is going.
+                suffix = " (fatal: the shard is shutting down)" if fatal else ""
+                await _abort(context, grpc.StatusCode.INTERNAL, message, suffix)
 
         return guarded

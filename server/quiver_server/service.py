@@ -38,6 +38,7 @@ from quiver_server.batch_types import (
     TokenLogprob,
     TokenOut,
 )
+from quiver_server.bounded_text import bounded
 from quiver_server.engine_thread import EngineThread
 from quiver_server.grammar import GrammarError
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
@@ -284,7 +285,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
                 self._compiler, self._engine.compile_grammar, request.adapter_id, grammar, request.grammar_id
             )
         except GrammarError as error:
-            return shard_pb2.CompileGrammarResponse(error=str(error))
+            return shard_pb2.CompileGrammarResponse(error=bounded(str(error)))
         return shard_pb2.CompileGrammarResponse(compile_ns=compile_ns)
 
     async def ReleaseGrammars(

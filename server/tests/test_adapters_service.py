@@ -3,6 +3,8 @@ adapter (equal to peft's greedy output), UnloadAdapter, and the statuses of bad 
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -14,6 +16,7 @@ from shard_harness import BlockPool, generate_greedy, greedy_request, running_sh
 from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
 from tiny_models import build_tiny_model
 
+from quiver_server.bounded_text import MAX_MESSAGE_BYTES
 from quiver_server.engine import Engine
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
@@ -106,6 +109,32 @@ def test_missing_directory_is_not_found(shard: Shard, tmp_path: Path) -> None:
         shard_pb2.LoadAdapterRequest(adapter_id="gone", source="local", path=str(tmp_path / "gone")),
     )
     assert "does not exist" in details
+
+
+def _hostile_copy(shard: Shard, tmp_path: Path, name: str, config_text: str) -> Path:
+    """The qv adapter's weights under an adapter_config.json of `config_text`."""
+    path = tmp_path / name
+    shutil.copytree(shard.adapters["qv"], path)
+    (path / "adapter_config.json").write_text(config_text)
+    return path
+
+
+def test_hostile_adapter_configs_are_bounded_refusals(shard: Shard, tmp_path: Path) -> None:
+    """Issue 48: 200 long target module names (a 21 KB config) once came back whole in the
+    status and broke the router's connection; a config nested 100,000 levels deep raised a
+    RecursionError (INTERNAL, a 500). Both are an INVALID_ARGUMENT (400) of a few hundred bytes,
+    and the shard goes on serving."""
+    config = json.loads((shard.adapters["qv"] / "adapter_config.json").read_text())
+    modules = [f"m{i:05d}" + "x" * 94 for i in range(200)]
+    long_names = _hostile_copy(shard, tmp_path, "long-names", json.dumps({**config, "target_modules": modules}))
+    depth = 100_000
+    nested = _hostile_copy(shard, tmp_path, "nested", '{"r": 8, "target_modules": ' + "[" * depth + "]" * depth + "}")
+    for path, says in [(long_names, "and 197 more match none"), (nested, "nested too deeply")]:
+        details = _status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.LoadAdapter,
+                          shard_pb2.LoadAdapterRequest(adapter_id=path.name, source="local", path=str(path)))
+        assert len(details.encode()) <= MAX_MESSAGE_BYTES and says in details, details
+    reference = reference_greedy(peft_reference(shard.base_dir, None), PROMPT, NEW_TOKENS)
+    assert_greedy_matches(_generate(shard, 50, ""), reference, "base, after the refusals")
 
 
 def test_bad_activation_is_invalid_argument(shard: Shard) -> None:

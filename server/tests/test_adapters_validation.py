@@ -33,8 +33,11 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(base_dir: Path) -> Engine:
-    engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
+def engine(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    # The adapter root holds every test's tmp_path, so refusals may quote the config of the base an
+    # adapter names (read only inside the root: test_adapters_base_hint).
+    engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01,
+                    adapter_root=str(tmp_path_factory.getbasetemp()))
     engine.warmup(64, 64, 4, max_active_adapters=1, max_lora_rank=MAX_RANK)
     return engine
 
@@ -175,7 +178,7 @@ REFUSALS = {
     "rank-over-max": r"r=32 exceeds .*max_lora_rank=16",
     "dora": r"DoRA \(use_dora\) is not supported",
     "modules-to-save": r"modules_to_save .*lm_head.* is not supported",
-    "bias": r'bias="all" is not supported',
+    "bias": r"bias='all' is not supported",
     "missing-weights": r"no LoRA weights for targeted modules model\.layers\.1\.self_attn\.q_proj",
     "weights-beyond-targets": (
         r"LoRA weights for model\.layers\.0\.self_attn\.q_proj.*which target_modules does not name"
@@ -247,3 +250,23 @@ def test_config_reader_refuses_malformed_files(tmp_path: Path) -> None:
         parse_lora_config({"peft_type": "PREFIX_TUNING"})
     with pytest.raises(ValueError, match="target_modules is empty"):
         parse_lora_config({"r": 4})
+    # Issue 48: nesting deeper than Python's decoder can recurse is a malformed config (400), not a
+    # RecursionError (500); a deep value that does parse is quoted short, not repr'd whole.
+    depth = 100_000
+    (tmp_path / "adapter_config.json").write_text('{"r": 4, "target_modules": ' + "[" * depth + "]" * depth + "}")
+    with pytest.raises(ValueError, match="nested too deeply"):
+        read_lora_config(tmp_path)
+    deep: list = ["q_proj"]
+    for _ in range(depth):
+        deep = [deep]
+    with pytest.raises(ValueError, match=r"must be a string or a list of strings, got \[+\.\.\.\]+$"):
+        parse_lora_config({"r": 4, "target_modules": deep})
+    # Values Python cannot use were a re.error or an OverflowError once resolved (500): a 400 now.
+    for key, value, says in [("target_modules", "(", "not a regular expression"),
+                             ("exclude_modules", "(", "not a regular expression"),
+                             ("rank_pattern", {"(": 2}, "not a regular expression"),
+                             ("layers_pattern", "(", "not a regular expression"),
+                             ("lora_alpha", 10**400, "out of range"),
+                             ("alpha_pattern", {"q_proj": 10**400}, "out of range")]:
+        with pytest.raises(ValueError, match=f"{key} .*{says}"):
+            parse_lora_config({"r": 4, "target_modules": ["q_proj"], "layers_to_transform": [0], key: value})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from quiver_server.kernels import cpu_ops, quant_gemm
-from quiver_server.quant.quantize import QuantizeSpec
+from quiver_server.quant.quantize import DEFAULT_INT4_GROUP, QuantizeSpec
 from quiver_server.quant.weights import QuantizedWeight
 from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
 from quant_cases import random_weight
@@ -91,7 +91,8 @@ def test_quantize_then_multiply_is_the_quantizers_own_dequantized_product() -> N
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(96, 256, generator=gen)
     x = torch.randn(5, 256, generator=gen)
-    for method, group in (("int8", 256), ("int4", 128)):  # the whole row; --quantize-group-size's default
+    # int8: the whole row; int4: --quantize-group-size's default.
+    for method, group in (("int8", 256), ("int4", DEFAULT_INT4_GROUP)):
         quantized = QuantizeSpec(method).apply(w)
         assert quantized.group_size == group
         check(quant_gemm.linear(x, quant_gemm.pack(quantized, CPU), None), x, quantized, None)

@@ -18,10 +18,12 @@ from typing import Any
 import jsonschema
 import pytest
 from block_tables import Blocks
+from bounded_messages import cut_parts
 from grammar_models import EOS, build_grammar_model, generate, json_grammar, new_engine, pin, request, text
 from tokenizers import Tokenizer
 
 from quiver_server.batch_types import GrammarSpec
+from quiver_server.bounded_text import MAX_MESSAGE_BYTES
 from quiver_server.engine import Engine
 from quiver_server.grammar import GrammarError
 
@@ -270,6 +272,8 @@ def test_bad_grammars_are_errors_that_say_why(engine: Engine, model: tuple[Path,
         "no kind": _error(engine, GrammarSpec("", "x", (EOS,))),
         "eos out of range": _error(engine, GrammarSpec("regex", "x", (5000,))),
         "no eos": _error(engine, GrammarSpec("regex", "x", ())),
+        # llguidance quotes the grammar back: 200 KB of it once came back whole (issue 48).
+        "huge bad regex": _error(engine, GrammarSpec("regex", "[z-a" + "x" * 200_000, (EOS,))),
     }
     assert "integr" in messages["invalid type"]
     assert messages["not json"].startswith("the JSON schema is not valid JSON")
@@ -281,6 +285,9 @@ def test_bad_grammars_are_errors_that_say_why(engine: Engine, model: tuple[Path,
     assert "kind" in messages["no kind"]
     assert "5000" in messages["eos out of range"]
     assert "eos_token_ids" in messages["no eos"]
+    huge = messages["huge bad regex"]
+    head, cut = cut_parts(huge)
+    assert len(huge.encode()) <= MAX_MESSAGE_BYTES and "does not compile" in head and cut > 199_000
     for message in messages.values():
         assert str(model[0]) not in message and "/tmp" not in message, message
     # A refused grammar is never pinned, so a prefill naming it is a bad request (ValueError)

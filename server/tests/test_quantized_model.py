@@ -36,10 +36,11 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _group(width: int, wanted: int) -> int:
-    while wanted >= 32:
-        if width % wanted == 0:
-            return wanted
-        wanted //= 2
+    """The documented rule: the wanted group, else the largest power of two below it down to 32
+    that divides the width, else the whole row."""
+    for group in [wanted] + [g for g in (64, 32) if g < wanted]:
+        if width % group == 0:
+            return group
     return width
 
 
@@ -65,7 +66,7 @@ def dequantize(w: torch.Tensor, spec: QuantizeSpec) -> torch.Tensor:
 
 # case -> (architecture, QuantizeSpec, model options)
 CASES = {"llama-int8": ("llama", QuantizeSpec("int8"), {}), "llama-int4": ("llama", QuantizeSpec("int4"), {}),
-         "llama-int4-group-32": ("llama", QuantizeSpec("int4", 32), {}),
+         "llama-int4-group-128": ("llama", QuantizeSpec("int4", 128), {}),
          "qwen2-bias-int4": ("qwen2", QuantizeSpec("int4"), {}),
          "llama-tied-int8": ("llama", QuantizeSpec("int8"), {"tie_word_embeddings": True}),
          "llama-int8-lm-head": ("llama", QuantizeSpec("int8", lm_head=True), {}),
@@ -120,6 +121,15 @@ def test_quantized_projections_keep_no_float_copy_and_the_head_stays_float(tmp_p
     assert model.model.embed_tokens.weight.dtype == torch.float32
     head = model.lm_head_packed if model.lm_head_packed is not None else model.lm_head.weight
     assert head is not None
+
+
+def test_int4_groups_follow_the_documented_rule() -> None:
+    """Default 32 (llama.cpp's Q4 block); a wanted group that does not divide the width falls back."""
+    for width, wanted in [(96, None), (96, 128), (576, 128), (48, 16), (40, 16), (40, 128), (160, 64)]:
+        spec = QuantizeSpec("int4") if wanted is None else QuantizeSpec("int4", wanted)
+        weight = spec.apply(torch.randn(8, width))
+        assert weight.group_size == _group(width, wanted or 32), (width, wanted)
+    assert QuantizeSpec("int4").group_size == 32
 
 
 def test_unknown_quantization_is_refused() -> None:

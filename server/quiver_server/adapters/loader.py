@@ -103,18 +103,21 @@ def load_adapter_dir(
     dtype: torch.dtype,
     pin_memory: bool = False,
     root: Path | None = None,
+    hint_root: Path | None = None,
 ) -> LoadedAdapter:
     """Reads, checks (ValueError saying what differs from the base) and converts an adapter.
 
     Every file read must resolve inside `root` (canonical; default: the adapter directory), and the
     weight file be no larger than an adapter of rank up to `max_rank` for `spec`'s base can be.
+    `hint_root`: the canonical adapter root (None: none configured), the only place a refusal may
+    read the config of the base the adapter names (`validation._base_config_hint`).
     """
     root = root or adapter_dir.resolve()
     config: LoraConfig = read_lora_config(adapter_dir, root)
     targets = resolve_targets(config, spec)
     file_name, tensors = read_tensors(adapter_dir, root, AdapterSizeLimits.of(spec, max_rank).weights)
     found = lora_weights(file_name, tensors, spec, config)
-    check_adapter(config, targets, found, spec, max_rank, file_name)
+    check_adapter(config, targets, found, spec, max_rank, file_name, hint_root)
 
     def host_copy(tensor: torch.Tensor) -> torch.Tensor:
         converted = tensor.to(dtype).contiguous()

@@ -29,6 +29,7 @@ from typing import Any
 from quiver_server.adapters.confined import read_confined
 from quiver_server.adapters.size_limits import OTHER_FILES
 from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.bounded_text import clipped, listed, shown
 
 CONFIG_FILE = "adapter_config.json"
 ALL_LINEAR = "all-linear"
@@ -42,7 +43,7 @@ def _set(value: Any) -> bool:
 UNSUPPORTED_OPTIONS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "use_dora": (_set, "DoRA (use_dora) is not supported"),
     "modules_to_save": (_set, "modules_to_save (fully trained copies of {value}) is not supported"),
-    "bias": (lambda v: v not in (None, "none"), 'bias="{value}" is not supported (only "none")'),
+    "bias": (lambda v: v not in (None, "none"), 'bias={value} is not supported (only "none")'),
     "lora_bias": (_set, "lora_bias (a bias on lora_B) is not supported"),
     "fan_in_fan_out": (_set, "fan_in_fan_out (Conv1D-style weights) is not supported"),
     "trainable_token_indices": (_set, "trainable_token_indices (embedding rows) is not supported"),
@@ -107,8 +108,25 @@ def _pattern(raw: Any, key: str, kind: type) -> tuple[tuple[str, Any], ...]:
     if not isinstance(raw, dict) or not all(
         isinstance(k, str) and isinstance(v, numbers) and not isinstance(v, bool) and v > 0 for k, v in raw.items()
     ):
-        raise ValueError(f"{CONFIG_FILE}: {key} must map module patterns to positive numbers, got {raw!r}")
-    return tuple((k, kind(v)) for k, v in raw.items())
+        raise ValueError(f"{CONFIG_FILE}: {key} must map module patterns to positive numbers, got {shown(raw)}")
+    return tuple((_regex(k, key), int(v) if kind is int else _float(v, key)) for k, v in raw.items())
+
+
+def _regex(pattern: str, key: str) -> str:
+    """`pattern`, which PEFT uses as a regular expression: a ValueError (400) if it is not one,
+    rather than re.error when the targets are resolved (500)."""
+    try:
+        re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"{CONFIG_FILE}: {key} {shown(pattern)} is not a regular expression ({error.msg})") from None
+    return pattern
+
+
+def _float(value: int | float, key: str) -> float:
+    try:
+        return float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"{CONFIG_FILE}: {key} is out of range, got {shown(value)}") from None
 
 
 def _names(value: Any, key: str) -> str | tuple[str, ...] | None:
@@ -116,15 +134,19 @@ def _names(value: Any, key: str) -> str | tuple[str, ...] | None:
         return value
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
-    raise ValueError(f"{CONFIG_FILE}: {key} must be a string or a list of strings, got {value!r}")
+    raise ValueError(f"{CONFIG_FILE}: {key} must be a string or a list of strings, got {shown(value)}")
+
+
+def _text_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
 
 
 def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
     peft_type = str(raw.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
-        raise ValueError(f"{CONFIG_FILE}: peft_type {peft_type} is not supported (only LORA)")
+        raise ValueError(f"{CONFIG_FILE}: peft_type {clipped(peft_type)} is not supported (only LORA)")
     problems = [
-        why.format(value=raw[key])
+        why.format(value=shown(raw[key]))
         for key, (unsupported, why) in UNSUPPORTED_OPTIONS.items()
         if key in raw and unsupported(raw[key])
     ]
@@ -132,11 +154,13 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
         raise ValueError(f"{CONFIG_FILE}: " + "; ".join(problems))
     rank = raw.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
-        raise ValueError(f"{CONFIG_FILE}: r must be a positive integer, got {rank!r}")
+        raise ValueError(f"{CONFIG_FILE}: r must be a positive integer, got {shown(rank)}")
     alpha = raw.get("lora_alpha", 8)
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a number, got {alpha!r}")
+        raise ValueError(f"{CONFIG_FILE}: lora_alpha must be a number, got {shown(alpha)}")
     targets = _names(raw.get("target_modules"), "target_modules") or ()
+    if isinstance(targets, str):
+        _regex(targets, "target_modules")
     parameters = _names(raw.get("target_parameters"), "target_parameters") or ()
     if isinstance(parameters, str):
         parameters = (parameters,)
@@ -146,17 +170,23 @@ def parse_lora_config(raw: dict[str, Any]) -> LoraConfig:
     if isinstance(layers, int) and not isinstance(layers, bool):
         layers = [layers]
     if layers is not None and not (isinstance(layers, list) and all(isinstance(i, int) for i in layers)):
-        raise ValueError(f"{CONFIG_FILE}: layers_to_transform must be an int or a list of ints, got {layers!r}")
+        raise ValueError(f"{CONFIG_FILE}: layers_to_transform must be an int or a list of ints, got {shown(layers)}")
     pattern = _names(raw.get("layers_pattern"), "layers_pattern")
+    for entry in (pattern,) if isinstance(pattern, str) else pattern or ():
+        _regex(entry, "layers_pattern")
+    excluded = _names(raw.get("exclude_modules"), "exclude_modules")
+    if isinstance(excluded, str):
+        _regex(excluded, "exclude_modules")
     return LoraConfig(
         rank=rank,
-        alpha=float(alpha),
+        alpha=_float(alpha, "lora_alpha"),
         use_rslora=bool(raw.get("use_rslora", False)),
         target_modules=targets,
         layers_to_transform=tuple(layers) if layers else None,
         layers_pattern=(pattern,) if isinstance(pattern, str) else pattern,
-        exclude_modules=_names(raw.get("exclude_modules"), "exclude_modules"),
-        base_model_name_or_path=raw.get("base_model_name_or_path") or None,
+        exclude_modules=excluded,
+        # Only a hint (validation.py reads it when it is a local directory): not a string, no hint.
+        base_model_name_or_path=_text_or_none(raw.get("base_model_name_or_path")),
         target_parameters=parameters,
         rank_pattern=_pattern(raw.get("rank_pattern"), "rank_pattern", int),
         alpha_pattern=_pattern(raw.get("alpha_pattern"), "alpha_pattern", float),
@@ -174,6 +204,10 @@ def read_lora_config(adapter_dir: Path, root: Path | None = None) -> LoraConfig:
     except (json.JSONDecodeError, UnicodeDecodeError):
         # The decoder's line/column would be shown to the client: the file's name is enough.
         raise ValueError(f"{CONFIG_FILE} is not valid JSON") from None
+    except RecursionError:
+        # Python's decoder recurses once per level: a file nested deeper than the interpreter's
+        # stack is a malformed adapter (400), not a shard failure.
+        raise ValueError(f"{CONFIG_FILE} is nested too deeply to be an adapter config") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{CONFIG_FILE} must hold a JSON object")
     return parse_lora_config(raw)
@@ -251,7 +285,7 @@ def _module_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int, s
         ]
         if unknown:
             raise ValueError(
-                f"target_modules {', '.join(map(repr, unknown))} match none of this {spec.model_type} "
+                f"target_modules {listed(unknown)} match none of this {spec.model_type} "
                 f"model's LoRA-capable modules ({' '.join(spec.projections)} in layers "
                 f"0..{spec.num_layers - 1})"
             )
@@ -269,7 +303,7 @@ def targeted_parameters(config: LoraConfig, spec: BaseModelSpec) -> dict[str, tu
         found = {path: where for path, where in paths.items() if path == entry or path.endswith(f".{entry}")}
         if not found:
             raise ValueError(
-                f"target_parameters {entry!r} matches none of this {spec.model_type} model's parameters that take "
+                f"target_parameters {shown(entry)} matches none of this {spec.model_type} model's parameters that take "
                 "LoRA (each projection's weight; a sparse MLP's experts.gate_up_proj and experts.down_proj)"
             )
         matched.update(found)
@@ -281,4 +315,4 @@ def parameter_targets(config: LoraConfig, spec: BaseModelSpec) -> set[tuple[int,
 
 
 def _show(targets: str | tuple[str, ...]) -> str:
-    return repr(targets) if isinstance(targets, str) else repr(list(targets))
+    return shown(targets) if isinstance(targets, str) else f"[{listed(targets)}]"

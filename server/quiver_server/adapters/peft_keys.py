@@ -24,6 +24,7 @@ import torch
 
 from quiver_server.adapters.peft_config import LoraConfig, targeted_parameters
 from quiver_server.adapters.spec import BaseModelSpec
+from quiver_server.bounded_text import clipped, shown
 
 _LORA_KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[^.]+)?\.weight$")
 
@@ -51,7 +52,7 @@ def lora_weights(file_name: str, tensors: dict[str, torch.Tensor], spec: BaseMod
         match = _LORA_KEY.match(key)
         if match is None:
             raise ValueError(
-                f"{file_name} holds {key!r}, which is not a LoRA A/B weight of a linear projection "
+                f"{file_name} holds {shown(key)}, which is not a LoRA A/B weight of a linear projection "
                 "(DoRA, embedding LoRA, biases and modules_to_save are not supported)"
             )
         halves.setdefault(match["module"], {})[match["half"]] = tensor
@@ -63,14 +64,14 @@ def lora_weights(file_name: str, tensors: dict[str, torch.Tensor], spec: BaseMod
     for module, found in sorted(halves.items()):
         if set(found) != {"A", "B"}:
             missing = "lora_B" if "A" in found else "lora_A"
-            raise ValueError(f"{file_name} has no {missing} for {module}")
+            raise ValueError(f"{file_name} has no {missing} for {clipped(module)}")
         a, b = found["A"], found["B"]
         wrapped = module.replace(".base_layer", "")
         # Adapters trained on the bare backbone (no causal-LM head) lack the leading "model.".
         path = next((p for p in (wrapped, f"model.{wrapped}") if p in modules or p in holders), None)
         if path is None:
             raise ValueError(
-                f"{file_name} has LoRA weights for {module}, which is not a LoRA-capable module of this "
+                f"{file_name} has LoRA weights for {clipped(module)}, which is not a LoRA-capable module of this "
                 f"{spec.model_type} model ({' '.join(spec.projections)} in layers 0..{spec.num_layers - 1})"
             )
         if path in experts:

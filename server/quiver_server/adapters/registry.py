@@ -201,7 +201,8 @@ class AdapterRegistry:
 
     def _read(self, adapter_id: str, directory: Path, root: Path) -> LoadedAdapter:
         try:
-            return load_adapter_dir(adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory, root)
+            return load_adapter_dir(adapter_id, directory, self.spec, self.max_rank, self.dtype, self.pin_memory, root,
+                                    hint_root=self.adapter_root)
         except ValueError as error:
             raise ValueError(f"adapter {adapter_id!r}: {error}") from error
 

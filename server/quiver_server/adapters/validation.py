@@ -1,7 +1,8 @@
 """Checks an adapter against the base model before any of it reaches a device slot.
 
 A mismatch is a ValueError that says what differs (the router shows it to the client as a 400):
-the base the adapter was trained on (when adapter_config.json points at a local copy of it),
+the base the adapter was trained on (when adapter_config.json points at a copy of it inside the
+adapter root),
 every A/B shape against the projection it adds to, the rank against the slots' capacity, and
 that the weight file covers exactly the modules target_modules names — an adapter is applied
 completely or not at all, never with a target silently skipped.
@@ -13,35 +14,48 @@ import json
 from pathlib import Path
 from typing import Any
 
+from quiver_server.adapters.confined import is_inside, read_confined
 from quiver_server.adapters.peft_config import LoraConfig
 from quiver_server.adapters.peft_keys import LoraWeights
+from quiver_server.adapters.size_limits import MIB, SizeLimit
 from quiver_server.adapters.spec import SHAPE_KEYS, BaseModelSpec
+from quiver_server.bounded_text import shown
 
 MAX_LISTED = 4  # problems spelled out in one message; the rest are counted
+# A model's config.json is a few KiB; a bigger one is no base's and is not read for the hint.
+HINT_LIMIT = SizeLimit(MIB, "more than a base model's config may be")
 
 
-def _base_config_hint(config: LoraConfig) -> tuple[str, dict[str, Any]] | None:
-    """config.json of the base the adapter was trained on, when it names a local directory."""
-    if not config.base_model_name_or_path:
+def _base_config_hint(config: LoraConfig, root: Path | None) -> dict[str, Any] | None:
+    """config.json of the base the adapter was trained on, when it names a directory inside `root`.
+
+    The name is the adapter's say-so, and the refusal echoes what it finds: read anywhere, it would
+    let a client's adapter probe the server's files. So only an absolute path that resolves (links
+    followed) inside the adapter root counts; a relative name (a hub id, resolved against the
+    shard's working directory) or `~` never does, and without an adapter root there is no hint.
+    """
+    name = config.base_model_name_or_path
+    if root is None or not name or not Path(name).is_absolute():
         return None
-    path = Path(config.base_model_name_or_path).expanduser() / "config.json"
     try:
-        if path.is_file():
-            hint = json.loads(path.read_text())
-            return (config.base_model_name_or_path, hint) if isinstance(hint, dict) else None
-    except (OSError, ValueError):
-        pass  # an unreadable hint proves nothing; the shape checks still run
-    return None
+        directory = Path(name).resolve()
+        if not is_inside(directory, root):
+            return None
+        # Checked again where the opened file really is, and its size before it is read.
+        data = read_confined(directory, "config.json", root, HINT_LIMIT)
+        hint = json.loads(data) if data is not None else None
+    except (OSError, ValueError, RuntimeError, RecursionError):  # RuntimeError: a symlink loop
+        return None  # an unreadable hint proves nothing; the shape checks still run
+    return hint if isinstance(hint, dict) else None
 
 
-def _base_problems(config: LoraConfig, spec: BaseModelSpec) -> list[str]:
-    hint = _base_config_hint(config)
-    if hint is None:
+def _base_problems(config: LoraConfig, spec: BaseModelSpec, root: Path | None) -> list[str]:
+    trained_on = _base_config_hint(config, root)
+    if trained_on is None:
         return []
-    _, trained_on = hint
     return [
         # Not named: it is a local path on this server (clients see the message).
-        f"the model it was made for has {key}={trained_on[key]!r}, this model has {spec.config.get(key)!r}"
+        f"the model it was made for has {key}={shown(trained_on[key])}, this model has {shown(spec.config.get(key))}"
         for key in SHAPE_KEYS
         if key in trained_on and key in spec.config and trained_on[key] != spec.config[key]
     ]
@@ -82,9 +96,11 @@ def check_adapter(
     spec: BaseModelSpec,
     max_rank: int,
     file_name: str,
+    hint_root: Path | None = None,
 ) -> None:
-    """Raises one ValueError listing every way the adapter does not fit the base."""
-    problems = _base_problems(config, spec)
+    """Raises one ValueError listing every way the adapter does not fit the base. `hint_root`:
+    the canonical adapter root, the only place the base's config.json is read from (`_base_config_hint`)."""
+    problems = _base_problems(config, spec, hint_root)
     rank = max([0, *(weight.rank for weight in weights.values())])
     if rank > max_rank:
         problems.append(f"rank r={rank} exceeds the largest rank a slot holds (max_lora_rank={max_rank})")

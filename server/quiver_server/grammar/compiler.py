@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import llguidance
 
 from quiver_server.batch_types import GrammarSpec
+from quiver_server.bounded_text import bounded
 from quiver_server.grammar.errors import GrammarError
 from quiver_server.grammar.tokenizers import TokenizerCache, TokenizerSource
 
@@ -46,6 +47,8 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
             schema = json.loads(spec.text)
         except json.JSONDecodeError as error:
             raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
+        except RecursionError:
+            raise GrammarError("the JSON schema is nested too deeply") from None
         if not isinstance(schema, dict):
             raise GrammarError("the JSON schema must be a JSON object")
         return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OVERRIDES)
@@ -147,5 +150,6 @@ def _build(
         # grammar whose very first step is over the fuel limits is refused now.
         matcher.compute_bitmask()
     if matcher.is_error():
-        raise GrammarError(f"the {kind} does not compile: {matcher.get_error()}")
+        # llguidance may quote the grammar back, and the grammar is the client's.
+        raise GrammarError(bounded(f"the {kind} does not compile: {matcher.get_error()}"))
     return matcher

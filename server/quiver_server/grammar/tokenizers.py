@@ -17,6 +17,7 @@ import llguidance
 
 from quiver_server.adapters.confined import read_confined
 from quiver_server.adapters.size_limits import OTHER_FILES
+from quiver_server.bounded_text import clipped
 from quiver_server.grammar.errors import GrammarError
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -97,5 +98,5 @@ class TokenizerCache:
             return llguidance.LLTokenizer(data.decode(), n_vocab=self.n_vocab, eos_token=list(eos_token_ids))
         except (ValueError, UnicodeDecodeError) as error:
             # Cut short: llguidance may quote the file's text back.
-            reason = str(error)[:MAX_REASON_CHARS]
+            reason = clipped(str(error), MAX_REASON_CHARS)
             raise GrammarError(f"the tokenizer of {source.what} cannot be used for grammars: {reason}") from None
