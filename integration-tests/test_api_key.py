@@ -1,7 +1,11 @@
-"""`--api-key`: requests without the right bearer token get 401 in OpenAI's shape."""
+"""`--api-key`: requests without the right bearer token get 401 in OpenAI's shape; /metrics too
+(the one key is an admin key); the probes stay open."""
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import openai
 import pytest
 
@@ -30,3 +34,9 @@ def test_api_key_is_required_when_set(pool, tmp_path):
             reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                                    max_tokens=2)
             assert reply.choices[0].finish_reason in ("stop", "length")
+        status, body = stack.get("/metrics")
+        assert status == 401, body
+        openai_schema.validate(json.loads(body), "ErrorResponse")
+        scraped = httpx.get(stack.base_url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert scraped.status_code == 200 and "quiver_requests_running" in scraped.text
+        assert stack.get("/health")[0] == 200 and stack.get("/info")[0] == 200

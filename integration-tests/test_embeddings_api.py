@@ -189,6 +189,30 @@ def test_refusals_name_their_field(stack, body, param, status):
     assert _post(stack, {"model": SERVED_NAME, "input": "still serving"}).status_code == 200
 
 
+def test_a_request_takes_2048_inputs_as_openai_does(stack, model):
+    """OpenAI's embeddings endpoint takes up to 2,048 inputs per request, and 300,000 tokens over
+    all of them. Inputs are not choices: `--max-choices-per-request` (512 here, its default)
+    does not count them. The vectors come back in input order (the first and last checked
+    against sentence-transformers)."""
+    texts = [f"input number {i}" for i in range(2048)]
+    with _sdk(stack) as sdk:
+        embedded = sdk.embeddings.create(model=SERVED_NAME, input=texts)
+    assert [item.index for item in embedded.data] == list(range(2048))
+    want = _reference_base(model["model"], [texts[0], texts[-1]])
+    _assert_close(embedded.data[0].embedding, want[0], texts[0])
+    _assert_close(embedded.data[-1].embedding, want[1], texts[-1])
+    too_many = _post(stack, {"model": SERVED_NAME, "input": [*texts, "one more"]})
+    assert too_many.status_code == 400, too_many.text
+    assert too_many.json()["error"]["param"] == "input"
+    assert "at most 2048" in too_many.json()["error"]["message"]
+    # 2,048 inputs of 147 token ids: 301,056 tokens, each input well within --max-input-tokens.
+    over_budget = _post(stack, {"model": SERVED_NAME, "input": [[7] * 147] * 2048})
+    assert over_budget.status_code == 400, over_budget.text
+    error = over_budget.json()["error"]
+    assert (error["param"], error["code"]) == ("input", "context_length_exceeded"), error
+    assert "300000" in error["message"], error
+
+
 def test_an_unknown_model_is_404_and_an_unknown_field_is_named(stack):
     missing = _post(stack, {"model": "gpt-4", "input": "x"})
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

@@ -262,6 +262,55 @@ def test_autoscaler_reads_waiting_requests_of_this_deployment():
     assert {"name": "adapters", "mountPath": "/adapters", "readOnly": True} in container["volumeMounts"]
 
 
+def test_the_service_monitor_sends_an_admin_key_where_metrics_need_one():
+    """With API keys, /metrics needs an admin key (docs/security.md): Prometheus sends the one
+    key of secrets.apiKey, or the Secret serviceMonitor.authorization names (with a keys file,
+    which holds digests only, there is no other); without keys it sends none."""
+    monitoring = VALUES_DIR / "autoscaling-monitoring.yaml"
+
+    def endpoint(manifests):
+        [found] = only(manifests, "ServiceMonitor")["spec"]["endpoints"]
+        return found
+
+    assert "authorization" not in endpoint(rendered("autoscaling-monitoring"))
+    one_key = render([monitoring], sets=['secrets.apiKey.secretName="quiver-api-key"'])
+    assert endpoint(one_key)["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "quiver-api-key", "key": "QUIVER_API_KEY"}}
+    tenants = render([monitoring], sets=['secrets.apiKeysFile.secretName="quiver-tenants"',
+                                         'serviceMonitor.authorization.secretName="prometheus-scrape"',
+                                         'serviceMonitor.authorization.key="token"'])
+    assert endpoint(tenants)["authorization"]["credentials"] == {"name": "prometheus-scrape", "key": "token"}
+    for manifests in (one_key, tenants):
+        assert not list(validation_errors(only(manifests, "ServiceMonitor")))
+        assert "--metrics-open" not in quiver_container(manifests)["args"]
+    with pytest.raises(ChartError, match="serviceMonitor.authorization.secretName"):
+        render([monitoring], sets=['secrets.apiKeysFile.secretName="quiver-tenants"'])
+    opened = render([monitoring], sets=['secrets.apiKeysFile.secretName="quiver-tenants"',
+                                        "server.metricsOpen=true"])
+    assert "authorization" not in endpoint(opened)
+    assert flag_value(quiver_container(opened)["args"], "--metrics-open") == "true"
+
+
+def test_the_endpoint_picker_reads_metrics_without_a_key():
+    """GIE's endpoint picker scrapes each pod's /metrics and cannot send a key (its model-server
+    client has no such setting), so a pool opens /metrics unless server.metricsOpen says no."""
+    assert flag_value(quiver_container(rendered("inference-pool"))["args"], "--metrics-open") == "true"
+    closed = render([VALUES_DIR / "inference-pool.yaml"], sets=["server.metricsOpen=false"])
+    assert "--metrics-open" not in quiver_container(closed)["args"]
+    assert "--metrics-open" not in quiver_container(rendered("defaults"))["args"]
+
+
+def test_body_and_logprob_limits_reach_the_launcher():
+    container = quiver_container(render([], sets=[
+        "server.bodyReadTimeoutSecs=45", "server.bodyReadMinRate=0", "limits.maxLogprobEntries=100000"]))
+    assert flag_value(container["args"], "--body-read-timeout-secs") == "45"
+    assert flag_value(container["args"], "--body-read-min-rate") == "0"
+    assert flag_value(container["args"], "--max-logprob-entries") == "100000"
+    defaults = quiver_container(rendered("defaults"))["args"]
+    for flag in ("--body-read-timeout-secs", "--body-read-min-rate", "--max-logprob-entries"):
+        assert flag not in defaults, flag
+
+
 def test_inference_pool_selects_the_pods_on_the_serving_port():
     manifests = rendered("inference-pool")
     deployment = only(manifests, "Deployment")

@@ -43,7 +43,9 @@ def fair(pool, tmp_path_factory) -> Iterator[tuple[Stack, str]]:
     write_keys_file(keys_file, [BULK, SMALL])
     config = StackConfig(
         model_id=str(model_dir), served_model_name=SERVED_NAME, max_input_tokens=MAX_INPUT_TOKENS,
-        max_total_tokens=MAX_TOTAL_TOKENS, extra_env=SHARD_ENV,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        # /metrics is read without a key, as a scraper on a firewalled port reads it.
+        extra_env={**SHARD_ENV, "QUIVER_METRICS_OPEN": "true"},
         extra_args=["--api-keys-file", str(keys_file), "--max-batch-size", str(BATCH)],
     )
     stack = Stack(config, tmp / "fair.log").start(timeout_s=STARTUP_TIMEOUT_S)

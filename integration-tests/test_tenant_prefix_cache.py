@@ -57,7 +57,9 @@ def isolated(pool, tmp_path_factory) -> Iterator[Served]:
     write_keys_file(keys_file, KEYS)
     config = StackConfig(
         model_id=str(model_dir), served_model_name=SERVED_NAME, max_input_tokens=MAX_INPUT_TOKENS,
-        max_total_tokens=MAX_TOTAL_TOKENS, extra_env=SHARD_ENV,
+        max_total_tokens=MAX_TOTAL_TOKENS,
+        # /metrics is read without a key, as a scraper on a firewalled port reads it.
+        extra_env={**SHARD_ENV, "QUIVER_METRICS_OPEN": "true"},
         extra_args=["--prefix-caching", "true", "--api-keys-file", str(keys_file)],
     )
     stack = Stack(config, tmp / "isolated.log").start(timeout_s=STARTUP_TIMEOUT_S)

@@ -1,11 +1,13 @@
 """`--api-keys-file`: per-key isolation on every endpoint that names a model (chat, completions,
 tokenize, detokenize, models, load, unload) for allowed, forbidden, unknown and admin keys; a
 forbidden adapter answers exactly as a missing one; per-key limits give 429 with Retry-After;
-per-key counters in /metrics (read with prometheus_client's parser); SIGHUP reloads the file
-while a streamed request runs on to its end."""
+/metrics, which names every adapter and key, only for admin keys; per-key counters in /metrics
+(read with prometheus_client's parser); SIGHUP reloads the file while a streamed request runs on
+to its end."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -215,11 +217,34 @@ def test_concurrent_requests_hold_their_place_until_the_stream_ends(stack):
         poll(admitted, "the stream's place to be given back")
 
 
-def key_samples(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def test_metrics_need_an_admin_key(stack, callers):
+    """/metrics lists the adapters and key names a tenant must not learn: 401 without a known
+    key, 403 for a tenant's key (as loading adapters), 200 for an admin key. The probes stay
+    open."""
     status, body = stack.get("/metrics")
-    assert status == 200
+    assert status == 401, body
+    openai_schema.validate(json.loads(body), "ErrorResponse")
+    for who, status, code in [("alice", 403, "permission_denied"), ("bob", 403, "permission_denied"),
+                              ("unknown", 401, "invalid_api_key")]:
+        response = callers[who].get("/metrics")
+        assert response.status_code == status, (who, response.text)
+        assert response.json()["error"]["code"] == code
+        assert TEAM_B not in response.text and "alice" not in response.text
+    scraped = callers["ops"].get("/metrics")
+    assert scraped.status_code == 200 and "quiver_requests_running" in scraped.text
+    for probe in ["/health", "/info"]:
+        assert stack.get(probe)[0] == 200, probe
+
+
+def key_samples(stack: Stack) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    ops = Caller(stack.base_url, OPS.key)
+    try:
+        scraped = ops.get("/metrics")
+    finally:
+        ops.close()
+    assert scraped.status_code == 200, scraped.text
     samples = {}
-    for family in text_string_to_metric_families(body.decode()):
+    for family in text_string_to_metric_families(scraped.text):
         for sample in family.samples:
             if sample.name.startswith("quiver_key_"):
                 samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value

@@ -24,6 +24,7 @@ impl ServingFlags {
             max_concurrent_requests,
             max_choices_per_request,
             max_request_kv_share,
+            max_logprob_entries,
             max_stop_sequences,
             preemption_wait_ms,
             max_queue_wait_secs,
@@ -39,11 +40,14 @@ impl ServingFlags {
             api_keys_file,
             graceful_shutdown_secs,
             header_read_timeout_secs,
+            body_read_timeout_secs,
+            body_read_min_rate,
             keep_alive_timeout_secs,
             max_connections,
             max_request_body_bytes,
             tool_call_parser,
             reasoning_parser,
+            metrics_open,
             metrics_max_adapter_labels,
             otlp_endpoint,
             otel_service_name,
@@ -80,6 +84,10 @@ impl ServingFlags {
                 max_choices_per_request.to_string(),
             )
             .flag("--max-request-kv-share", max_request_kv_share.to_string())
+            .flag_if_set(
+                "--max-logprob-entries",
+                max_logprob_entries.map(|n| n.to_string()),
+            )
             .flag("--max-stop-sequences", max_stop_sequences.to_string())
             .flag("--preemption-wait-ms", preemption_wait_ms.to_string())
             .flag("--max-queue-wait-secs", max_queue_wait_secs.to_string())
@@ -112,6 +120,11 @@ impl ServingFlags {
                 header_read_timeout_secs.to_string(),
             )
             .flag(
+                "--body-read-timeout-secs",
+                body_read_timeout_secs.to_string(),
+            )
+            .flag("--body-read-min-rate", body_read_min_rate.to_string())
+            .flag(
                 "--keep-alive-timeout-secs",
                 keep_alive_timeout_secs.to_string(),
             )
@@ -128,6 +141,7 @@ impl ServingFlags {
                 "--reasoning-parser",
                 reasoning_parser.map(ReasoningParserFlag::name),
             )
+            .flag("--metrics-open", metrics_open.to_string())
             .flag(
                 "--metrics-max-adapter-labels",
                 metrics_max_adapter_labels.to_string(),
@@ -195,6 +209,7 @@ mod tests {
             max_concurrent_requests: 64,
             max_choices_per_request: 100,
             max_request_kv_share: 0.25,
+            max_logprob_entries: Some(5000),
             max_stop_sequences: 3,
             preemption_wait_ms: 20,
             max_queue_wait_secs: 9,
@@ -213,11 +228,14 @@ mod tests {
             api_keys_file: Some(PathBuf::from("/etc/quiver/keys.yaml")),
             graceful_shutdown_secs: 7,
             header_read_timeout_secs: 3,
+            body_read_timeout_secs: 4,
+            body_read_min_rate: 100,
             keep_alive_timeout_secs: 9,
             max_connections: 11,
             max_request_body_bytes: 12345,
             tool_call_parser: Some(ToolCallParser::Mistral),
             reasoning_parser: Some(ReasoningParserFlag::None),
+            metrics_open: true,
             metrics_max_adapter_labels: 5,
             otlp_endpoint: Some("http://127.0.0.1:4317".into()),
             otel_service_name: "llm-serving".into(),

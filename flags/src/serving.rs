@@ -82,6 +82,14 @@ pub struct ServingFlags {
           value_parser = parse_share)]
     pub max_request_kv_share: f64,
 
+    /// Most logprob entries one response may carry: over all its choices, each reported prompt
+    /// or generated position counts its token and its alternatives (echoed prompt tokens ×
+    /// (`logprobs` + 1) + `max_tokens` × (`logprobs` or `top_logprobs` + 1)); more is refused
+    /// with 400 before any prompt is scheduled (router default: 6 × --max-total-tokens, at least
+    /// 262144, so one whole context echoed with `logprobs: 5` always fits).
+    #[arg(long, env = "QUIVER_MAX_LOGPROB_ENTRIES")]
+    pub max_logprob_entries: Option<u64>,
+
     /// Most stop strings (`stop`) one request may give; more is refused with 400. OpenAI allows
     /// 4, too few for clients that add their own (lm-eval appends EOS to its `until` list).
     #[arg(long, env = "QUIVER_MAX_STOP_SEQUENCES", default_value_t = 16)]
@@ -157,6 +165,19 @@ pub struct ServingFlags {
     #[arg(long, env = "QUIVER_HEADER_READ_TIMEOUT_SECS", default_value_t = 10)]
     pub header_read_timeout_secs: u64,
 
+    /// Seconds a request's whole body may take to arrive, counted from its headers; a body
+    /// still incomplete then gets 408 and its connection is closed.
+    #[arg(long, env = "QUIVER_BODY_READ_TIMEOUT_SECS", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub body_read_timeout_secs: u64,
+
+    /// Bytes per second a request body must keep up once its first 5 seconds have passed (each
+    /// such many bytes received move its deadline one second later, up to
+    /// --body-read-timeout-secs); a body that falls behind gets 408. 0: only the whole-body
+    /// timeout holds.
+    #[arg(long, env = "QUIVER_BODY_READ_MIN_RATE", default_value_t = 1024)]
+    pub body_read_min_rate: u64,
+
     /// Seconds a keep-alive connection may sit idle between requests before it is closed.
     #[arg(long, env = "QUIVER_KEEP_ALIVE_TIMEOUT_SECS", default_value_t = 60)]
     pub keep_alive_timeout_secs: u64,
@@ -181,6 +202,13 @@ pub struct ServingFlags {
     /// template (an adapter's own template gets its own detection), else no split.
     #[arg(long, env = "QUIVER_REASONING_PARSER", value_enum)]
     pub reasoning_parser: Option<ReasoningParserFlag>,
+
+    /// Serve /metrics to anyone who can reach the port, API keys or not. Without it, once
+    /// --api-key or --api-keys-file is set, /metrics needs an admin key (it names every adapter
+    /// and key); open it only where the port is firewalled to the scrapers.
+    #[arg(long, env = "QUIVER_METRICS_OPEN", default_value_t = false,
+          action = clap::ArgAction::Set)]
+    pub metrics_open: bool,
 
     /// Adapters that get their own `adapter` label in /metrics (the first ones requested);
     /// later ones share the label `other`, so series stay bounded however many adapters come

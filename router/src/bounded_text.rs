@@ -93,7 +93,7 @@ mod tests {
     fn multibyte_characters_are_never_split() {
         for width in [1, 2, 3, 4] {
             let ch = ['a', 'é', '€', '𝄞'][width - 1];
-            let text: String = std::iter::repeat(ch).take(10_000).collect();
+            let text: String = std::iter::repeat_n(ch, 10_000).collect();
             for max in [40, 41, 42, 43, 100, MAX_MESSAGE_BYTES] {
                 let cut = bounded_to(&text, max);
                 assert!(cut.len() <= max, "{} > {max}", cut.len());

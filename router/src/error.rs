@@ -62,6 +62,10 @@ pub enum ApiError {
     /// The body is larger than `--max-request-body-bytes`.
     #[error("the request body is larger than this server accepts")]
     PayloadTooLarge,
+    /// The body did not arrive within `--body-read-timeout-secs` (or at `--body-read-min-rate`);
+    /// the message says which limits apply.
+    #[error("{0}")]
+    BodyTimeout(String),
     /// The server stopped before the request finished: its grace period ran out.
     #[error("the server shut down before this request finished (its grace period ran out)")]
     GracePeriodOver,
@@ -95,6 +99,7 @@ impl ApiError {
             Self::KeyLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::MethodNotAllowed(_) => StatusCode::METHOD_NOT_ALLOWED,
             Self::PayloadTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             Self::GracePeriodOver => StatusCode::SERVICE_UNAVAILABLE,
             Self::Admission(AdmissionError::Overloaded) => StatusCode::TOO_MANY_REQUESTS,
             // It can never fit, however long the client waits.
@@ -148,6 +153,7 @@ impl ApiError {
             }
             Self::ShardUnavailable(_) => ("server_error", "shard_unavailable"),
             Self::PayloadTooLarge => ("invalid_request_error", "request_too_large"),
+            Self::BodyTimeout(_) => ("invalid_request_error", "request_timeout"),
             Self::GracePeriodOver => ("server_error", "shutdown_grace_expired"),
             Self::Generation(GenerationError::Shard(_)) => ("server_error", "shard_error"),
             Self::Tokenizer(_) => ("server_error", "tokenizer_error"),

@@ -12,7 +12,7 @@ use quiver_router::config::RouterArgs;
 use quiver_router::files::ConfinedDir;
 use quiver_router::http;
 use quiver_router::scheduler::Scheduler;
-use quiver_router::server::{ConnectionLimits, IdleLimits, Server};
+use quiver_router::server::{BodyLimits, ConnectionLimits, IdleLimits, Server};
 use quiver_router::shard::{ShardBackend, ShardClient, ShardError};
 use quiver_router::startup::{self, Settings};
 use quiver_router::telemetry;
@@ -152,6 +152,10 @@ fn connection_limits(args: &RouterArgs) -> ConnectionLimits {
         idle: IdleLimits {
             header_read: Duration::from_secs(args.serving.header_read_timeout_secs),
             keep_alive: Duration::from_secs(args.serving.keep_alive_timeout_secs),
+        },
+        body: BodyLimits {
+            read_timeout: Duration::from_secs(args.serving.body_read_timeout_secs),
+            min_rate: args.serving.body_read_min_rate,
         },
         max_connections: args.serving.max_connections,
     }

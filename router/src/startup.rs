@@ -24,7 +24,9 @@ use crate::shard::{ShardBackend, ShardError, ShardInfo, WarmupLimits};
 use crate::template::ChatTemplate;
 use crate::tenants::Tenants;
 use crate::tool_calls::{parser_for, ToolCallParser};
-use crate::validation::{Limits, ModelAssets, RequestBounds, RequestedLimits, Validator};
+use crate::validation::{
+    default_max_logprob_entries, Limits, ModelAssets, RequestBounds, RequestedLimits, Validator,
+};
 
 /// The serving settings from the command line that shape the state.
 #[derive(Debug, Clone, Default)]
@@ -46,18 +48,22 @@ pub struct Settings {
     pub reasoning_parser: Option<ReasoningParserFlag>,
     /// `--metrics-max-adapter-labels`.
     pub metrics_max_adapter_labels: usize,
+    /// `--metrics-open`: /metrics without a key even when keys are configured.
+    pub metrics_open: bool,
     /// `--prefix-caching`, `--chunked-prefill`, `--prefill-pace`.
     pub prefix_caching: bool,
     pub chunked_prefill: bool,
     pub prefill_pace: f64,
 }
 
-/// `--max-choices-per-request`, `--max-request-kv-share`, `--max-stop-sequences`,
-/// `--preemption-wait-ms`, `--max-queue-wait-secs`.
+/// `--max-choices-per-request`, `--max-request-kv-share`, `--max-logprob-entries`,
+/// `--max-stop-sequences`, `--preemption-wait-ms`, `--max-queue-wait-secs`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdmissionSettings {
     pub max_choices_per_request: u32,
     pub max_request_kv_share: f64,
+    /// `None`: `validation::default_max_logprob_entries` of the served context.
+    pub max_logprob_entries: Option<u64>,
     pub max_stop_sequences: u32,
     pub preemption_wait: Duration,
     /// `None`: queued requests wait without a deadline.
@@ -70,6 +76,7 @@ impl Default for AdmissionSettings {
         Self {
             max_choices_per_request: 512,
             max_request_kv_share: 0.5,
+            max_logprob_entries: None,
             max_stop_sequences: 16,
             preemption_wait: Duration::from_millis(500),
             max_queue_wait: None,
@@ -120,12 +127,14 @@ impl Settings {
             tool_call_parser: args.serving.tool_call_parser,
             reasoning_parser: args.serving.reasoning_parser,
             metrics_max_adapter_labels: args.serving.metrics_max_adapter_labels as usize,
+            metrics_open: args.serving.metrics_open,
             prefix_caching: args.serving.prefix_caching,
             chunked_prefill: args.serving.chunked_prefill,
             prefill_pace: args.serving.prefill_pace,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
+                max_logprob_entries: args.serving.max_logprob_entries,
                 max_stop_sequences: args.serving.max_stop_sequences,
                 preemption_wait: Duration::from_millis(args.serving.preemption_wait_ms),
                 max_queue_wait: (args.serving.max_queue_wait_secs > 0)
@@ -237,6 +246,10 @@ pub async fn start(
     );
 
     let usable_blocks = scheduler.stats().total_blocks;
+    let max_logprob_entries = settings
+        .admission
+        .max_logprob_entries
+        .unwrap_or_else(|| default_max_logprob_entries(limits.max_total_tokens));
     // EOS: what the model's generation config says, plus the tokenizer's own.
     let mut eos_token_ids = info.eos_token_ids.clone();
     eos_token_ids.extend_from_slice(base.tokenizer.stop_token_ids());
@@ -262,6 +275,7 @@ pub async fn start(
             max_concurrent_requests: settings.max_concurrent_requests,
             max_choices_per_request: settings.admission.max_choices_per_request,
             max_request_kv_share: settings.admission.max_request_kv_share,
+            max_logprob_entries,
             max_stop_sequences: settings.admission.max_stop_sequences,
             preemption_wait_ms: settings.admission.preemption_wait.as_millis() as u64,
             max_queue_wait_secs: settings
@@ -324,6 +338,7 @@ pub async fn start(
                 cache.block_size,
                 usable_blocks,
             ),
+            max_logprob_entries,
             tool_call_parser: settings.tool_call_parser,
             reasoning_parser: settings.reasoning_parser,
         }),
@@ -336,6 +351,7 @@ pub async fn start(
         info: Arc::new(server_info),
         metrics,
         tenants: Arc::new(tenants),
+        metrics_open: settings.metrics_open,
         adapters,
         resolver: Arc::new(resolver),
         cutoff,

@@ -1,8 +1,9 @@
 //! The router's chat rendering against transformers' `apply_chat_template`, byte for byte, on
 //! the golden corpus in `testdata/chat-templates/` (`golden.json`, made with transformers 5.23
 //! and jinja2 3.1.6; its README gives provenance and licence) and on the demo model's own
-//! template (`demo-golden.json`, from `generate_demo_golden.py`). Every case must match, or fail
-//! where transformers failed.
+//! template (`demo-golden.json`, from `generate_demo_golden.py`), and on tool turns with null
+//! content (`null-content-golden.json`). Every case must match, or fail where transformers
+//! failed.
 
 use std::path::PathBuf;
 
@@ -53,6 +54,14 @@ fn renders_every_golden_case_like_transformers() {
 #[test]
 fn renders_the_demo_template_like_transformers() {
     check_golden_file("demo-golden.json");
+}
+
+/// Tool turns with `content: null`: templates that never test content get "" (expected: what
+/// transformers renders with `content: ""`), templates that test it keep `None`
+/// (`null-content-golden.json`, from `generate_null_content_golden.py`).
+#[test]
+fn renders_null_content_as_transformers_renders_the_content_quiver_gives() {
+    check_golden_file("null-content-golden.json");
 }
 
 fn check_golden_file(golden: &str) {

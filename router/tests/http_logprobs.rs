@@ -505,3 +505,57 @@ async fn refusals_name_their_param() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{error}");
     assert_eq!(error["error"]["code"], "kv_share_exceeded", "{error}");
 }
+
+/// `--max-logprob-entries` bounds what one response's logprobs hold, for chat `top_logprobs`
+/// and completions `echo` alike: a request at the limit is served, one entry over it is 400
+/// naming the product, before anything is scheduled.
+#[tokio::test]
+async fn logprob_entries_over_the_limit_are_refused_up_front() {
+    // Chat: n 2 × max_tokens 10 × (top_logprobs 3 + 1) = 80 entries.
+    // Completions: n 2 × ("abcd" = 4 prompt + 6 max_tokens) × (logprobs 3 + 1) = 80 entries.
+    let requests = [
+        (
+            CHAT,
+            chat_body(
+                "Hi",
+                json!({"n": 2, "max_tokens": 10, "logprobs": true, "top_logprobs": 3}),
+            ),
+            "(20 max_tokens over 2 choices) × (3 alternatives + 1)",
+        ),
+        (
+            COMPLETIONS,
+            completion_body(
+                json!(text_ids("abcd")),
+                json!({"n": 2, "max_tokens": 6, "echo": true, "logprobs": 3}),
+            ),
+            "(8 prompt tokens + 12 max_tokens, over 2 choices) × (3 alternatives + 1)",
+        ),
+    ];
+    let at_limit = TestApp::with_options(Options {
+        max_logprob_entries: Some(80),
+        ..Options::default()
+    })
+    .await;
+    let under = TestApp::with_options(Options {
+        max_logprob_entries: Some(79),
+        ..Options::default()
+    })
+    .await;
+    for (path, body, product) in requests {
+        let (status, answer) = at_limit.post(path, &body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {answer}");
+        let (status, error) = under.post(path, &body).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{path}: {error}");
+        assert_schema(&error, "ErrorResponse");
+        assert_eq!(error["error"]["code"], "logprob_entries_exceeded");
+        assert_eq!(error["error"]["param"], "logprobs");
+        let message = error["error"]["message"].as_str().unwrap();
+        assert!(
+            message.contains(&format!("80 logprob entries ({product})")),
+            "{message}"
+        );
+        assert!(message.contains("at most 79"), "{message}");
+    }
+    assert_eq!(under.shard.live_requests(), 0);
+    under.wait_idle().await;
+}

@@ -1,5 +1,6 @@
 //! `--api-keys-file` in process, against the fake shard: what a key may name, admin-only
-//! adapter management, per-key 429s with their `Retry-After`, and the per-key counters. The
+//! adapter management and `/metrics`, per-key 429s with their `Retry-After`, and the per-key
+//! counters. The
 //! launched stack repeats these with adapters (integration-tests/test_tenants.py).
 
 mod http_common;
@@ -192,9 +193,7 @@ async fn metrics_count_each_keys_requests_and_tokens() {
     .await;
     let usage = serde_json::from_str::<Value>(&text).unwrap()["usage"].clone();
     app.wait_idle().await;
-    let (_, text) = app
-        .send(Request::get("/metrics").body(Body::empty()).unwrap())
-        .await;
+    let (_, _, text) = send(&app, request("GET", "/metrics", "k-ops", None)).await;
     for (series, value) in [
         ("quiver_key_requests_total{key=\"user\"}", json!(1)),
         (
@@ -209,4 +208,51 @@ async fn metrics_count_each_keys_requests_and_tokens() {
         let line = format!("{series} {value}");
         assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
     }
+}
+
+/// `/metrics` names every adapter and key: with keys configured, only an admin key reads it
+/// (401 without a key, 403 for another key, as for adapter loading), unless `--metrics-open`.
+/// The probes stay open.
+#[tokio::test]
+async fn metrics_need_an_admin_key_unless_opened() {
+    let (app, _file) = app_with_keys().await;
+    let anonymous = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let (status, _, body) = send(&app, anonymous("/metrics")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "invalid_api_key");
+    let (status, _, body) = send(&app, request("GET", "/metrics", "k-user", None)).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let error: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(error["error"]["code"], "permission_denied");
+    let (status, _, body) = send(&app, request("GET", "/metrics", "k-ops", None)).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("quiver_requests_running"), "{body}");
+    for probe in ["/health", "/info"] {
+        assert_eq!(
+            send(&app, anonymous(probe)).await.0,
+            StatusCode::OK,
+            "{probe}"
+        );
+    }
+
+    let mut file = tempfile::NamedTempFile::new().unwrap();
+    let user = sha256_hex("k-user");
+    writeln!(
+        file,
+        "keys:\n- {{name: user, sha256: {user}, base_model: true}}"
+    )
+    .unwrap();
+    let open = TestApp::with_options(Options {
+        api_keys_file: Some(file.path().to_owned()),
+        metrics_open: true,
+        ..Options::default()
+    })
+    .await;
+    let (status, _, body) = send(&open, anonymous("/metrics")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(body.contains("quiver_requests_running"), "{body}");
+    // The other routes keep their keys.
+    let (status, _, _) = send(&open, anonymous("/v1/models")).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
 }

@@ -49,6 +49,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if or .Values.sharedMemory.enabled (gt (int .Values.model.numShard) 1) }}true{{ end }}
 {{- end }}
 
+{{/* "true" when /metrics is served without a key (--metrics-open): as set, else with an
+InferencePool, whose endpoint picker cannot send one. */}}
+{{- define "quiver.metricsOpen" -}}
+{{- $open := .Values.server.metricsOpen }}
+{{- if kindIs "invalid" $open }}
+{{- if .Values.inferencePool.enabled }}true{{ end }}
+{{- else if $open }}true{{ end }}
+{{- end }}
+
 {{/* SIGTERM to exit: the drain, then the router's 5 s and the shards' 10 s, plus margin. */}}
 {{- define "quiver.terminationGracePeriod" -}}
 {{- if kindIs "invalid" .Values.terminationGracePeriodSeconds }}
@@ -87,6 +96,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "quiver.flag" (dict "flag" "--cache-dir" "value" $v.modelCache.mountPath) }}
 {{- include "quiver.flag" (dict "flag" "--graceful-shutdown-secs" "value" $v.server.gracefulShutdownSecs) }}
 {{- include "quiver.flag" (dict "flag" "--shard-startup-timeout-secs" "value" $v.server.shardStartupTimeoutSecs) }}
+{{- include "quiver.flag" (dict "flag" "--body-read-timeout-secs" "value" $v.server.bodyReadTimeoutSecs) }}
+{{- include "quiver.flag" (dict "flag" "--body-read-min-rate" "value" $v.server.bodyReadMinRate) }}
+{{- if include "quiver.metricsOpen" . }}
+{{- include "quiver.flag" (dict "flag" "--metrics-open" "value" "true") }}
+{{- end }}
 {{- include "quiver.flag" (dict "flag" "--max-input-tokens" "value" $v.limits.maxInputTokens) }}
 {{- include "quiver.flag" (dict "flag" "--max-total-tokens" "value" $v.limits.maxTotalTokens) }}
 {{- include "quiver.flag" (dict "flag" "--max-batch-prefill-tokens" "value" $v.limits.maxBatchPrefillTokens) }}
@@ -95,6 +109,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- include "quiver.flag" (dict "flag" "--max-concurrent-requests" "value" $v.limits.maxConcurrentRequests) }}
 {{- include "quiver.flag" (dict "flag" "--max-queue-wait-secs" "value" $v.limits.maxQueueWaitSecs) }}
 {{- include "quiver.flag" (dict "flag" "--max-request-body-bytes" "value" $v.limits.maxRequestBodyBytes) }}
+{{- include "quiver.flag" (dict "flag" "--max-logprob-entries" "value" $v.limits.maxLogprobEntries) }}
 {{- include "quiver.flag" (dict "flag" "--prefix-caching" "value" $v.scheduling.prefixCaching) }}
 {{- include "quiver.flag" (dict "flag" "--chunked-prefill" "value" $v.scheduling.chunkedPrefill) }}
 {{- include "quiver.flag" (dict "flag" "--prefill-pace" "value" $v.scheduling.prefillPace) }}

@@ -1,17 +1,28 @@
-//! Memory given back after a large request body. glibc's malloc keeps what a request freed in
-//! its per-thread arenas: four refused 4 MB bodies once left the router holding 740 MB. Parsing
-//! is bounded now (`bounded_json`), but a body of a few MB still becomes tens of MB of parsed
-//! JSON, freed when the handler is done and then held. After a request whose body was larger
-//! than `LARGE_BODY_BYTES`, `malloc_trim` hands the free pages of every arena back to the
-//! system before the response goes out (about a millisecond on the router's small heap; a body
-//! that large is a prompt of tens of thousands of tokens, whose prefill takes far longer).
+//! Memory given back after a large request body or a large response. glibc's malloc keeps what
+//! a request freed in its per-thread arenas: four refused 4 MB bodies once left the router
+//! holding 740 MB. Parsing is bounded now (`bounded_json`), but a body of a few MB still becomes
+//! tens of MB of parsed JSON, freed when the handler is done and then held; and a response with
+//! a quarter of a million logprob entries (`--max-logprob-entries`) builds about 35 MB of
+//! entries and text, freed only once its last byte is sent. After a request whose body was
+//! larger than `LARGE_BODY_BYTES`, or whose JSON answer is larger than `LARGE_RESPONSE_BYTES`,
+//! `malloc_trim` hands the free pages of every arena back to the system before the response goes
+//! out (what built the answer is freed by then); and after any answer that sent more than that
+//! (the JSON text itself, or a whole stream), once its body is dropped. Each trim takes about a
+//! millisecond on the router's small heap, on a blocking worker; an exchange that large takes
+//! far longer.
 
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::{Body, Bytes, HttpBody};
 use axum::extract::Request;
 use axum::http::header::CONTENT_LENGTH;
 use axum::middleware::Next;
 use axum::response::Response;
+use http_body::{Frame, SizeHint};
 
 pub const LARGE_BODY_BYTES: u64 = 256 << 10;
+pub const LARGE_RESPONSE_BYTES: u64 = 1 << 20;
 
 pub async fn trim_after_large_bodies(request: Request, next: Next) -> Response {
     let large = request
@@ -20,11 +31,67 @@ pub async fn trim_after_large_bodies(request: Request, next: Next) -> Response {
         .and_then(|length| length.to_str().ok()?.parse::<u64>().ok())
         .is_some_and(|length| length > LARGE_BODY_BYTES);
     let response = next.run(request).await;
-    if large {
+    let answer = response.body().size_hint().exact();
+    if large || answer.is_some_and(|length| length > LARGE_RESPONSE_BYTES) {
         // Off the async workers: trimming walks every arena.
         let _ = tokio::task::spawn_blocking(trim).await;
     }
-    response
+    response.map(|inner| {
+        Body::new(CountedBody {
+            inner: Some(inner),
+            sent: 0,
+        })
+    })
+}
+
+/// A response body that trims once it is dropped, if it sent more than `LARGE_RESPONSE_BYTES`.
+struct CountedBody {
+    inner: Option<Body>,
+    sent: u64,
+}
+
+impl HttpBody for CountedBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let polled = Pin::new(inner).poll_frame(cx);
+        if let Poll::Ready(Some(Ok(frame))) = &polled {
+            if let Some(data) = frame.data_ref() {
+                self.sent += data.len() as u64;
+            }
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.as_ref().is_none_or(Body::is_end_stream)
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner
+            .as_ref()
+            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
+    }
+}
+
+impl Drop for CountedBody {
+    fn drop(&mut self) {
+        // What the response held goes first, so that the trim finds it free.
+        drop(self.inner.take());
+        if self.sent <= LARGE_RESPONSE_BYTES {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn_blocking(trim);
+        }
+    }
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

@@ -14,6 +14,7 @@ use crate::error::ApiError;
 mod adapters;
 mod auth;
 mod body_guard;
+mod body_timeout;
 mod bounded_json;
 mod chat;
 mod chat_reader;
@@ -45,8 +46,8 @@ pub use infer::Infer;
 pub use state::{AppState, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
 
 /// The whole HTTP surface over `state`. The API keys guard every route that takes a body
-/// or names models (loading and unloading need an admin key); `/health`, `/info`, `/metrics`
-/// and `/openapi.json` stay open.
+/// or names models (loading and unloading need an admin key), and `/metrics` (an admin key,
+/// unless `--metrics-open`); `/health`, `/info` and `/openapi.json` stay open.
 pub fn router(state: AppState) -> Router {
     // Inside the authentication layer below, which puts the caller where this one reads it.
     let admin = Router::new()
@@ -84,13 +85,20 @@ pub fn router(state: AppState) -> Router {
         .merge(v1)
         .route("/health", get(health::health))
         .route("/info", get(health::info))
-        .route("/metrics", get(metrics::metrics))
+        .route(
+            "/metrics",
+            get(metrics::metrics).route_layer(middleware::from_fn_with_state(
+                state.clone(),
+                auth::guard_metrics,
+            )),
+        )
         .route("/openapi.json", get(openapi::openapi_json))
         // The route a response came from, for the response counter below (which sees
         // unmatched paths too, so it sits outside routing).
         .route_layer(middleware::from_fn(metrics::tag_route))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn(body_timeout::answer_late_bodies))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             metrics::count_responses,

@@ -34,6 +34,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// The API keys (`--api-key`, `--api-keys-file`) and what each may do; open without.
     pub tenants: Arc<Tenants>,
+    /// `--metrics-open`: /metrics answers without a key even when keys are configured.
+    pub metrics_open: bool,
     /// Loaded adapters, and where ids not loaded yet are looked up.
     pub adapters: AdapterRegistry,
     pub resolver: Arc<Resolver>,
@@ -116,6 +118,8 @@ pub struct ServedLimits {
     pub max_concurrent_requests: u32,
     pub max_choices_per_request: u32,
     pub max_request_kv_share: f64,
+    /// `--max-logprob-entries`, resolved.
+    pub max_logprob_entries: u64,
     pub max_stop_sequences: u32,
     pub preemption_wait_ms: u64,
     /// 0: off.

@@ -13,7 +13,8 @@
 //! - `function_call` items → the `tool_calls` of an assistant message (consecutive calls, and
 //!   calls right after an assistant message, join that message, as a chat turn holds them);
 //! - `function_call_output` items → `tool` messages answering `call_id` (named after the
-//!   function that call called, for templates that print the name);
+//!   function that call called, for templates that print the name); an output whose call is
+//!   not earlier in the input is refused, as OpenAI refuses it;
 //! - `reasoning` items → dropped: chat templates drop earlier turns' reasoning themselves.
 //!
 //! Any other item or content type (images, files, built-in tools' calls) is refused by name.
@@ -22,6 +23,9 @@ use serde_json::{json, Map, Value};
 
 use super::fields::{check_fields_of, implemented, no_effect, refused, some_values, Field};
 use crate::error::ApiError;
+use items::ItemMessages;
+
+mod items;
 
 /// What the response object repeats of its request (OpenAI's Response echoes these).
 #[derive(Debug, Clone, Default)]
@@ -182,7 +186,7 @@ pub fn translate(body: &Map<String, Value>) -> Result<TranslatedRequest, ApiErro
         Some(Value::String(text)) => Some(text.clone()),
         Some(_) => return Err(invalid("instructions", "`instructions` must be a string")),
     };
-    let mut messages = Vec::new();
+    let mut messages = ItemMessages::default();
     if let Some(text) = &instructions {
         messages.push(json!({"role": "system", "content": text}));
     }
@@ -196,7 +200,7 @@ pub fn translate(body: &Map<String, Value>) -> Result<TranslatedRequest, ApiErro
         Some(Value::String(text)) => messages.push(json!({"role": "user", "content": text})),
         Some(Value::Array(items)) => {
             for (index, item) in items.iter().enumerate() {
-                add_item(&mut messages, item, index)?;
+                messages.add_item(item, index)?;
             }
         }
         Some(_) => {
@@ -207,7 +211,10 @@ pub fn translate(body: &Map<String, Value>) -> Result<TranslatedRequest, ApiErro
         }
     }
     let mut chat = Map::new();
-    chat.insert("messages".to_owned(), Value::Array(messages));
+    chat.insert(
+        "messages".to_owned(),
+        Value::Array(messages.into_messages()),
+    );
     for name in [
         "model",
         "temperature",
@@ -286,133 +293,6 @@ pub fn translate(body: &Map<String, Value>) -> Result<TranslatedRequest, ApiErro
         echo,
         ignored,
     })
-}
-
-/// Appends the message(s) of input item `index`.
-fn add_item(messages: &mut Vec<Value>, item: &Value, index: usize) -> Result<(), ApiError> {
-    let param = format!("input[{index}]");
-    let Some(object) = item.as_object() else {
-        return Err(invalid(&param, "an input item must be an object"));
-    };
-    let kind = object.get("type").and_then(Value::as_str);
-    match kind {
-        None | Some("message") => {
-            let role = object
-                .get("role")
-                .and_then(Value::as_str)
-                .unwrap_or_default();
-            if !matches!(role, "user" | "assistant" | "system" | "developer") {
-                return Err(invalid(
-                    &param,
-                    "a message's `role` must be `user`, `assistant`, `system` or `developer`",
-                ));
-            }
-            let content = message_text(object.get("content"), &param)?;
-            messages.push(json!({"role": role, "content": content}));
-        }
-        Some("function_call") => {
-            let text = |key: &str| {
-                object.get(key).and_then(Value::as_str).ok_or_else(|| {
-                    invalid(&param, &format!("a `function_call` item needs `{key}`"))
-                })
-            };
-            let call = json!({
-                "id": text("call_id")?,
-                "type": "function",
-                "function": {"name": text("name")?, "arguments": text("arguments")?},
-            });
-            match messages.last_mut() {
-                Some(last) if last["role"] == "assistant" => {
-                    let calls = last
-                        .as_object_mut()
-                        .map(|message| message.entry("tool_calls").or_insert_with(|| json!([])));
-                    if let Some(Value::Array(calls)) = calls {
-                        calls.push(call);
-                    }
-                }
-                _ => messages
-                    .push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
-            }
-        }
-        Some("function_call_output") => {
-            let call_id = object
-                .get("call_id")
-                .and_then(Value::as_str)
-                .ok_or_else(|| invalid(&param, "a `function_call_output` item needs `call_id`"))?;
-            let output = match object.get("output") {
-                Some(Value::String(text)) => text.clone(),
-                Some(parts @ Value::Array(_)) => message_text(Some(parts), &param)?,
-                _ => {
-                    return Err(invalid(
-                        &param,
-                        "a `function_call_output` item needs `output` text",
-                    ))
-                }
-            };
-            // Templates that print a tool result under its function's name (Hermes 2 Pro's)
-            // need the name: the call's, found among the earlier items.
-            let mut message = json!({"role": "tool", "tool_call_id": call_id, "content": output});
-            if let Some(name) = called_function(messages, call_id) {
-                message["name"] = json!(name);
-            }
-            messages.push(message);
-        }
-        Some("reasoning") => {}
-        Some(other) => {
-            return Err(unsupported(
-                &param,
-                format!(
-                    "input items of type `{other}` are not supported: quiver takes messages, \
-                         `function_call`, `function_call_output` and `reasoning` items"
-                ),
-            ))
-        }
-    }
-    Ok(())
-}
-
-/// The function an earlier assistant turn called under `call_id`.
-fn called_function<'a>(messages: &'a [Value], call_id: &str) -> Option<&'a str> {
-    messages
-        .iter()
-        .rev()
-        .filter_map(|message| message.get("tool_calls")?.as_array())
-        .flatten()
-        .find(|call| call["id"] == call_id)
-        .and_then(|call| call["function"]["name"].as_str())
-}
-
-/// A message's content as text: a string, or its text parts joined with a newline.
-fn message_text(content: Option<&Value>, param: &str) -> Result<String, ApiError> {
-    match content {
-        Some(Value::String(text)) => Ok(text.clone()),
-        Some(Value::Array(parts)) => {
-            let mut texts = Vec::with_capacity(parts.len());
-            for part in parts {
-                let kind = part.get("type").and_then(Value::as_str).unwrap_or_default();
-                match (kind, part.get("text").and_then(Value::as_str)) {
-                    ("input_text" | "output_text", Some(text)) => texts.push(text),
-                    ("input_text" | "output_text", None) => {
-                        return Err(invalid(param, "a text part needs `text`"))
-                    }
-                    _ => {
-                        return Err(unsupported(
-                            param,
-                            format!(
-                                "content parts of type `{kind}` are not supported: quiver \
-                                     serves text models"
-                            ),
-                        ))
-                    }
-                }
-            }
-            Ok(texts.join("\n"))
-        }
-        _ => Err(invalid(
-            param,
-            "a message needs `content`: text or a list of text parts",
-        )),
-    }
 }
 
 /// A Responses function tool as a chat tool.

@@ -1,7 +1,8 @@
 //! The HTTP server under the axum app: an accept loop that holds at most `max_connections`
 //! connections (the rest wait in the kernel's listen backlog, so a flood delays newcomers
 //! without touching the connections already served), HTTP/1.1 and h2c through hyper, the
-//! header-read and keep-alive timeouts of `activity`, and a graceful stop.
+//! header-read and keep-alive timeouts of `activity`, the body deadline of `body_deadline`, and
+//! a graceful stop.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -18,9 +19,11 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 mod activity;
+mod body_deadline;
 
 pub use activity::IdleLimits;
 use activity::{Activity, BusyBody, TrackedIo};
+pub use body_deadline::{BodyDeadline, BodyLimits, MIN_RATE_GRACE};
 
 /// After a failed accept (out of file descriptors, most likely), wait before the next one
 /// rather than spin.
@@ -29,6 +32,7 @@ const ACCEPT_ERROR_BACKOFF: Duration = Duration::from_millis(100);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ConnectionLimits {
     pub idle: IdleLimits,
+    pub body: BodyLimits,
     pub max_connections: u32,
 }
 
@@ -46,13 +50,7 @@ impl Server {
         let max_connections = limits.max_connections.max(1);
         let slots = Arc::new(Semaphore::new(max_connections as usize));
         let (stop, stopped) = watch::channel(false);
-        tokio::spawn(accept_loop(
-            listener,
-            app,
-            limits.idle,
-            slots.clone(),
-            stopped,
-        ));
+        tokio::spawn(accept_loop(listener, app, limits, slots.clone(), stopped));
         Self {
             slots,
             max_connections,
@@ -75,7 +73,7 @@ impl Server {
 async fn accept_loop(
     listener: TcpListener,
     app: Router,
-    idle: IdleLimits,
+    limits: ConnectionLimits,
     slots: Arc<Semaphore>,
     mut stopped: watch::Receiver<bool>,
 ) {
@@ -99,7 +97,13 @@ async fn accept_loop(
             },
             () = stop_requested(&mut stopped) => return,
         };
-        tokio::spawn(connection(stream, app.clone(), idle, stopped.clone(), slot));
+        tokio::spawn(connection(
+            stream,
+            app.clone(),
+            limits,
+            stopped.clone(),
+            slot,
+        ));
     }
 }
 
@@ -108,12 +112,12 @@ async fn accept_loop(
 async fn connection(
     stream: TcpStream,
     app: Router,
-    idle: IdleLimits,
+    limits: ConnectionLimits,
     mut stopped: watch::Receiver<bool>,
     _slot: OwnedSemaphorePermit,
 ) {
     let _ = stream.set_nodelay(true);
-    let activity = Activity::new(idle);
+    let activity = Activity::new(limits.idle);
     let io = TokioIo::new(TrackedIo::new(stream, activity.clone()));
     let service = hyper::service::service_fn({
         let activity = activity.clone();
@@ -121,7 +125,7 @@ async fn connection(
             let busy = activity.begin();
             let app = app.clone();
             async move {
-                let response = app.oneshot(request.map(Body::new)).await?;
+                let response = app.oneshot(limits.body.apply(request)).await?;
                 Ok::<_, Infallible>(response.map(|body| Body::new(BusyBody::new(body, busy))))
             }
         }

@@ -429,7 +429,9 @@ async fn a_shard_that_goes_away_is_unavailable_one_that_refuses_is_not() {
                 let _ = stopped.await;
             }),
     );
-    let client = ShardClient::connect(&[path.clone()]).await.unwrap();
+    let client = ShardClient::connect(std::slice::from_ref(&path))
+        .await
+        .unwrap();
 
     // An error the shard sends is about the call, not the shard.
     shard.fail_next(FakeRpc::Health);

@@ -7,6 +7,7 @@
 //! `{"name", "template"}` of which the one named `default` is used.
 
 mod environment;
+mod null_content;
 mod pyjson;
 mod python;
 mod source;
@@ -52,6 +53,8 @@ pub struct ChatTemplate {
     source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
+    /// The template never tests content, so null content reaches it as "" (`null_content`).
+    null_content_as_empty: bool,
     env: minijinja::Environment<'static>,
 }
 
@@ -76,6 +79,7 @@ impl ChatTemplate {
         let env = environment::build(source::prepare(&source), clock)
             .map_err(|err| TemplateError::Syntax(err.to_string()))?;
         Ok(Self {
+            null_content_as_empty: !null_content::tests_content(&source),
             source,
             bos_token: bos,
             eos_token: eos,
@@ -124,7 +128,7 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: Option<&serde_json::Map<String, Json>>,
     ) -> Result<String, TemplateError> {
-        let messages = alias_reasoning_fields(messages);
+        let messages = template_messages(messages, self.null_content_as_empty);
         let mut context = Vec::new();
         if let Some(bos) = &self.bos_token {
             context.push(("bos_token", Value::from(bos.as_str())));
@@ -160,10 +164,11 @@ impl ChatTemplate {
     }
 }
 
-/// transformers copies a message's reasoning, given under any of its names, to
-/// `reasoning_content` (the standard name templates read) and `thinking` (gpt-oss templates):
-/// `{"thinking": r, **message, "reasoning_content": r}`.
-fn alias_reasoning_fields(messages: &Json) -> Json {
+/// The messages as the template sees them. transformers copies a message's reasoning, given
+/// under any of its names, to `reasoning_content` (the standard name templates read) and
+/// `thinking` (gpt-oss templates): `{"thinking": r, **message, "reasoning_content": r}`. With
+/// `null_content_as_empty`, a null `content` becomes "" (`null_content`).
+fn template_messages(messages: &Json, null_content_as_empty: bool) -> Json {
     const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
     let Some(list) = messages.as_array() else {
         return messages.clone();
@@ -177,15 +182,18 @@ fn alias_reasoning_fields(messages: &Json) -> Json {
             let reasoning = REASONING_FIELDS
                 .iter()
                 .find_map(|key| fields.get(*key).filter(|value| !value.is_null()));
-            let Some(reasoning) = reasoning else {
-                return message.clone();
-            };
             let mut out = serde_json::Map::new();
-            out.insert("thinking".into(), reasoning.clone());
-            for (key, value) in fields {
-                out.insert(key.clone(), value.clone());
+            if let Some(reasoning) = reasoning {
+                out.insert("thinking".into(), reasoning.clone());
             }
-            out.insert("reasoning_content".into(), reasoning.clone());
+            for (key, value) in fields {
+                let empty = null_content_as_empty && key == "content" && value.is_null();
+                let value = if empty { Json::from("") } else { value.clone() };
+                out.insert(key.clone(), value);
+            }
+            if let Some(reasoning) = reasoning {
+                out.insert("reasoning_content".into(), reasoning.clone());
+            }
             Json::Object(out)
         })
         .collect();

@@ -162,3 +162,28 @@ fn from_dir_finds_the_template_where_transformers_does() {
     );
     assert_eq!(template.eos_token(), Some("</s>"));
 }
+
+/// Null content is "" for a template that never tests content (transformers would print
+/// "[None]"; with `content: ""` it prints "[]"), and stays `None` for one that tests it
+/// (transformers prints "none"). Expected strings are `render_jinja_template`'s.
+#[test]
+fn null_content_is_empty_text_unless_the_template_tests_content() {
+    let null = json!([{"role": "assistant", "content": null, "tool_calls": []}]);
+    let render = |source: &str| {
+        ChatTemplate::new(source.into(), None, None)
+            .unwrap()
+            .render_with(&null, None, false, None)
+            .unwrap()
+    };
+    assert_eq!(
+        render("{% for m in messages %}[{{ m.content }}]{% endfor %}"),
+        "[]"
+    );
+    assert_eq!(
+        render(
+            "{% for m in messages %}{% if m.content is none %}none{% else %}[{{ m.content }}]\
+             {% endif %}{% endfor %}"
+        ),
+        "none"
+    );
+}

@@ -151,7 +151,7 @@ impl Caller {
         }
     }
 
-    /// May load and unload adapters.
+    /// May load and unload adapters, and read `/metrics`.
     pub fn is_admin(&self) -> bool {
         match self {
             Self::Anyone => true,

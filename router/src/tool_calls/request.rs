@@ -2,6 +2,8 @@
 //! `functions`/`function_call`, which map onto the same (and are answered in the legacy shape).
 //! Every mistake is a 400 naming the field (`tools[0].function.name`), before any generation.
 
+use std::collections::HashSet;
+
 use serde_json::{json, Map, Value};
 
 use crate::validation::ValidationError;
@@ -148,6 +150,7 @@ fn check_tools(tools: &Value) -> Result<Vec<FunctionSpec>, ValidationError> {
         .as_array()
         .ok_or_else(|| invalid("tools", "must be a list of tools"))?;
     let mut specs: Vec<FunctionSpec> = Vec::with_capacity(list.len());
+    let mut names = HashSet::with_capacity(list.len());
     for (i, tool) in list.iter().enumerate() {
         let param = format!("tools[{i}]");
         let tool = tool
@@ -167,7 +170,7 @@ fn check_tools(tools: &Value) -> Result<Vec<FunctionSpec>, ValidationError> {
             .get("function")
             .ok_or_else(|| missing(&format!("{param}.function")))?;
         let spec = check_function(&format!("{param}.function"), function)?;
-        check_unique(&specs, &spec, &format!("{param}.function.name"))?;
+        check_unique(&mut names, &spec, &format!("{param}.function.name"))?;
         specs.push(spec);
     }
     Ok(specs)
@@ -179,21 +182,24 @@ fn check_functions(functions: &Value) -> Result<Vec<FunctionSpec>, ValidationErr
         .as_array()
         .ok_or_else(|| invalid("functions", "must be a list of functions"))?;
     let mut specs: Vec<FunctionSpec> = Vec::with_capacity(list.len());
+    let mut names = HashSet::with_capacity(list.len());
     for (i, function) in list.iter().enumerate() {
         let param = format!("functions[{i}]");
         let spec = check_function(&param, function)?;
-        check_unique(&specs, &spec, &format!("{param}.name"))?;
+        check_unique(&mut names, &spec, &format!("{param}.name"))?;
         specs.push(spec);
     }
     Ok(specs)
 }
 
+/// `spec`'s name, not among the `names` declared before it (a set: a list searched per tool made
+/// a request of many tools quadratic).
 fn check_unique(
-    specs: &[FunctionSpec],
+    names: &mut HashSet<String>,
     spec: &FunctionSpec,
     param: &str,
 ) -> Result<(), ValidationError> {
-    if specs.iter().any(|other| other.name == spec.name) {
+    if !names.insert(spec.name.clone()) {
         return Err(invalid(
             param,
             &format!(
@@ -333,3 +339,7 @@ fn missing(param: &str) -> ValidationError {
         message: format!("you must provide `{param}`"),
     }
 }
+
+#[cfg(test)]
+#[path = "request_tests.rs"]
+mod tests;

@@ -6,7 +6,8 @@ use super::ValidationError;
 use crate::scheduler::blocks_for_tokens;
 use crate::tokenizer::TextTokenizer;
 
-/// Most prompts in one completions request: OpenAI's own limit on a `prompt` list.
+/// Most prompts in one completions request, and inputs in one embeddings request: OpenAI's own
+/// limit on a `prompt` or `input` list.
 pub const MAX_PROMPTS: usize = 2048;
 
 /// What one request may ask for, set by the operator's flags and the KV cache.
@@ -50,7 +51,7 @@ impl RequestBounds {
         if prompts > MAX_PROMPTS {
             return Err(ValidationError::invalid(
                 param,
-                format!("`{param}` has {prompts} prompts; at most {MAX_PROMPTS} are accepted"),
+                format!("`{param}` has {prompts} entries; at most {MAX_PROMPTS} are accepted"),
             ));
         }
         let choices = prompts as u64 * u64::from(n);

@@ -9,6 +9,7 @@ mod controls;
 mod embeddings;
 mod error;
 mod limits;
+mod logprob_budget;
 mod logprobs;
 mod messages;
 mod params;
@@ -25,11 +26,13 @@ pub use controls::{
 };
 pub use error::ValidationError;
 pub use limits::{Limits, RequestedLimits};
+pub use logprob_budget::{default_max_logprob_entries, LogprobEntries};
 pub use logprobs::{LogprobFields, LogprobOptions, MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS};
 pub use sources::PromptSource;
 pub use structured::OutputGrammar;
 pub use tokens::{tokenize_ids, vocabulary_ids};
 
+use logprob_budget::check_logprob_entries;
 use logprobs::{apply_logprobs, check_best_of_bound};
 use params::{check_params, CheckedParams};
 
@@ -109,6 +112,8 @@ pub struct Validator {
     pub max_stop_sequences: u32,
     /// Choices per request and the share of the KV cache one request may reserve.
     pub bounds: RequestBounds,
+    /// `--max-logprob-entries`: what one response's logprobs may hold.
+    pub max_logprob_entries: u64,
     /// `--tool-call-parser`; unset, each model's (or adapter's) chat template decides.
     pub tool_call_parser: Option<ToolCallParser>,
     /// `--reasoning-parser`; unset, each model's (or adapter's) chat template decides.
@@ -226,11 +231,18 @@ impl Validator {
         adapter_id: &str,
         assets: &ModelAssets,
     ) -> Result<ValidRequest, ValidationError> {
-        // Every per-prompt check, then the whole request's KV demand, before any choice is built.
+        // Every per-prompt check, then the whole request's logprobs and KV demand, before any
+        // choice is built.
         let mut max_new_tokens = Vec::with_capacity(prompts.len());
         for prompt in &prompts {
             max_new_tokens.push(self.check_prompt(&prompt.ids, prompt_param, &checked)?);
         }
+        let lengths = prompts
+            .iter()
+            .zip(&max_new_tokens)
+            .map(|(prompt, &new)| (prompt.ids.len() as u64, u64::from(new)));
+        let entries = LogprobEntries::of(&checked.options.logprobs, lengths, checked.n);
+        check_logprob_entries(&entries, self.max_logprob_entries)?;
         let demand = prompts
             .iter()
             .zip(&max_new_tokens)

@@ -178,6 +178,10 @@ pub struct Options {
     pub reasoning_parser: Option<quiver_router::reasoning::ReasoningParserFlag>,
     /// The chat template; `TEMPLATE` by default.
     pub template: &'static str,
+    /// `--metrics-open`.
+    pub metrics_open: bool,
+    /// `--max-logprob-entries` (unset: the router default).
+    pub max_logprob_entries: Option<u64>,
 }
 
 impl Default for Options {
@@ -204,6 +208,8 @@ impl Default for Options {
             tool_call_parser: None,
             reasoning_parser: None,
             template: TEMPLATE,
+            metrics_open: false,
+            max_logprob_entries: None,
         }
     }
 }
@@ -279,10 +285,14 @@ impl TestApp {
                 max_lora_rank: 64,
                 lora_rank_classes: options.lora_rank_classes,
             },
-            admission: AdmissionSettings::default(),
+            admission: AdmissionSettings {
+                max_logprob_entries: options.max_logprob_entries,
+                ..AdmissionSettings::default()
+            },
             tool_call_parser: options.tool_call_parser,
             reasoning_parser: options.reasoning_parser,
             metrics_max_adapter_labels: 32,
+            metrics_open: options.metrics_open,
             prefix_caching: true,
             chunked_prefill: true,
             prefill_pace: 0.0,
