@@ -33,7 +33,8 @@
 //! `ReleaseGrammars` released (`pinned_grammars` counts them). A call that fails changes nothing (except a failed
 //! activation, which leaves its slot empty, as a half-written slot would be on a real shard).
 //! The adapter RPCs and their own checks are described in `fake/adapters.rs`; Prefill is in
-//! `fake/prefill.rs`.
+//! `fake/prefill.rs`, Decode, FilterBatch and ClearCache in `fake/decode.rs`, the token and
+//! embedding rules in `fake/tokens.rs`.
 //!
 //! Tests can inspect what is still held (`live_requests`, `live_batches`, `stats`,
 //! `active_adapters`, `activations`) and make the next call of one RPC fail with `Internal`
@@ -52,61 +53,21 @@ use super::{
 };
 
 mod adapters;
+mod decode;
 mod kv_content;
 mod logprobs;
 mod prefill;
+mod tokens;
 
 use adapters::AdapterState;
-use kv_content::{next_digest, KvContent};
+use kv_content::KvContent;
 use logprobs::fake_top;
 pub use logprobs::{fake_logprob, fake_seeded_first_token};
 use prefill::computed_tokens;
-
-/// Width of the fake's embeddings.
-pub const FAKE_EMBEDDING_DIM: u32 = 4;
-
-/// The fake's embedding of `prompt` under `adapter_id` ("" is the base model).
-pub fn fake_embedding(adapter_id: &str, prompt: &[u32], vocab_size: u32) -> Vec<f32> {
-    let sum = prompt.iter().map(|&t| u64::from(t)).sum::<u64>() % u64::from(vocab_size.max(1));
-    vec![
-        prompt.len() as f32,
-        prompt.last().copied().unwrap_or(0) as f32,
-        fake_adapter_shift(adapter_id, vocab_size) as f32,
-        sum as f32,
-    ]
-}
-
-/// The fake's token rule for the base model: the token after `previous`.
-pub fn fake_next_token(previous: u32, vocab_size: u32) -> u32 {
-    next_token(previous, 0, vocab_size)
-}
-
-/// The fake's token rule for `adapter_id` ("" is the base model): the token after `previous`.
-pub fn fake_next_token_for(previous: u32, adapter_id: &str, vocab_size: u32) -> u32 {
-    next_token(
-        previous,
-        fake_adapter_shift(adapter_id, vocab_size),
-        vocab_size,
-    )
-}
-
-/// `k` of the token rule: 0 for the base model, else `1 + fnv1a64(id) % (vocab_size - 1)`
-/// (FNV-1a, 64-bit: offset basis 0xcbf29ce484222325, prime 0x100000001b3), in 1..vocab_size.
-pub fn fake_adapter_shift(adapter_id: &str, vocab_size: u32) -> u32 {
-    if adapter_id.is_empty() || vocab_size < 2 {
-        return 0;
-    }
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &byte in adapter_id.as_bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    1 + (hash % u64::from(vocab_size - 1)) as u32
-}
-
-fn next_token(previous: u32, shift: u32, vocab_size: u32) -> u32 {
-    ((u64::from(previous) * 31 + 7 + u64::from(shift)) % u64::from(vocab_size)) as u32
-}
+use tokens::next_token;
+pub use tokens::{
+    fake_adapter_shift, fake_embedding, fake_next_token, fake_next_token_for, FAKE_EMBEDDING_DIM,
+};
 
 /// One of the shard RPCs, to choose which call `FakeShard::fail_next` breaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -376,130 +337,6 @@ impl FakeShard {
             prompt_logprobs: Vec::new(),
             embedding: Vec::new(),
         }
-    }
-
-    fn decode_now(&self, batches: Vec<CachedBatch>) -> ShardResult<Step> {
-        let mut guard = self.begin(FakeRpc::Decode)?;
-        let state = &mut *guard;
-        state.stats.decode_calls += 1;
-        let Some(first) = batches.first() else {
-            return Err(invalid("decode of no batches".to_string()));
-        };
-        let merged_id = first.id;
-        let mut seen = HashSet::new();
-        for batch in &batches {
-            if !seen.insert(batch.id) {
-                return Err(invalid(format!("batch {} listed twice", batch.id)));
-            }
-            let Some(held) = state.batches.get(&batch.id) else {
-                return Err(invalid(format!("unknown batch {}", batch.id)));
-            };
-            if *held != batch.request_ids {
-                return Err(invalid(format!(
-                    "batch {} holds requests {held:?}, the router sent {:?}",
-                    batch.id, batch.request_ids
-                )));
-            }
-            for id in held {
-                let Some(r) = state.requests.get(id) else {
-                    continue;
-                };
-                if r.generated >= r.max_new_tokens {
-                    return Err(invalid(format!(
-                        "request {id} already has its {} new tokens",
-                        r.max_new_tokens
-                    )));
-                }
-            }
-        }
-        let mut merged = Vec::new();
-        for batch in &batches {
-            if let Some(ids) = state.batches.remove(&batch.id) {
-                merged.extend(ids);
-            }
-        }
-        let mut generations = Vec::with_capacity(merged.len());
-        for id in &merged {
-            if let Some(r) = state.requests.get_mut(id) {
-                r.digest = next_digest(r.digest, r.last_token);
-                let position = r.cached_len;
-                r.cached_len += 1;
-                state
-                    .kv
-                    .write_one(&r.blocks, self.block_size, position, r.digest);
-                let generation = self.generation(*id, r.last_token, r.shift, r.top_logprobs);
-                r.last_token = generation.token_id;
-                r.generated += 1;
-                generations.push(generation);
-            }
-        }
-        state.stats.max_decode_batch_size = state.stats.max_decode_batch_size.max(merged.len());
-        let decode_adapters =
-            distinct_adapters(merged.iter().filter_map(|id| state.requests.get(id)));
-        state.stats.max_decode_adapters = state.stats.max_decode_adapters.max(decode_adapters);
-        state.batches.insert(merged_id, merged.clone());
-        Ok(Step {
-            generations,
-            batch: Some(CachedBatch {
-                id: merged_id,
-                request_ids: merged,
-            }),
-            forward_ns: 0,
-            grammar_ns: 0,
-        })
-    }
-
-    fn filter_now(&self, batch_id: u64, keep_ids: Vec<u64>) -> ShardResult<Option<CachedBatch>> {
-        let mut guard = self.begin(FakeRpc::FilterBatch)?;
-        let state = &mut *guard;
-        state.stats.filter_calls += 1;
-        let Some(held) = state.batches.get(&batch_id) else {
-            return Err(invalid(format!("unknown batch {batch_id}")));
-        };
-        let mut keep = HashSet::new();
-        for id in &keep_ids {
-            if !held.contains(id) {
-                return Err(invalid(format!("request {id} is not in batch {batch_id}")));
-            }
-            if !keep.insert(*id) {
-                return Err(invalid(format!("request {id} listed twice")));
-            }
-        }
-        let held = state.batches.remove(&batch_id).unwrap_or_default();
-        let (kept, dropped): (Vec<u64>, Vec<u64>) =
-            held.into_iter().partition(|id| keep.contains(id));
-        for id in dropped {
-            release(state, id);
-        }
-        if kept.is_empty() {
-            // Keeping nothing drops the batch.
-            return Ok(None);
-        }
-        state.batches.insert(batch_id, kept.clone());
-        Ok(Some(CachedBatch {
-            id: batch_id,
-            request_ids: kept,
-        }))
-    }
-
-    fn clear_now(&self, batch_id: Option<u64>) -> ShardResult<()> {
-        let mut guard = self.begin(FakeRpc::ClearCache)?;
-        let state = &mut *guard;
-        state.stats.clear_calls += 1;
-        let ids: Vec<u64> = match batch_id {
-            Some(batch_id) => match state.batches.remove(&batch_id) {
-                Some(ids) => ids,
-                None => return Err(invalid(format!("unknown batch {batch_id}"))),
-            },
-            None => {
-                state.batches.clear();
-                state.requests.keys().copied().collect()
-            }
-        };
-        for id in ids {
-            release(state, id);
-        }
-        Ok(())
     }
 }
 
