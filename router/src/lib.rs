@@ -7,6 +7,7 @@
 pub mod adapters;
 pub mod bounded_text;
 pub mod config;
+pub mod core;
 pub mod detokenizer;
 pub mod error;
 pub mod files;

@@ -88,7 +88,7 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
         max_active_adapters = args.serving.max_active_adapters,
         max_lora_rank = args.serving.max_lora_rank,
         lora_rank_classes = ?args.serving.lora_rank_classes.as_ref().map(ToString::to_string),
-        preloaded = ?state.adapters.list().iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(),
+        preloaded = ?state.infer.models().adapters().list().iter().map(|entry| entry.id.as_str()).collect::<Vec<_>>(),
         "adapters"
     );
 
@@ -113,21 +113,21 @@ async fn run(args: RouterArgs) -> Result<Stopped, BoxError> {
     let server = Server::spawn(listener, app, connection_limits(&args));
     shutdown_signal().await;
     tracing::info!("shutdown requested: no new requests, draining those in flight");
-    state.scheduler.shutdown();
+    state.infer.scheduler().shutdown();
     server.stop_accepting();
     let grace = Duration::from_secs(args.serving.graceful_shutdown_secs);
     if tokio::time::timeout(grace, server.closed()).await.is_err() {
         tracing::warn!(
-            in_flight = state.scheduler.in_flight(),
+            in_flight = state.infer.scheduler().in_flight(),
             "grace period of {}s over; ending the requests still in flight with an error",
             grace.as_secs()
         );
-        state.cutoff.fire();
+        state.infer.cutoff().fire();
         // The cut requests answer at once; this only bounds how long their last bytes take.
         let _ = tokio::time::timeout(CUT_FLUSH_TIME, server.closed()).await;
     }
-    drain_scheduler(&state.scheduler).await;
-    let cut = state.cutoff.cut_requests();
+    drain_scheduler(state.infer.scheduler()).await;
+    let cut = state.infer.cutoff().cut_requests();
     if cut > 0 {
         tracing::warn!(
             cut,

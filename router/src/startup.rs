@@ -12,9 +12,8 @@ use crate::adapters::{
     AdapterBackend, AdapterError, AdapterRegistry, AdapterSource, Resolver, ServingBackend,
 };
 use crate::config::RouterArgs;
-use crate::http::{
-    AppState, Cutoff, EmbeddingsInfo, Infer, ServedLimits, ServedModels, ServerInfo,
-};
+use crate::core::{Infer, InferParts, Models, ServedModels};
+use crate::http::{AppState, EmbeddingsInfo, ServedLimits, ServerInfo};
 use crate::metrics::labels::AdapterLabels;
 use crate::metrics::scheduler::SchedulerMetrics;
 use crate::metrics::Metrics;
@@ -316,45 +315,45 @@ pub async fn start(
         resolver.canonical_root().map(Into::into),
     );
     preload(&adapters, &resolver, &settings.adapters.preload).await?;
-    let cutoff = Cutoff::default();
-    Ok(AppState {
-        infer: Infer::new(
-            scheduler.clone(),
-            shard.clone(),
-            metrics.clone(),
-            cutoff.clone(),
-        )
-        .refusing_generation(Some(info.generation_refusal.clone()).filter(|r| !r.is_empty())),
-        scheduler,
-        shard,
-        validator: Arc::new(Validator {
-            limits,
-            vocab_size: info.vocab_size,
-            eos_token_ids,
-            max_stop_sequences: settings.admission.max_stop_sequences,
-            bounds: RequestBounds::new(
-                settings.admission.max_choices_per_request,
-                settings.admission.max_request_kv_share,
-                cache.block_size,
-                usable_blocks,
-            ),
-            max_logprob_entries,
-            tool_call_parser: settings.tool_call_parser,
-            reasoning_parser: settings.reasoning_parser,
-        }),
-        base,
-        models: Arc::new(ServedModels {
+    let models = Models::new(
+        ServedModels {
             served_name,
             model_id,
             created: crate::openai::common::unix_now(),
-        }),
-        info: Arc::new(server_info),
+        },
+        base,
+        adapters,
+        resolver,
+    );
+    let validator = Validator {
+        limits,
+        vocab_size: info.vocab_size,
+        eos_token_ids,
+        max_stop_sequences: settings.admission.max_stop_sequences,
+        bounds: RequestBounds::new(
+            settings.admission.max_choices_per_request,
+            settings.admission.max_request_kv_share,
+            cache.block_size,
+            usable_blocks,
+        ),
+        max_logprob_entries,
+        tool_call_parser: settings.tool_call_parser,
+        reasoning_parser: settings.reasoning_parser,
+    };
+    let infer = Infer::new(InferParts {
+        scheduler,
+        shard,
         metrics,
+        validator,
+        models,
+        generation_refusal: Some(info.generation_refusal.clone()).filter(|r| !r.is_empty()),
+        embeddings_refusal: server_info.embeddings.unavailable.clone(),
+    });
+    Ok(AppState {
+        infer,
+        info: Arc::new(server_info),
         tenants: Arc::new(tenants),
         metrics_open: settings.metrics_open,
-        adapters,
-        resolver: Arc::new(resolver),
-        cutoff,
     })
 }
 

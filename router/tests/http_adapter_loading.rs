@@ -233,7 +233,7 @@ async fn requests_for_an_adapter_still_loading_share_one_load_and_block_nobody()
             .map(|body| app.post("/v1/chat/completions", body)),
     );
     let meanwhile = async {
-        while !app.state.adapters.is_loading(adapter) {
+        while !app.state.infer.models().adapters().is_loading(adapter) {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let base = app
@@ -242,7 +242,7 @@ async fn requests_for_an_adapter_still_loading_share_one_load_and_block_nobody()
                 &chat_body("hi", json!({"max_tokens": 4})),
             )
             .await;
-        let still_loading = app.state.adapters.is_loading(adapter);
+        let still_loading = app.state.infer.models().adapters().is_loading(adapter);
         (base, still_loading)
     };
     let (answers, ((base_status, base_body), still_loading)) = tokio::join!(waiting, meanwhile);

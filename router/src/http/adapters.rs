@@ -7,7 +7,6 @@ use serde_json::Value;
 
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::state::AppState;
-use crate::adapters::{check_name, AdapterError, AdapterLocation, AdapterSource, AdapterSpec};
 use crate::error::ApiError;
 use crate::openai::adapters::{LoadLoraAdapterRequest, UnloadLoraAdapterRequest};
 
@@ -29,60 +28,11 @@ pub async fn load_lora_adapter(
 ) -> Result<String, ApiError> {
     let name = required(request.lora_name, "lora_name")?;
     let path = required(request.lora_path, "lora_path")?;
-    check_name(&name).map_err(|error| ApiError::adapter(error, "lora_name"))?;
-    if state.models.is_base(&name) {
-        return Err(ApiError::BadRequestBody {
-            message: format!("`{name}` is the base model's name; choose another `lora_name`"),
-            param: Some("lora_name".to_owned()),
-            code: "invalid_value",
-        });
-    }
-    let source = request
-        .adapter_source
-        .as_deref()
-        .map(AdapterSource::parse)
-        .transpose()
-        .map_err(|error| ApiError::adapter(error, "adapter_source"))?;
-    let location = state
-        .resolver
-        .locate_path(&path, source)
-        .map_err(|error| ApiError::adapter(error, "lora_path"))?;
-    if let AdapterLocation::Hub { .. } | AdapterLocation::S3(_) = location {
-        // The shard downloads a hub or S3 adapter by its id (LoadAdapterRequest has no separate
-        // repository field), so such an adapter can only be served under its own id.
-        if name != path {
-            let kind = location.source();
-            return Err(ApiError::BadRequestBody {
-                message: format!(
-                    "{kind} adapters are served under their {kind} id: set `lora_name` to \
-                     `{path}`"
-                ),
-                param: Some("lora_name".to_owned()),
-                code: "invalid_value",
-            });
-        }
-    }
-    if let Some(reason) = state.resolver.name_conflict(&name, &location) {
-        let error = AdapterError::Conflict {
-            id: name,
-            reason: reason.to_owned(),
-        };
-        return Err(ApiError::adapter(error, "lora_name"));
-    }
     state
-        .adapters
-        .load(AdapterSpec {
-            id: name.clone(),
-            location,
-        })
-        .await
-        .map_err(|error| {
-            let param = match error {
-                AdapterError::AlreadyLoaded { .. } | AdapterError::Conflict { .. } => "lora_name",
-                _ => "lora_path",
-            };
-            ApiError::adapter(error, param)
-        })?;
+        .infer
+        .models()
+        .load_adapter(name.clone(), path, request.adapter_source.as_deref())
+        .await?;
     Ok(format!(
         "Success: LoRA adapter '{name}' added successfully."
     ))
@@ -93,12 +43,7 @@ pub async fn unload_lora_adapter(
     OpenAiJson(request): OpenAiJson<UnloadLoraAdapterRequest>,
 ) -> Result<String, ApiError> {
     let name = required(request.lora_name, "lora_name")?;
-    check_name(&name).map_err(|error| ApiError::adapter(error, "lora_name"))?;
-    state
-        .adapters
-        .unload(&name)
-        .await
-        .map_err(|error| ApiError::adapter(error, "lora_name"))?;
+    state.infer.models().unload_adapter(&name).await?;
     Ok(format!(
         "Success: LoRA adapter '{name}' removed successfully."
     ))

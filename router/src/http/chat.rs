@@ -8,9 +8,9 @@ use std::collections::HashMap;
 
 use super::chat_reader::{ChoiceReader, ReplyDelta};
 use super::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
-use super::generation::GeneratedToken;
 use super::logprobs::chat_logprobs;
 use super::sse::{ChoiceStep, ChunkFormat};
+use crate::core::GeneratedToken;
 use crate::openai::chat::{
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionResponse,
     ChatDelta, ChatFields, FunctionCall, FunctionCallDelta, ToolCall, ToolCallDelta, CHUNK_OBJECT,

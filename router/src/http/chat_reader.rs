@@ -3,7 +3,7 @@
 //! thinking never reaches the call parser. Tokens whose text is held back (a possible marker,
 //! a possible call) wait here for the next chunk that goes out.
 
-use super::generation::GeneratedToken;
+use crate::core::GeneratedToken;
 use crate::reasoning::{Piece, ReasoningSplitter};
 use crate::tool_calls::{ToolCallStream, ToolDelta};
 

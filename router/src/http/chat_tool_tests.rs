@@ -4,8 +4,8 @@
 use serde_json::{json, Value};
 
 use super::Chat;
+use crate::core::{ChoiceOutput, GeneratedToken};
 use crate::http::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
-use crate::http::generation::{ChoiceOutput, GeneratedToken};
 use crate::http::sse::{ChoiceStep, ChunkFormat};
 use crate::openai::common::{FinishReason, Usage};
 use crate::reasoning::ReasoningPlan;

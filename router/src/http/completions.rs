@@ -5,9 +5,9 @@
 //! logprobs with the prompt's entries; streamed, the prompt comes on the choice's first chunk.
 
 use super::endpoint::{Endpoint, FinishedChoice, ResponseSetup};
-use super::generation::GeneratedToken;
 use super::logprobs::CompletionOffsets;
 use super::sse::{ChoiceStep, ChunkFormat};
+use crate::core::GeneratedToken;
 use crate::openai::common::{ObjectHeader, Usage};
 use crate::openai::completions::{
     CompletionChoice, CompletionFields, CompletionResponse, ID_PREFIX, OBJECT,

@@ -1,25 +1,21 @@
-//! `POST /v1/embeddings`: resolve `model` as the generation endpoints do (an adapter's own
-//! tokenizer included), check and tokenize each input, and have `Infer` run each as an
-//! embedding request: one pass over its prompt in a Prefill beside the generation traffic,
-//! holding no decode slot (`scheduler::GenerationRequest::embed`). The answer lists the
-//! vectors in input order.
+//! `POST /v1/embeddings`: the body read, `Infer::embed` run on its inputs (see `core::embed`),
+//! and the vectors answered in input order, as floats or OpenAI's base64.
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use base64::Engine as _;
 use serde_json::Value;
-use tracing::Instrument;
 
 use super::ignored_fields::name_ignored_fields;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::state::AppState;
+use crate::core::{Embedded, EmbeddingInputs};
 use crate::error::ApiError;
 use crate::openai::embeddings::{
     Embedding, EmbeddingVector, EmbeddingsRequest, EmbeddingsResponse, EmbeddingsUsage, EMBEDDINGS,
 };
 use crate::openai::fields::check_fields_of;
-use crate::telemetry;
 use crate::tenants::Caller;
 
 pub struct EmbeddingsBody {
@@ -46,37 +42,24 @@ pub async fn create_embeddings(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<EmbeddingsBody>,
 ) -> Result<Response, ApiError> {
-    state.infer.check_available()?;
     let EmbeddingsBody { request, ignored } = body;
-    if let Some(reason) = &state.info.embeddings.unavailable {
-        return Err(ApiError::BadRequestBody {
-            message: format!("this model serves no embeddings: {reason}"),
-            param: Some("model".to_owned()),
-            code: "embeddings_unavailable",
-        });
-    }
-    let model = state
-        .resolve_model(
-            &caller,
-            request.model.as_deref(),
-            request.adapter_source.as_deref(),
-        )
-        .await?;
-    let inputs = state
-        .validator
-        .embedding_inputs(
-            &model.assets,
-            request.input,
-            request.add_special_tokens.unwrap_or(true),
-        )
-        .instrument(telemetry::span("validate"))
-        .await?;
-    let prompt_tokens: u32 = inputs.iter().map(|ids| ids.len() as u32).sum();
-    let vectors = state
-        .infer
-        .embed(&caller, &model.adapter_id, model.adapter_rank, inputs)
-        .await?;
     let base64 = request.encoding_format.as_deref() == Some("base64");
+    let Embedded {
+        vectors,
+        prompt_tokens,
+        model,
+    } = state
+        .infer
+        .embed(
+            &caller,
+            EmbeddingInputs {
+                model: request.model,
+                adapter_source: request.adapter_source,
+                input: request.input,
+                add_special_tokens: request.add_special_tokens.unwrap_or(true),
+            },
+        )
+        .await?;
     let data = vectors
         .into_iter()
         .zip(0..)
@@ -93,7 +76,7 @@ pub async fn create_embeddings(
     let response = Json(EmbeddingsResponse {
         object: "list",
         data,
-        model: super::response_model(&state, request.model),
+        model,
         usage: EmbeddingsUsage {
             prompt_tokens,
             total_tokens: prompt_tokens,

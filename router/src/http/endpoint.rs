@@ -1,6 +1,7 @@
 //! The one request path of the generation endpoints (`/v1/chat/completions`,
-//! `/v1/completions`): resolve `model` → validate → schedule every choice → stream chunks as
-//! SSE or collect one JSON response. What differs per endpoint is small and sits behind
+//! `/v1/completions`, and `/v1/responses` through `responses`): parse the body, have `Infer`
+//! resolve, validate and schedule every choice, then stream chunks as SSE or collect one JSON
+//! response. What differs per endpoint is small and sits behind
 //! `Endpoint`: the request fields it reads (which say how its prompts are built, see
 //! `PromptSource`), and how its chunks (`ChunkFormat`) and its final response are spelled.
 
@@ -10,22 +11,19 @@ use axum::{Extension, Json};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use tracing::Instrument;
 
-use super::generation::{prompt_cached_tokens, ChoiceOutput, ChoiceSettings};
 use super::ignored_fields::name_ignored_fields;
-use super::infer::Generation;
 use super::json::{typed, OpenAiJson, RequestBody};
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
-use super::state::{AppState, ResolvedModel};
+use super::state::AppState;
+use crate::core::{prompt_cached_tokens, ChoiceOutput, Started};
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields};
 use crate::openai::logprobs::PromptLogprobs;
 use crate::reasoning::ReasoningPlan;
 use crate::scheduler::PromptPosition;
-use crate::telemetry;
 use crate::tenants::Caller;
 use crate::tokenizer::TextTokenizer;
 use crate::tool_calls::ToolPlan;
@@ -137,7 +135,6 @@ pub async fn generate<E: Endpoint<Context = ()>>(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<GenerationBody<E::Fields>>,
 ) -> Result<Response, ApiError> {
-    state.infer.check_available()?;
     let GenerationBody {
         fields,
         params,
@@ -147,7 +144,7 @@ pub async fn generate<E: Endpoint<Context = ()>>(
     Ok(name_ignored_fields(response, &ignored))
 }
 
-/// Validates, runs and answers one request.
+/// Runs one request through `Infer` and answers it: SSE chunks, or one JSON response.
 pub(super) async fn answer<E: Endpoint>(
     state: AppState,
     caller: &Caller,
@@ -155,69 +152,34 @@ pub(super) async fn answer<E: Endpoint>(
     params: GenerationParams,
     context: E::Context,
 ) -> Result<Response, ApiError> {
-    let ResolvedModel {
-        adapter_id,
-        adapter_rank,
-        assets,
-    } = state
-        .resolve_model(
-            caller,
-            params.model.as_deref(),
-            params.adapter_source.as_deref(),
-        )
-        .await?;
-    state.infer.check_generates()?;
-    // Validation, the chat template and tokenization, as one span.
-    let valid = state
-        .validator
-        .validate(&assets, &adapter_id, fields, &params)
-        .instrument(telemetry::span("validate"))
-        .await?;
-    let options = valid.options;
-    let settings = ChoiceSettings {
-        stop: options.stop.clone(),
-        prompt_logprobs: options.logprobs.shard_prompt_logprobs().is_some(),
-        drop_generation: options.logprobs.drop_generation,
-        keep_special_tokens: valid
-            .tools
-            .as_ref()
-            .is_some_and(ToolPlan::keeps_special_tokens)
-            || valid
-                .reasoning
-                .as_ref()
-                .is_some_and(ReasoningPlan::keeps_special_tokens),
-        reasoning: valid.reasoning.as_ref().map(ReasoningPlan::splitter),
-    };
-    let counts_reasoning = settings.reasoning.is_some();
-    let generated_per_prompt = (valid.choices.len() / valid.prompts.len().max(1)) as u32;
-    let generation = Generation {
-        adapter_id,
-        adapter_rank,
-        choices: valid.choices,
-        grammar: valid.grammar,
-        prompt_tokens: valid.prompt_tokens,
-        cache_salt: valid.cache_salt,
-    };
-    let choices = state
-        .infer
-        .generate(caller, generation, &assets.tokenizer, &settings)
-        .await?;
+    let Started {
+        choices,
+        model,
+        options,
+        tokenizer,
+        prompts,
+        tools,
+        reasoning,
+        prompt_tokens,
+        choices_per_prompt,
+    } = state.infer.generate(caller, fields, params).await?;
+    let counts_reasoning = reasoning.is_some();
     let format = E::new(
         ResponseSetup {
-            model: super::response_model(&state, params.model),
+            model,
             options: options.clone(),
-            tokenizer: assets.tokenizer.clone(),
-            prompts: valid.prompts,
-            tools: valid.tools,
-            reasoning: valid.reasoning,
+            tokenizer,
+            prompts,
+            tools,
+            reasoning,
         },
         context,
     );
     if options.stream {
         let plan = StreamPlan {
             choices,
-            prompt_tokens: valid.prompt_tokens,
-            choices_per_prompt: generated_per_prompt as usize,
+            prompt_tokens,
+            choices_per_prompt: choices_per_prompt as usize,
             include_usage: options.include_usage,
             counts_reasoning,
             cutoff: state.infer.cutoff().clone(),
@@ -229,13 +191,13 @@ pub(super) async fn answer<E: Endpoint>(
     let completion_tokens = outputs.iter().map(|output| output.completion_tokens).sum();
     let reasoning_tokens = outputs.iter().map(|output| output.reasoning_tokens).sum();
     let cached: Vec<u32> = outputs.iter().map(|output| output.cached_tokens).collect();
-    let cached_tokens = prompt_cached_tokens(&cached, generated_per_prompt as usize);
-    let finished = select_best(outputs, generated_per_prompt, options.n)
+    let cached_tokens = prompt_cached_tokens(&cached, choices_per_prompt as usize);
+    let finished = select_best(outputs, choices_per_prompt, options.n)
         .into_iter()
         .zip(0..)
         .map(|(output, index)| FinishedChoice { index, output })
         .collect();
-    let usage = Usage::new(valid.prompt_tokens, completion_tokens)
+    let usage = Usage::new(prompt_tokens, completion_tokens)
         .with_cached(cached_tokens)
         .with_reasoning(counts_reasoning.then_some(reasoning_tokens));
     let response = format.response(finished, usage);

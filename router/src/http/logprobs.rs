@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::generation::{ChoiceOutput, GeneratedToken};
+use crate::core::{ChoiceOutput, GeneratedToken};
 use crate::openai::logprobs::{
     ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprobEntry,
     PromptLogprobs,

@@ -1,8 +1,8 @@
 //! The axum application: routes, authentication, and the fallbacks that keep every error in
-//! OpenAI's shape. A generation request flows `endpoint` (with `chat`, `completions` or
-//! `responses` saying how to build its prompts and shape its answer) → `validation` → `infer`
-//! (grammar compile, admission, `generation`'s detokenizer and stop strings, accounting) → JSON
-//! or `sse`; an embeddings request `embeddings` → `validation` → `infer`.
+//! OpenAI's shape. Handlers parse a request, call `crate::core::Infer`, and render its answer:
+//! a generation request flows `endpoint` (with `chat`, `completions` or `responses` saying how
+//! its fields are read and its chunks and response spelled) → `Infer::generate` → JSON, or
+//! `sse` for a stream; an embeddings request `embeddings` → `Infer::embed` → JSON.
 
 use axum::extract::Request;
 use axum::middleware;
@@ -19,18 +19,13 @@ mod bounded_json;
 mod chat;
 mod chat_reader;
 mod completions;
-mod cutoff;
 mod embeddings;
 mod endpoint;
-mod generation;
 mod give_back;
-mod grammar;
 mod health;
 pub(crate) mod held_body;
 mod ignored_fields;
-mod infer;
 mod json;
-mod key_meter;
 mod logprobs;
 mod metrics;
 mod models;
@@ -41,9 +36,7 @@ mod state;
 mod tokenize;
 
 pub use body_guard::limit_bodies;
-pub use cutoff::Cutoff;
-pub use infer::Infer;
-pub use state::{AppState, EmbeddingsInfo, ServedLimits, ServedModels, ServerInfo};
+pub use state::{AppState, EmbeddingsInfo, ServedLimits, ServerInfo};
 
 /// The whole HTTP surface over `state`. The API keys guard every route that takes a body
 /// or names models (loading and unloading need an admin key), and `/metrics` (an admin key,
@@ -121,12 +114,4 @@ async fn method_not_allowed(request: Request) -> ApiError {
         request.method(),
         request.uri().path()
     ))
-}
-
-/// The `model` a response reports: what the client asked for, or the served name when it
-/// left `model` empty.
-fn response_model(state: &AppState, requested: Option<String>) -> String {
-    requested
-        .filter(|model| !model.is_empty())
-        .unwrap_or_else(|| state.models.served_name.clone())
 }

@@ -14,7 +14,6 @@ use axum::http::Uri;
 use axum::{Extension, Json};
 
 use super::state::AppState;
-use crate::adapters::AdapterEntry;
 use crate::error::ApiError;
 use crate::openai::models::{ModelCard, ModelList};
 use crate::tenants::Caller;
@@ -73,15 +72,7 @@ pub async fn list_models(
         )
     })?;
     let paging = Paging::parse(query)?;
-    let base = caller
-        .may_use_base_model()
-        .then(|| state.models.base_card());
-    let adapters = state.adapters.list();
-    let adapters = adapters
-        .iter()
-        .filter(|entry| caller.may_use_adapter(&entry.id))
-        .map(|entry| adapter_card(&state, entry));
-    let cards = base.into_iter().chain(adapters);
+    let cards = state.infer.models().cards(&caller).into_iter();
     if paging.limit.is_none() && paging.after.is_none() {
         return Ok(Json(ModelList::new(cards.collect())));
     }
@@ -117,28 +108,10 @@ pub async fn retrieve_model(
         let raw = uri.path().strip_prefix("/v1/models/").unwrap_or(uri.path());
         return Err(ApiError::ModelNotFound(raw.to_owned()));
     };
-    let base = state.models.base_card();
-    if base.id == id {
-        if !caller.may_use_base_model() {
-            return Err(ApiError::ModelNotFound(id));
-        }
-        return Ok(Json(base));
-    }
-    if !caller.may_use_adapter(&id) {
-        return Err(ApiError::ModelNotFound(id));
-    }
     state
-        .adapters
-        .get(&id)
-        .map(|entry| Json(adapter_card(&state, &entry)))
+        .infer
+        .models()
+        .card(&caller, &id)
+        .map(Json)
         .ok_or(ApiError::ModelNotFound(id))
-}
-
-fn adapter_card(state: &AppState, entry: &AdapterEntry) -> ModelCard {
-    ModelCard::adapter(
-        entry.id.clone(),
-        entry.root(),
-        state.models.served_name.clone(),
-        entry.created,
-    )
 }

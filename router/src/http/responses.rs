@@ -58,7 +58,6 @@ pub async fn create_response(
     Extension(caller): Extension<Caller>,
     OpenAiJson(body): OpenAiJson<ResponsesBody>,
 ) -> Result<Response, ApiError> {
-    state.infer.check_available()?;
     let (fields, params, _) = body.chat.into_parts();
     let response = answer::<Responses>(state, &caller, fields, params, body.echo)
         .await

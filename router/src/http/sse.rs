@@ -11,8 +11,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde::Serialize;
 
-use super::cutoff::Cutoff;
-use super::generation::{prompt_cached_tokens, ChoiceEvent, GeneratedToken};
+use crate::core::Cutoff;
+use crate::core::{prompt_cached_tokens, ChoiceEvent, GeneratedToken};
 use crate::error::ApiError;
 use crate::openai::common::{FinishReason, Usage};
 use crate::scheduler::PromptPosition;

@@ -33,7 +33,9 @@ pub async fn tokenize(
     OpenAiJson(request): OpenAiJson<TokenizeRequest>,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let assets = state
-        .resolve_model(
+        .infer
+        .models()
+        .resolve(
             &caller,
             request.model.as_deref(),
             request.adapter_source.as_deref(),
@@ -65,7 +67,9 @@ pub async fn detokenize(
     OpenAiJson(request): OpenAiJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let assets = state
-        .resolve_model(
+        .infer
+        .models()
+        .resolve(
             &caller,
             request.model.as_deref(),
             request.adapter_source.as_deref(),

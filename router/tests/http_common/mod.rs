@@ -380,7 +380,7 @@ impl TestApp {
         let idle = || {
             self.shard.live_requests() == 0
                 && self.shard.pinned_grammars() == 0
-                && self.state.scheduler.in_flight() == 0
+                && self.state.infer.scheduler().in_flight() == 0
         };
         for _ in 0..200 {
             if idle() {
@@ -392,7 +392,7 @@ impl TestApp {
             "still busy: {} live requests and {} pinned grammars in the shard, {} in flight",
             self.shard.live_requests(),
             self.shard.pinned_grammars(),
-            self.state.scheduler.in_flight()
+            self.state.infer.scheduler().in_flight()
         );
     }
 }
