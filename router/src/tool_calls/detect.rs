@@ -1,26 +1,26 @@
 //! Which family's format a model writes calls in, when `--tool-call-parser` does not say: read
 //! off the chat template, which prints the format it teaches the model.
 
-use super::ToolCallParser;
+use quiver_flags::ToolCallParser;
+
+use super::registry::format_of;
+
+/// The families in the order a template is tried against them, the first it shows winning:
+/// the narrower signs first, Llama's JSON last (a pythonic template is a Llama template too, and
+/// any template may print `"parameters"`).
+const DETECTION_ORDER: [ToolCallParser; 5] = [
+    ToolCallParser::Granite,
+    ToolCallParser::Pythonic,
+    ToolCallParser::Hermes,
+    ToolCallParser::Mistral,
+    ToolCallParser::Llama3Json,
+];
 
 /// The family a chat template's text shows, if any.
 pub fn detect_parser(template: &str) -> Option<ToolCallParser> {
-    if template.contains("<|tool_call|>") {
-        Some(ToolCallParser::Granite)
-    } else if template.contains("[func_name1(") {
-        // The pythonic templates' instruction (vLLM's Llama 3.2 one, Llama 4's own).
-        Some(ToolCallParser::Pythonic)
-    } else if template.contains("<tool_call>") {
-        Some(ToolCallParser::Hermes)
-    } else if template.contains("[TOOL_CALLS]") {
-        Some(ToolCallParser::Mistral)
-    } else if template.contains("<|python_tag|>")
-        || (template.contains("<|start_header_id|>") && template.contains("\"parameters\""))
-    {
-        Some(ToolCallParser::Llama3Json)
-    } else {
-        None
-    }
+    DETECTION_ORDER
+        .into_iter()
+        .find(|parser| format_of(*parser).taught_by(template))
 }
 
 /// The family a model's replies are read in. The flag names the base model's format, and

@@ -4,9 +4,9 @@
 
 use serde_json::{json, Value};
 
-use super::plan_tests::{assert_stream_adds_up, assert_streamed_text};
+use super::stream_tests::{assert_stream_adds_up, assert_streamed_text};
 use super::truncated::parse_reply;
-use super::{ParsedOutput, ToolCallFormat, ToolCallParser};
+use super::{format_of, ParsedOutput, ToolCallParser};
 
 fn declared() -> Vec<String> {
     vec!["get_weather".to_owned(), "get_time".to_owned()]
@@ -17,7 +17,7 @@ fn read(parser: ToolCallParser, text: &str) -> (Option<String>, Vec<(String, Val
     let ParsedOutput {
         content,
         tool_calls,
-    } = parser.parse(text, Some(&declared()));
+    } = format_of(parser).parse(text, Some(&declared()));
     let calls = tool_calls
         .into_iter()
         .map(|call| {

@@ -4,11 +4,14 @@
 //! token, special or not, only as that token), and a special one must be kept by the
 //! detokenizer, or the parser would never see it.
 
+use quiver_flags::ToolCallParser;
+
+use super::grammar::tool_grammar;
+use super::parsed::ParsedOutput;
+use super::registry::format_of;
+use super::request::{ToolChoice, ToolRequest};
+use super::stream::ToolCallStream;
 use super::truncated::parse_reply;
-use super::{
-    granite, hermes, llama3_json, mistral, pythonic, tool_grammar, ParsedOutput, ToolCallParser,
-    ToolCallStream, ToolChoice, ToolRequest,
-};
 use crate::tokenizer::TextTokenizer;
 
 #[derive(Debug, Clone)]
@@ -25,7 +28,8 @@ impl ToolPlan {
     pub fn new(request: ToolRequest, parser: ToolCallParser, tokenizer: &TextTokenizer) -> Self {
         let token_id = |text: &str| tokenizer.added_token(text).map(|(id, _)| id);
         let grammar = tool_grammar(parser, &request, &token_id);
-        let special_markers = markers(parser)
+        let special_markers = format_of(parser)
+            .markers()
             .iter()
             .any(|m| tokenizer.added_token(m).is_some_and(|(_, special)| special));
         Self {
@@ -70,21 +74,4 @@ impl ToolPlan {
     pub fn stream(&self) -> ToolCallStream {
         ToolCallStream::new(self.parser, self.declared())
     }
-}
-
-/// The markers a family writes.
-pub(super) fn markers(parser: ToolCallParser) -> &'static [&'static str] {
-    match parser {
-        ToolCallParser::Hermes => &[hermes::START, hermes::END],
-        ToolCallParser::Llama3Json => &[llama3_json::PYTHON_TAG],
-        ToolCallParser::Mistral => &[mistral::MARKER, mistral::ARGS, mistral::CALL_ID],
-        ToolCallParser::Granite => &[granite::MARKER],
-        ToolCallParser::Pythonic => &[pythonic::START, pythonic::END],
-    }
-}
-
-/// Whether `text` has started writing calls: a family marker, or a pythonic reply's list.
-pub(super) fn opens_calls(parser: ToolCallParser, text: &str) -> bool {
-    markers(parser).iter().any(|marker| text.contains(marker))
-        || (parser == ToolCallParser::Pythonic && pythonic::body(text).is_some())
 }

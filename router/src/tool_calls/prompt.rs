@@ -3,9 +3,11 @@
 //! held to, so the model sees what it may call and how. Templates that read `tools` render them
 //! their own way and get nothing added.
 
+use quiver_flags::ToolCallParser;
 use serde_json::json;
 
-use super::{ToolCallParser, ToolChoice, ToolRequest};
+use super::registry::format_of;
+use super::request::{ToolChoice, ToolRequest};
 
 /// Whether a template's source reads a variable named `tools` (as a whole identifier:
 /// `tools_in_user_message` or `custom_tools` are other variables).
@@ -39,28 +41,7 @@ pub fn tool_system_prompt(
         text.push('\n');
     }
     text.push_str("To call a function, reply with ");
-    text.push_str(match parser {
-        ToolCallParser::Hermes => {
-            "<tool_call>\n{\"name\": <function name>, \"arguments\": <arguments as a JSON \
-             object>}\n</tool_call>\n(one such block per call)."
-        }
-        ToolCallParser::Llama3Json => {
-            "{\"name\": <function name>, \"parameters\": <arguments as a JSON object>} (calls \
-             separated by \"; \") and nothing else."
-        }
-        ToolCallParser::Mistral => {
-            "[TOOL_CALLS][{\"name\": <function name>, \"arguments\": <arguments as a JSON \
-             object>}] (one list entry per call)."
-        }
-        ToolCallParser::Granite => {
-            "<|tool_call|>[{\"name\": <function name>, \"arguments\": <arguments as a JSON \
-             object>}] (one list entry per call)."
-        }
-        ToolCallParser::Pythonic => {
-            "a Python list of calls with keyword arguments, [function_name(argument=value, \
-             ...), ...], and nothing else."
-        }
-    });
+    text.push_str(format_of(parser).call_instruction());
     Some(text)
 }
 
@@ -69,7 +50,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::tool_calls::{check_tool_request, ToolFields};
+    use crate::tool_calls::request::{check_tool_request, ToolFields};
 
     fn request(choice: serde_json::Value) -> ToolRequest {
         let tools = json!([{"type": "function", "function": {"name": "get_weather",

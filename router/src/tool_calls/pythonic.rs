@@ -4,41 +4,129 @@
 //! values are Python literals (strings in either quote, numbers, `True`/`False`/`None`, lists,
 //! tuples, dicts), turned into the JSON object OpenAI's `arguments` holds. A reply that is not
 //! such a list is text.
+//!
+//! The grammar holds a reply to a Python list of `name(key=value, …)` calls of the declared
+//! functions, each keyword one of the function's parameters, each value a Python literal of the
+//! parameter's JSON-schema type: a string (only the `enum`'s, when it has one), an integer, a
+//! number, `True`/`False`, `None`, a list or a dict; any literal where the schema gives no
+//! single type. Ranges, patterns and which keywords are required are not held, unlike
+//! the JSON formats' `%json` schemas: the values are Python's syntax, not JSON's.
+
+use std::borrow::Cow;
 
 use serde_json::{Map, Number, Value};
 
-use super::{ParsedCall, ParsedOutput};
+use super::format::ToolCallFormat;
+use super::lark::{call_choice, string, SpecialId};
+use super::parsed::{ParsedCall, ParsedOutput};
+use super::partial::{PartialCall, Scan};
+use super::request::FunctionSpec;
 
-pub(super) const START: &str = "<|python_start|>";
-pub(super) const END: &str = "<|python_end|>";
+const START: &str = "<|python_start|>";
+const END: &str = "<|python_end|>";
 
-/// `None` when `text` is not a list of well-formed calls (of declared functions).
-pub(super) fn parse(text: &str, declared: Option<&[String]>) -> Option<ParsedOutput> {
-    let body = body(text)?;
-    let mut reader = Reader::new(body);
-    let mut tool_calls = Vec::new();
-    reader.expect('[')?;
-    loop {
-        let call = reader.call()?;
-        if declared.is_some_and(|names| !names.contains(&call.name)) {
-            return None;
-        }
-        tool_calls.push(call);
-        if reader.take(',') {
-            continue;
-        }
-        reader.expect(']')?;
-        break;
+pub(super) struct Pythonic;
+
+impl ToolCallFormat for Pythonic {
+    fn markers(&self) -> &'static [&'static str] {
+        &[START, END]
     }
-    reader.at_end().then_some(ParsedOutput {
-        content: None,
-        tool_calls,
-    })
+
+    /// The pythonic templates' instruction (vLLM's Llama 3.2 one, Llama 4's own).
+    fn taught_by(&self, template: &str) -> bool {
+        template.contains("[func_name1(")
+    }
+
+    fn call_instruction(&self) -> &'static str {
+        "a Python list of calls with keyword arguments, [function_name(argument=value, \
+         ...), ...], and nothing else."
+    }
+
+    fn grammar(
+        &self,
+        forced: bool,
+        several: bool,
+        functions: &[&FunctionSpec],
+        _special_id: SpecialId,
+    ) -> (String, Vec<String>) {
+        let (start, mut rules) = layout_rules(forced, several);
+        rules.extend(call_rules(functions));
+        (start, rules)
+    }
+
+    /// `None` when `text` is not a list of well-formed calls (of declared functions).
+    fn read(&self, text: &str, declared: Option<&[String]>) -> Option<ParsedOutput> {
+        let body = body(text)?;
+        let mut reader = Reader::new(body);
+        let mut tool_calls = Vec::new();
+        reader.expect('[')?;
+        loop {
+            let call = reader.call()?;
+            if declared.is_some_and(|names| !names.contains(&call.name)) {
+                return None;
+            }
+            tool_calls.push(call);
+            if reader.take(',') {
+                continue;
+            }
+            reader.expect(']')?;
+            break;
+        }
+        reader.at_end().then_some(ParsedOutput {
+            content: None,
+            tool_calls,
+        })
+    }
+
+    /// A Python list of calls: each call's name once `name(` is written, its arguments once the
+    /// call is complete. Text that cannot open such a list is content.
+    fn scan<'a>(&self, text: &'a str) -> Scan<'a> {
+        let mut scan = Scan::default();
+        let trimmed = text.trim_start();
+        if trimmed.is_empty() || START.starts_with(trimmed) {
+            return scan;
+        }
+        let Some(body) = body(text) else {
+            scan.content.push_str(text);
+            return scan;
+        };
+        let mut reader = Reader::new(body);
+        if !reader.take('[') {
+            return scan;
+        }
+        loop {
+            let from = reader.at;
+            if let Some(call) = reader.call() {
+                scan.calls.push(PartialCall {
+                    name: call.name,
+                    arguments: Cow::Owned(call.arguments),
+                });
+                if reader.take(',') {
+                    continue;
+                }
+                return scan;
+            }
+            // Unfinished: its name, if complete.
+            let mut name_reader = Reader::new(&body[from..]);
+            if let (Some(name), true) = (name_reader.identifier(), name_reader.take('(')) {
+                scan.calls.push(PartialCall {
+                    name: name.to_owned(),
+                    arguments: Cow::Borrowed(""),
+                });
+            }
+            return scan;
+        }
+    }
+
+    /// A marker, or a reply that opens the list.
+    fn opens_calls(&self, text: &str) -> bool {
+        self.markers().iter().any(|marker| text.contains(marker)) || body(text).is_some()
+    }
 }
 
 /// The reply without surrounding whitespace and Llama 4's tags; `None` when it does not open
 /// a list.
-pub(super) fn body(text: &str) -> Option<&str> {
+fn body(text: &str) -> Option<&str> {
     let trimmed = text.trim();
     let inner = match trimmed.strip_prefix(START) {
         Some(rest) => rest.strip_suffix(END).unwrap_or(rest).trim(),
@@ -49,13 +137,13 @@ pub(super) fn body(text: &str) -> Option<&str> {
 
 /// Reads Python calls and literals left to right; every step skips whitespace first and
 /// answers `None` when the text ends or differs.
-pub(super) struct Reader<'a> {
+struct Reader<'a> {
     text: &'a str,
-    pub(super) at: usize,
+    at: usize,
 }
 
 impl<'a> Reader<'a> {
-    pub(super) fn new(text: &'a str) -> Self {
+    fn new(text: &'a str) -> Self {
         Self { text, at: 0 }
     }
 
@@ -74,7 +162,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Consumes `c` if it comes next.
-    pub(super) fn take(&mut self, c: char) -> bool {
+    fn take(&mut self, c: char) -> bool {
         self.skip_whitespace();
         let found = self.rest().starts_with(c);
         if found {
@@ -83,12 +171,12 @@ impl<'a> Reader<'a> {
         found
     }
 
-    pub(super) fn expect(&mut self, c: char) -> Option<()> {
+    fn expect(&mut self, c: char) -> Option<()> {
         self.take(c).then_some(())
     }
 
     /// A (dotted) Python identifier.
-    pub(super) fn identifier(&mut self) -> Option<&'a str> {
+    fn identifier(&mut self) -> Option<&'a str> {
         self.skip_whitespace();
         let rest = self.rest();
         let length = rest
@@ -103,7 +191,7 @@ impl<'a> Reader<'a> {
     }
 
     /// `name(key=value, …)`, its keywords as a JSON object.
-    pub(super) fn call(&mut self) -> Option<ParsedCall> {
+    fn call(&mut self) -> Option<ParsedCall> {
         let name = self.identifier()?.to_owned();
         self.expect('(')?;
         let mut arguments = Map::new();
@@ -232,4 +320,95 @@ fn number(word: &str) -> Option<Value> {
     }
     let float: f64 = word.parse().ok()?;
     Number::from_f64(float).map(Value::Number)
+}
+
+/// Python literals, written as the grammar lets the model write them.
+const LITERALS: &[&str] = &[
+    r#"py_value: PY_STRING | PY_NUMBER | "True" | "False" | "None" | py_list | py_dict"#,
+    r#"py_list: "[" (py_value (", " py_value)*)? "]""#,
+    r#"py_dict: "{" (PY_STRING ": " py_value (", " PY_STRING ": " py_value)*)? "}""#,
+    r#"PY_STRING: /'([^'\\\n]|\\.)*'/ | /"([^"\\\n]|\\.)*"/"#,
+    r#"PY_INT: /-?[0-9]+/"#,
+    r#"PY_NUMBER: /-?[0-9]+(\.[0-9]+)?([eE][+-]?[0-9]+)?/"#,
+];
+
+/// The start rule and the list's rules; in `auto`, text that does not open with `[` instead.
+fn layout_rules(forced: bool, several: bool) -> (String, Vec<String>) {
+    let calls = match several {
+        true => r#"calls: "[" call (", " call)* "]""#,
+        false => r#"calls: "[" call "]""#,
+    };
+    let mut rules = vec![calls.to_owned()];
+    rules.extend(LITERALS.iter().map(|rule| (*rule).to_owned()));
+    let start = if forced {
+        "calls".to_owned()
+    } else {
+        rules.push(r"PLAIN: /([^\[\s](.|\n)*)?/".to_owned());
+        "PLAIN | calls".to_owned()
+    };
+    (start, rules)
+}
+
+/// `call`: one call of any of `functions`, keywords from its parameters.
+fn call_rules(functions: &[&FunctionSpec]) -> Vec<String> {
+    let mut rules = vec![call_choice(functions)];
+    for (i, function) in functions.iter().enumerate() {
+        let opening = string(&format!("{}(", function.name));
+        let properties = function.parameters["properties"]
+            .as_object()
+            .filter(|properties| !properties.is_empty());
+        let Some(properties) = properties else {
+            rules.push(format!("fn_{i}: {opening} \")\""));
+            continue;
+        };
+        rules.push(format!(
+            "fn_{i}: {opening} (kwarg_{i} (\", \" kwarg_{i})*)? \")\""
+        ));
+        let keywords: Vec<String> = (0..properties.len())
+            .map(|j| format!("kw_{i}_{j}"))
+            .collect();
+        rules.push(format!("kwarg_{i}: {}", keywords.join(" | ")));
+        for (j, (key, schema)) in properties.iter().enumerate() {
+            rules.push(format!(
+                "kw_{i}_{j}: {} {}",
+                string(&format!("{key}=")),
+                value_rule(schema)
+            ));
+        }
+    }
+    rules
+}
+
+/// The literal a parameter's schema asks for.
+fn value_rule(schema: &Value) -> String {
+    if let Some(values) = schema["enum"].as_array() {
+        let choices: Vec<String> = values.iter().filter_map(enum_literal).collect();
+        if choices.len() == values.len() && !choices.is_empty() {
+            return format!("({})", choices.join(" | "));
+        }
+    }
+    match schema["type"].as_str() {
+        Some("string") => "PY_STRING",
+        Some("integer") => "PY_INT",
+        Some("number") => "PY_NUMBER",
+        Some("boolean") => r#"("True" | "False")"#,
+        Some("null") => r#""None""#,
+        Some("array") => "py_list",
+        Some("object") => "py_dict",
+        _ => "py_value",
+    }
+    .to_owned()
+}
+
+/// An enum value as a Python literal (strings in single quotes, as Python's `repr`).
+fn enum_literal(value: &Value) -> Option<String> {
+    let literal = match value {
+        Value::String(text) if !text.contains(['\'', '\\', '\n']) => format!("'{text}'"),
+        Value::Number(number) => number.to_string(),
+        Value::Bool(true) => "True".to_owned(),
+        Value::Bool(false) => "False".to_owned(),
+        Value::Null => "None".to_owned(),
+        _ => return None,
+    };
+    Some(string(&literal))
 }

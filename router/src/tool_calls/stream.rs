@@ -4,9 +4,11 @@
 //! response is (`ToolCallFormat::parse`) and whatever that has beyond what was sent is sent
 //! last, so the deltas add up to the non-streamed message.
 
-use super::partial::scan;
+use quiver_flags::ToolCallParser;
+
+use super::parsed::{call_id, non_blank};
+use super::registry::format_of;
 use super::truncated::parse_reply;
-use super::{call_id, non_blank, ToolCallParser};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolDelta {
@@ -47,7 +49,7 @@ impl ToolCallStream {
     /// The deltas `piece`, the reply's next text, makes known.
     pub fn push(&mut self, piece: &str) -> Vec<ToolDelta> {
         self.text.push_str(piece);
-        let scan = scan(self.parser, &self.text);
+        let scan = format_of(self.parser).scan(&self.text);
         let mut deltas = Vec::new();
         // Content only once it is more than whitespace: a reply of calls alone has none.
         if non_blank(&scan.content).is_some() {

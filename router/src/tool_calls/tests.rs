@@ -3,7 +3,7 @@
 
 use serde_json::{json, Value};
 
-use super::{call_id, ParsedOutput, ToolCallFormat, ToolCallParser};
+use super::{call_id, format_of, ParsedOutput, ToolCallParser};
 
 fn declared() -> Vec<String> {
     ["get_weather", "search", "get_time"]
@@ -12,7 +12,7 @@ fn declared() -> Vec<String> {
 }
 
 fn parse(parser: ToolCallParser, text: &str) -> ParsedOutput {
-    parser.parse(text, Some(&declared()))
+    format_of(parser).parse(text, Some(&declared()))
 }
 
 /// The calls as `(name, arguments as a JSON value)`.
@@ -153,7 +153,7 @@ fn hermes_unknown_function_is_text() {
     let text = "<tool_call>\n{\"name\": \"delete_everything\", \"arguments\": {}}\n</tool_call>";
     assert_plain(ToolCallParser::Hermes, text);
     // Without a declared list, any name is taken.
-    let output = ToolCallParser::Hermes.parse(text, None);
+    let output = format_of(ToolCallParser::Hermes).parse(text, None);
     assert_eq!(calls(&output), vec![("delete_everything", json!({}))]);
 }
 

@@ -3,11 +3,12 @@
 //! markup included, would come back as content with no calls. OpenAI's API answers such a reply
 //! with its calls instead: the complete ones whole, the cut one with the arguments written so
 //! far, and `finish_reason: "length"`. So does this: what the stream reader knows of a reply in
-//! progress (`partial::scan`) is what a cut reply holds.
+//! progress (`ToolCallFormat::scan`) is what a cut reply holds.
 
-use super::partial::scan;
-use super::plan::opens_calls;
-use super::{ParsedCall, ParsedOutput, ToolCallFormat, ToolCallParser};
+use quiver_flags::ToolCallParser;
+
+use super::parsed::{ParsedCall, ParsedOutput};
+use super::registry::format_of;
 
 /// `text` split into content and calls; `cut`: generation stopped at `max_tokens`.
 pub(super) fn parse_reply(
@@ -16,11 +17,12 @@ pub(super) fn parse_reply(
     declared: &[String],
     cut: bool,
 ) -> ParsedOutput {
-    let parsed = parser.parse(text, Some(declared));
+    let format = format_of(parser);
+    let parsed = format.parse(text, Some(declared));
     if !cut {
         return parsed;
     }
-    let scan = scan(parser, text);
+    let scan = format.scan(text);
     let calls: Vec<ParsedCall> = scan
         .calls
         .iter()
@@ -37,7 +39,7 @@ pub(super) fn parse_reply(
     }
     // A cut inside a marker or before the first call's name was complete: no call, and the
     // markup is not content. Without one, the text is the reply's.
-    let in_a_call = opens_calls(parser, text);
+    let in_a_call = format.opens_calls(text);
     if calls.is_empty() && !in_a_call {
         return parsed;
     }
