@@ -59,6 +59,15 @@ pub struct InferParts {
 /// answer is shaped from.
 pub struct Started {
     pub choices: Vec<BoxStream<'static, ChoiceEvent>>,
+    pub setup: ResponseSetup,
+    /// Counted once per prompt, as OpenAI bills them.
+    pub prompt_tokens: u32,
+    /// Choices generated per prompt (`best_of`, else `n`).
+    pub choices_per_prompt: u32,
+}
+
+/// What an endpoint needs to shape one request's answer besides the generations.
+pub struct ResponseSetup {
     /// What the response reports as `model`.
     pub model: String,
     pub options: ResponseOptions,
@@ -70,10 +79,17 @@ pub struct Started {
     pub tools: Option<ToolPlan>,
     /// Chat with a thinking model: how replies are split into reasoning and content.
     pub reasoning: Option<ReasoningPlan>,
-    /// Counted once per prompt, as OpenAI bills them.
-    pub prompt_tokens: u32,
-    /// Choices generated per prompt (`best_of`, else `n`).
-    pub choices_per_prompt: u32,
+}
+
+impl ResponseSetup {
+    pub fn prompt(&self, index: u32) -> Option<&ValidPrompt> {
+        self.prompts.get((index / self.options.n.max(1)) as usize)
+    }
+
+    /// The ids, when the client asked for them.
+    pub fn token_ids(&self, ids: impl FnOnce() -> Vec<u32>) -> Option<Vec<u32>> {
+        self.options.return_token_ids.then(ids)
+    }
 }
 
 impl Infer {
@@ -198,12 +214,14 @@ impl Infer {
         )?;
         Ok(Started {
             choices: charge_when_done(caller, prompt_tokens, streams),
-            model: self.models.response_model(params.model),
-            options,
-            tokenizer: assets.tokenizer.clone(),
-            prompts,
-            tools,
-            reasoning,
+            setup: ResponseSetup {
+                model: self.models.response_model(params.model),
+                options,
+                tokenizer: assets.tokenizer.clone(),
+                prompts,
+                tools,
+                reasoning,
+            },
             prompt_tokens,
             choices_per_prompt,
         })

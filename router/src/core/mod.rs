@@ -19,5 +19,5 @@ pub use embed::{Embedded, EmbeddingInputs};
 pub use generation::{
     prompt_cached_tokens, ChoiceEvent, ChoiceOutput, ChoiceSettings, GeneratedToken,
 };
-pub use infer::{Infer, InferParts, Started};
+pub use infer::{Infer, InferParts, ResponseSetup, Started};
 pub use models::{Models, ResolvedModel, ServedModels};

@@ -8,17 +8,17 @@
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Body, HttpBody};
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::header::CONNECTION;
 use axum::http::HeaderValue;
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::Router;
-use http_body::{Frame, SizeHint};
+
+use crate::server::{BodyWatch, WatchedBody};
 
 /// How long the unread rest of a body may take to arrive before the connection is dropped.
 const DISCARD_TIME: Duration = Duration::from_secs(10);
@@ -47,11 +47,13 @@ async fn discard_unread(
 ) -> Response {
     let close = Arc::new(AtomicBool::new(false));
     let request = request.map(|body| {
-        Body::new(DiscardOnDrop {
-            inner: Some(body),
-            bound: bound.0,
-            close: close.clone(),
-        })
+        WatchedBody::wrap(
+            body,
+            DiscardRest {
+                bound: bound.0,
+                close: close.clone(),
+            },
+        )
     });
     let mut response = next.run(request).await;
     if close.load(Ordering::Acquire) {
@@ -62,46 +64,16 @@ async fn discard_unread(
     response
 }
 
-/// A request body that, dropped before its end, has its rest discarded.
-struct DiscardOnDrop {
-    inner: Option<Body>,
+/// Has the rest of a request body that is dropped before its end discarded.
+struct DiscardRest {
     bound: u64,
     /// Set when the rest is too large (or of unknown size) to promise keep-alive.
     close: Arc<AtomicBool>,
 }
 
-impl HttpBody for DiscardOnDrop {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let Some(inner) = self.inner.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let polled = Pin::new(inner).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) {
-            self.inner = None;
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner
-            .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
-    }
-}
-
-impl Drop for DiscardOnDrop {
-    fn drop(&mut self) {
-        let Some(rest) = self.inner.take() else {
+impl BodyWatch for DiscardRest {
+    fn dropped(&mut self, rest: Option<Body>) {
+        let Some(rest) = rest else {
             return;
         };
         if rest.is_end_stream() {

@@ -17,17 +17,15 @@ use super::json::{typed, OpenAiJson, RequestBody};
 use super::logprobs::{prompt_logprobs, select_best};
 use super::sse::{sse_response, ChunkFormat, StreamPlan};
 use super::state::AppState;
+pub use crate::core::ResponseSetup;
 use crate::core::{prompt_cached_tokens, ChoiceOutput, Started};
 use crate::error::ApiError;
 use crate::openai::common::{GenerationParams, Usage};
 use crate::openai::fields::{check_fields, EndpointFields};
 use crate::openai::logprobs::PromptLogprobs;
-use crate::reasoning::ReasoningPlan;
 use crate::scheduler::PromptPosition;
 use crate::tenants::Caller;
-use crate::tokenizer::TextTokenizer;
-use crate::tool_calls::ToolPlan;
-use crate::validation::{PromptSource, ResponseOptions, ValidPrompt};
+use crate::validation::PromptSource;
 
 /// One generation endpoint; a value formats one request's chunks and response.
 pub trait Endpoint: ChunkFormat + Sized {
@@ -44,31 +42,8 @@ pub trait Endpoint: ChunkFormat + Sized {
     fn response(self, choices: Vec<FinishedChoice>, usage: Usage) -> Self::Response;
 }
 
-/// What an endpoint needs to shape one request's answer besides the generations.
-pub struct ResponseSetup {
-    /// What the response reports as `model`.
-    pub model: String,
-    pub options: ResponseOptions,
-    /// The request's tokenizer (an adapter's own one if it has one): spells logprob tokens.
-    pub tokenizer: TextTokenizer,
-    /// One per prompt; choice `i` answers prompt `i / options.n`.
-    pub prompts: Vec<ValidPrompt>,
-    /// Chat with `tools`: how replies are read for calls.
-    pub tools: Option<ToolPlan>,
-    /// Chat with a thinking model: how replies are split into reasoning and content.
-    pub reasoning: Option<ReasoningPlan>,
-}
-
+/// Spelled here, where logprobs are rendered; the rest of `ResponseSetup` is in `core`.
 impl ResponseSetup {
-    pub fn prompt(&self, index: u32) -> Option<&ValidPrompt> {
-        self.prompts.get((index / self.options.n.max(1)) as usize)
-    }
-
-    /// The ids, when the client asked for them.
-    pub fn token_ids(&self, ids: impl FnOnce() -> Vec<u32>) -> Option<Vec<u32>> {
-        self.options.return_token_ids.then(ids)
-    }
-
     /// vLLM's `prompt_logprobs` for choice `index`, when asked.
     pub fn prompt_logprobs(
         &self,
@@ -154,27 +129,13 @@ pub(super) async fn answer<E: Endpoint>(
 ) -> Result<Response, ApiError> {
     let Started {
         choices,
-        model,
-        options,
-        tokenizer,
-        prompts,
-        tools,
-        reasoning,
+        setup,
         prompt_tokens,
         choices_per_prompt,
     } = state.infer.generate(caller, fields, params).await?;
-    let counts_reasoning = reasoning.is_some();
-    let format = E::new(
-        ResponseSetup {
-            model,
-            options: options.clone(),
-            tokenizer,
-            prompts,
-            tools,
-            reasoning,
-        },
-        context,
-    );
+    let counts_reasoning = setup.reasoning.is_some();
+    let options = setup.options.clone();
+    let format = E::new(setup, context);
     if options.stream {
         let plan = StreamPlan {
             choices,

@@ -11,15 +11,15 @@
 //! millisecond on the router's small heap, on a blocking worker; an exchange that large takes
 //! far longer.
 
-use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::Poll;
 
-use axum::body::{Body, Bytes, HttpBody};
+use axum::body::{Body, HttpBody};
 use axum::extract::Request;
 use axum::http::header::CONTENT_LENGTH;
 use axum::middleware::Next;
 use axum::response::Response;
-use http_body::{Frame, SizeHint};
+
+use crate::server::{BodyWatch, Polled, WatchedBody};
 
 pub const LARGE_BODY_BYTES: u64 = 256 << 10;
 pub const LARGE_RESPONSE_BYTES: u64 = 1 << 20;
@@ -36,56 +36,26 @@ pub async fn trim_after_large_bodies(request: Request, next: Next) -> Response {
         // Off the async workers: trimming walks every arena.
         let _ = tokio::task::spawn_blocking(trim).await;
     }
-    response.map(|inner| {
-        Body::new(CountedBody {
-            inner: Some(inner),
-            sent: 0,
-        })
-    })
+    response.map(|inner| WatchedBody::wrap(inner, SentBytes(0)))
 }
 
-/// A response body that trims once it is dropped, if it sent more than `LARGE_RESPONSE_BYTES`.
-struct CountedBody {
-    inner: Option<Body>,
-    sent: u64,
-}
+/// Counts what a response sent, and trims once it is dropped if that was more than
+/// `LARGE_RESPONSE_BYTES`.
+struct SentBytes(u64);
 
-impl HttpBody for CountedBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let Some(inner) = self.inner.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let polled = Pin::new(inner).poll_frame(cx);
-        if let Poll::Ready(Some(Ok(frame))) = &polled {
+impl BodyWatch for SentBytes {
+    fn polled(&mut self, polled: &Polled) {
+        if let Poll::Ready(Some(Ok(frame))) = polled {
             if let Some(data) = frame.data_ref() {
-                self.sent += data.len() as u64;
+                self.0 += data.len() as u64;
             }
         }
-        polled
     }
 
-    fn is_end_stream(&self) -> bool {
-        self.inner.as_ref().is_none_or(Body::is_end_stream)
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner
-            .as_ref()
-            .map_or_else(|| SizeHint::with_exact(0), Body::size_hint)
-    }
-}
-
-impl Drop for CountedBody {
-    fn drop(&mut self) {
+    fn dropped(&mut self, rest: Option<Body>) {
         // What the response held goes first, so that the trim finds it free.
-        drop(self.inner.take());
-        if self.sent <= LARGE_RESPONSE_BYTES {
+        drop(rest);
+        if self.0 <= LARGE_RESPONSE_BYTES {
             return;
         }
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {

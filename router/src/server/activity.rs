@@ -13,11 +13,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes, HttpBody};
-use http_body::{Frame, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::sync::Notify;
 use tokio::time::Instant;
+
+use super::watched_body::{BodyWatch, Polled};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct IdleLimits {
@@ -134,43 +134,21 @@ impl Drop for Busy {
     }
 }
 
-/// A response body that keeps its request in progress until its last frame is sent (or the
-/// response is dropped).
-pub struct BusyBody {
-    inner: Body,
-    busy: Option<Busy>,
-}
+/// Keeps a response's request in progress until its last frame is sent (or the response is
+/// dropped).
+pub struct BusyWatch(Option<Busy>);
 
-impl BusyBody {
-    pub fn new(inner: Body, busy: Busy) -> Self {
-        Self {
-            inner,
-            busy: Some(busy),
-        }
+impl BusyWatch {
+    pub fn new(busy: Busy) -> Self {
+        Self(Some(busy))
     }
 }
 
-impl HttpBody for BusyBody {
-    type Data = Bytes;
-    type Error = axum::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+impl BodyWatch for BusyWatch {
+    fn polled(&mut self, polled: &Polled) {
         if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            self.busy = None;
+            self.0 = None;
         }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
     }
 }
 

@@ -8,7 +8,6 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::extract::Request;
 use axum::Router;
 use hyper::body::Incoming;
@@ -20,10 +19,12 @@ use tower::ServiceExt;
 
 mod activity;
 mod body_deadline;
+mod watched_body;
 
 pub use activity::IdleLimits;
-use activity::{Activity, BusyBody, TrackedIo};
+use activity::{Activity, BusyWatch, TrackedIo};
 pub use body_deadline::{BodyDeadline, BodyLimits, MIN_RATE_GRACE};
+pub use watched_body::{BodyWatch, Polled, WatchedBody};
 
 /// After a failed accept (out of file descriptors, most likely), wait before the next one
 /// rather than spin.
@@ -126,7 +127,9 @@ async fn connection(
             let app = app.clone();
             async move {
                 let response = app.oneshot(limits.body.apply(request)).await?;
-                Ok::<_, Infallible>(response.map(|body| Body::new(BusyBody::new(body, busy))))
+                Ok::<_, Infallible>(
+                    response.map(|body| WatchedBody::wrap(body, BusyWatch::new(busy))),
+                )
             }
         }
     });
