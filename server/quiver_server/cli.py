@@ -201,8 +201,8 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
         return EXIT_FAILURE
 
     # Imported late: torch takes seconds to import and `download`/`--help` don't need it.
-    from quiver_server.engine import Engine
-    from quiver_server.engine_thread import EngineThread
+    from quiver_server.engine.engine import Engine
+    from quiver_server.engine.engine_thread import EngineThread
     from quiver_server.server import SocketInUseError, prepare_socket_path, serve
     from quiver_server.service import ShardService
 

@@ -5,7 +5,8 @@ thread that also loaded the model): the event loop stays free
 to answer `Health` during a long prefill, and the engine never sees two calls at once (its batch
 state and KV cache are not thread-safe, and the router never overlaps steps anyway).
 `LoadAdapter` and `PrefetchAdapter` are exceptions: a hub download or a disk read must not stall
-decoding, so they run on loader threads (`Engine.load_adapter` is thread-safe). So does
+decoding, so they run on loader threads (the engine's adapter manager, `Engine.lora`, is
+thread-safe). So does
 `ActivateAdapter`, on a slot-copy thread of its own: the router fills a slot no step reads and
 admits its requests once the copy is done (`adapters/slots.py`). Unloading runs on the engine
 thread, between steps. `CompileGrammar` runs on a compile pool too (a grammar can take seconds
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 import torch
 from grpc import aio
 
-from quiver_server.batch_types import (
+from quiver_server.engine.batch_types import (
     GrammarSpec,
     ModelInfo,
     RequestSpec,
@@ -39,12 +40,12 @@ from quiver_server.batch_types import (
     TokenOut,
 )
 from quiver_server.bounded_text import bounded
-from quiver_server.engine_thread import EngineThread
+from quiver_server.engine.engine_thread import EngineThread
 from quiver_server.grammar import GrammarError
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 
 if TYPE_CHECKING:
-    from quiver_server.engine import Engine
+    from quiver_server.engine.engine import Engine
 
 T = TypeVar("T")
 
@@ -247,7 +248,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.LoadAdapterRequest, context: aio.ServicerContext
     ) -> shard_pb2.LoadAdapterResponse:
         info = await asyncio.get_running_loop().run_in_executor(
-            self._loader, self._engine.load_adapter, request.adapter_id, request.source, request.path,
+            self._loader, self._engine.lora.load, request.adapter_id, request.source, request.path,
             request.revision,
         )
         return shard_pb2.LoadAdapterResponse(
@@ -266,7 +267,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         self, request: shard_pb2.PrefetchAdapterRequest, context: aio.ServicerContext
     ) -> shard_pb2.PrefetchAdapterResponse:
         hit = await asyncio.get_running_loop().run_in_executor(
-            self._loader, self._engine.prefetch_adapter, request.adapter_id
+            self._loader, self._engine.lora.prefetch, request.adapter_id
         )
         return shard_pb2.PrefetchAdapterResponse(host_cache_hit=hit)
 
@@ -282,7 +283,7 @@ class ShardService(shard_pb2_grpc.ShardServicer):
         grammar = grammar_from_pb(request.grammar)
         try:
             compile_ns = await asyncio.get_running_loop().run_in_executor(
-                self._compiler, self._engine.compile_grammar, request.adapter_id, grammar, request.grammar_id
+                self._compiler, self._engine.grammars.pin, request.grammar_id, request.adapter_id, grammar
             )
         except GrammarError as error:
             return shard_pb2.CompileGrammarResponse(error=bounded(str(error)))
@@ -291,5 +292,5 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     async def ReleaseGrammars(
         self, request: shard_pb2.ReleaseGrammarsRequest, context: aio.ServicerContext
     ) -> shard_pb2.ReleaseGrammarsResponse:
-        self._engine.release_grammars(list(request.grammar_ids))
+        self._engine.grammars.release(list(request.grammar_ids))
         return shard_pb2.ReleaseGrammarsResponse()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quiver_server.kv_cache import BLOCK_SIZE
+from quiver_server.engine.kv_cache import BLOCK_SIZE
 
 
 class Blocks:

@@ -16,9 +16,9 @@ from block_tables import Blocks
 from tiny_models import build_tiny_model
 from tokenizers import Tokenizer
 
-from quiver_server.batch_types import GrammarSpec, RequestSpec, SamplingParams
+from quiver_server.engine.batch_types import GrammarSpec, RequestSpec, SamplingParams
 from quiver_server.tiny_model import train_tokenizer
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 
 TOKENIZER_VOCAB = 400
 # Wider than the tokenizer, as real models pad their embeddings: ids past it must never be allowed.
@@ -88,7 +88,7 @@ def pin(engine: Engine, requests: list[RequestSpec]) -> list[RequestSpec]:
     for r in requests:
         if r.grammar_id in _UNPINNED:
             adapter_id, grammar = _UNPINNED.pop(r.grammar_id)
-            engine.compile_grammar(adapter_id, grammar, r.grammar_id)
+            engine.grammars.pin(r.grammar_id, adapter_id, grammar)
     return requests
 
 
@@ -109,7 +109,7 @@ def generate(
         running = [rid for rid in step.request_ids if out[rid][-1] != EOS and len(out[rid]) < limits[rid]]
         if not running:
             engine.clear_cache(batch_id)
-            engine.release_grammars(pinned_here)
+            engine.grammars.release(pinned_here)
             return out
         engine.filter_batch(batch_id, running)
         step = engine.decode([batch_id])

@@ -8,7 +8,7 @@ import random
 import torch
 from float_error import lora_error_bound
 
-from quiver_server.kernels import LoraBatchMeta
+from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.lora_reference import add_lora_reference
 
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from quiver_server.forward_batch import build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.engine.forward_batch import build_prefill
+from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models.decoder import DecoderForCausalLM
 from quiver_server.quant.weights import QuantizedWeight
 

@@ -18,7 +18,7 @@ from tiny_adapters import build_adapter
 from tiny_models import build_tiny_model
 
 from quiver_server.adapters.registry import AdapterRegistry
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 
 MAX_RANK = 16
 HINT = "hidden_size=32, this model has 64"
@@ -65,7 +65,7 @@ def _adapter(narrow: Path, directory: Path, base_model_name_or_path: str) -> Pat
 
 def _refusal(engine: Engine, adapter_id: str, directory: Path) -> str:
     with pytest.raises(ValueError, match=SHAPES) as raised:  # the weights' shapes tell in every case
-        engine.load_adapter(adapter_id, "local", str(directory))
+        engine.lora.load(adapter_id, "local", str(directory))
     return str(raised.value)
 
 

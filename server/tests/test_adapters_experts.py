@@ -17,7 +17,7 @@ from tiny_adapters import build_adapter
 from tiny_models import build_tiny_model
 
 from quiver_server.adapters.peft_config import parse_lora_config, resolve_targets
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 
 MAX_RANK = 16
 # PEFT's fused expert parameters -> the projections we serve them as.
@@ -76,7 +76,7 @@ def test_per_module_rank_and_alpha_load_as_peft_sets_them(engine: Engine, base_d
     path = build_adapter(base_dir, tmp_path / "patterns", seed=3, r=4, lora_alpha=8, target_modules=["q_proj"],
                          target_parameters=["experts.down_proj"], rank_pattern={"q_proj": 2},
                          alpha_pattern={"q_proj": 6})
-    info = engine.load_adapter("patterns", "local", str(path))
+    info = engine.lora.load("patterns", "local", str(path))
     assert info.rank == 4 and info.scaling == 2.0
     weights = engine.lora.registry.get("patterns").weights
     a, b = weights[(0, "q_proj")]
@@ -101,7 +101,7 @@ def test_expert_adapters_that_do_not_fit_are_refused(engine: Engine, base_dir: P
                          target_parameters=["experts.down_proj"])
     _rewrite(path, config={"target_parameters": ["experts.up_gate"]})
     with pytest.raises(ValueError, match="target_parameters 'experts.up_gate' matches none"):
-        engine.load_adapter("unknown-parameter", "local", str(path))
+        engine.lora.load("unknown-parameter", "local", str(path))
 
     path = build_adapter(base_dir, tmp_path / "wrong-rank", seed=4, r=4, target_modules=["q_proj"],
                          target_parameters=["experts.down_proj"])
@@ -110,7 +110,7 @@ def test_expert_adapters_that_do_not_fit_are_refused(engine: Engine, base_dir: P
     tensors[key] = tensors[key][:-1]  # no longer r * experts rows
     _rewrite(path, tensors=tensors)
     with pytest.raises(ValueError, match=r"experts of shapes lora_A \(15, 32\).*fit none of the parameters"):
-        engine.load_adapter("wrong-rank", "local", str(path))
+        engine.lora.load("wrong-rank", "local", str(path))
 
     path = build_adapter(base_dir, tmp_path / "dense-mlp", seed=4, r=4, target_modules=["q_proj"])
     tensors = load_file(str(path / "adapter_model.safetensors"))
@@ -118,5 +118,5 @@ def test_expert_adapters_that_do_not_fit_are_refused(engine: Engine, base_dir: P
     tensors["base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight"] = torch.zeros(32, 4)
     _rewrite(path, tensors=tensors)
     with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.gate_proj, which is not a LoRA-capable module"):
-        engine.load_adapter("dense-mlp", "local", str(path))
+        engine.lora.load("dense-mlp", "local", str(path))
     assert "dense-mlp" not in engine.lora.registry

@@ -25,10 +25,10 @@ from tiny_adapters import (
 from block_tables import Blocks
 from tiny_models import build_tiny_model
 
-from quiver_server.batch_types import RequestSpec, StepResult
-from quiver_server.engine import Engine
-from quiver_server.forward_batch import build_decode, build_lora_meta, build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, PagedKVCache
+from quiver_server.engine.batch_types import RequestSpec, StepResult
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.forward_batch import build_decode, build_lora_meta, build_prefill
+from quiver_server.engine.kv_cache import BLOCK_SIZE, PagedKVCache
 
 NEW_TOKENS = 12
 ATOL = 1e-4
@@ -72,7 +72,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=64, slot_ranks=slot_ranks)
     assert engine.lora.slots is not None and len(engine.lora.slots.classes) == (3 if slot_ranks else 1)
     for slot, (kind, path) in enumerate(adapters.items()):
-        info = engine.load_adapter(kind, "local", str(path))
+        info = engine.lora.load(kind, "local", str(path))
         assert info.rank == ADAPTER_KINDS[kind]["r"]
         engine.activate_adapter(kind, slot)
     yield Setup(base_dir, adapters, engine)

@@ -25,7 +25,7 @@ from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreErro
 from quiver_server.adapters.registry import AdapterRegistry
 from quiver_server.adapters.remote_source import AdapterFiles
 from quiver_server.adapters.spec import BaseModelSpec
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
 

@@ -17,7 +17,7 @@ from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, 
 from tiny_models import build_tiny_model
 
 from quiver_server.bounded_text import MAX_MESSAGE_BYTES
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
 
@@ -151,14 +151,14 @@ def test_bad_activation_is_invalid_argument(shard: Shard) -> None:
 def test_a_slow_load_does_not_hold_up_steps(shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub download can take minutes: the steps of running requests go on meanwhile."""
     entered, release = threading.Event(), threading.Event()
-    real_load = shard.engine.load_adapter
+    real_load = shard.engine.lora.load
 
     def stuck_load(*args: str) -> object:
         entered.set()
         release.wait(60)
         return real_load(*args)
 
-    monkeypatch.setattr(shard.engine, "load_adapter", stuck_load)
+    monkeypatch.setattr(shard.engine.lora, "load", stuck_load)
     pending = shard.stub.LoadAdapter.future(
         shard_pb2.LoadAdapterRequest(adapter_id="slow", source="local", path=str(shard.adapters["qv"]))
     )

@@ -15,10 +15,11 @@ from tiny_models import build_tiny_model
 
 from quiver_server.adapters.host_cache import HostAdapterCache
 from quiver_server.adapters.loader import LoadedAdapter
-from quiver_server.batch_types import RequestSpec
-from quiver_server.engine import Engine
-from quiver_server.kernels import LoraBatchMeta, LoraProjection
-from quiver_server.kv_cache import BLOCK_SIZE
+from quiver_server.engine.batch_types import RequestSpec
+from quiver_server.engine.engine import Engine
+from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_projection import LoraProjection
+from quiver_server.engine.kv_cache import BLOCK_SIZE
 
 NEW_TOKENS = 12
 PROMPT = [17, 4, 250, 31, 99, 8, 145, 60, 7, 203, 11]
@@ -65,7 +66,7 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
     every second round re-reads adapters from disk."""
     engine = _engine(setup)
     for kind, path in setup.adapters.items():
-        engine.load_adapter(kind, "local", str(path))
+        engine.lora.load(kind, "local", str(path))
     # LRU: the last three loads are in host memory, the first three were evicted.
     assert engine.lora.registry.host.ids() == list(KINDS[-HOST_CAPACITY:])
 
@@ -112,7 +113,7 @@ def test_six_adapters_rotate_through_two_slots_while_others_decode(setup: Setup)
 
 def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
     engine = _engine(setup)
-    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    engine.lora.load("a", "local", str(setup.adapters["rank4"]))
     engine.activate_adapter("a", 1)
     assert engine.lora.slots.slot_of("a") == 1
     engine.unload_adapter("a")
@@ -127,7 +128,7 @@ def test_unload_frees_slot_and_host_copy(setup: Setup) -> None:
         engine.activate_adapter("a", 0)
     engine.unload_adapter("never-loaded")  # idempotent
     # Loaded again (from anywhere) it serves as before.
-    engine.load_adapter("a", "local", str(setup.adapters["qv-only"]))
+    engine.lora.load("a", "local", str(setup.adapters["qv-only"]))
     engine.activate_adapter("a", 0)
     outputs = [engine.prefill(1, [_request(0, "a")]).generations[0].token_id]
     outputs += [engine.decode([1]).generations[0].token_id for _ in range(NEW_TOKENS - 1)]
@@ -139,7 +140,7 @@ def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
     the CPU kernel reads that many rank rows and skips the projection at 0."""
     engine = _engine(setup)
     for kind in ("rank16", "qv-only", "rank8-attention"):
-        engine.load_adapter(kind, "local", str(setup.adapters[kind]))
+        engine.lora.load(kind, "local", str(setup.adapters[kind]))
     slots = engine.lora.slots
 
     def ranks(slot: int) -> dict[str, set[int]]:
@@ -167,15 +168,15 @@ def test_slot_ranks_follow_each_occupant(setup: Setup) -> None:
 
 def test_load_is_idempotent_but_one_id_names_one_directory(setup: Setup) -> None:
     engine = _engine(setup)
-    first = engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
-    assert engine.load_adapter("a", "local", str(setup.adapters["rank4"])) == first
+    first = engine.lora.load("a", "local", str(setup.adapters["rank4"]))
+    assert engine.lora.load("a", "local", str(setup.adapters["rank4"])) == first
     with pytest.raises(ValueError, match="already loaded from"):
-        engine.load_adapter("a", "local", str(setup.adapters["rank16"]))
+        engine.lora.load("a", "local", str(setup.adapters["rank16"]))
 
 
 def test_bad_slot_operations(setup: Setup) -> None:
     engine = _engine(setup)
-    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    engine.lora.load("a", "local", str(setup.adapters["rank4"]))
     with pytest.raises(ValueError, match="slot 2 is out of range"):
         engine.activate_adapter("a", 2)
     with pytest.raises(ValueError, match="'b' is not loaded"):
@@ -185,19 +186,19 @@ def test_bad_slot_operations(setup: Setup) -> None:
 def test_no_slots_means_adapters_are_disabled(setup: Setup) -> None:
     engine = Engine(str(setup.base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
     with pytest.raises(ValueError, match="call warmup first"):
-        engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+        engine.lora.load("a", "local", str(setup.adapters["rank4"]))
     with pytest.raises(ValueError, match="max_lora_rank must be positive"):
         engine.warmup(128, 64, 8, max_active_adapters=2, max_lora_rank=0)
     engine.warmup(128, 64, 8)
     with pytest.raises(ValueError, match="disabled"):
-        engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+        engine.lora.load("a", "local", str(setup.adapters["rank4"]))
     with pytest.raises(ValueError, match="no adapter slots"):
         engine.prefill(1, [_request(0, "a")])
 
 
 def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
     engine = _engine(setup, dtype="bfloat16")
-    engine.load_adapter("a", "local", str(setup.adapters["rank16"]))
+    engine.lora.load("a", "local", str(setup.adapters["rank16"]))
     engine.activate_adapter("a", 0)
     host = engine.lora.registry.get("a")
     assert {t.dtype for pair in host.weights.values() for t in pair} == {torch.bfloat16}
@@ -213,12 +214,12 @@ def test_weights_are_kept_in_the_serving_dtype(setup: Setup) -> None:
 def test_activation_says_whether_the_host_cache_held_the_weights(setup: Setup) -> None:
     """The router counts host-cache hits and misses from this answer (ActivateAdapterResponse)."""
     engine = _engine(setup, slots=1, max_cpu_adapters=1)
-    engine.load_adapter("a", "local", str(setup.adapters["rank4"]))
+    engine.lora.load("a", "local", str(setup.adapters["rank4"]))
     assert engine.activate_adapter("a", 0) is True
-    engine.load_adapter("b", "local", str(setup.adapters["rank8-attention"]))
+    engine.lora.load("b", "local", str(setup.adapters["rank8-attention"]))
     assert engine.activate_adapter("b", 0) is True  # "a" leaves the slot for host memory
     assert "a" in engine.lora.registry.host  # the one unpinned place is a's
-    engine.load_adapter("c", "local", str(setup.adapters["rank16"]))  # takes it
+    engine.lora.load("c", "local", str(setup.adapters["rank16"]))  # takes it
     assert "a" not in engine.lora.registry.host
     assert engine.activate_adapter("a", 0) is False  # read from disk again
     assert engine.activate_adapter("a", 0) is True  # the slot holds it already
@@ -232,13 +233,13 @@ def test_files_changed_in_place_are_refused_when_read_again(setup: Setup, tmp_pa
     served = tmp_path / "served"
     shutil.copytree(setup.adapters["rank4"], served)
     engine = _engine(setup, slots=1, max_cpu_adapters=1)
-    engine.load_adapter("a", "local", str(served))
-    engine.load_adapter("b", "local", str(setup.adapters["rank8-attention"]))  # "a" leaves host memory
+    engine.lora.load("a", "local", str(served))
+    engine.lora.load("b", "local", str(setup.adapters["rank8-attention"]))  # "a" leaves host memory
     assert "a" not in engine.lora.registry.host
     # The same files again: read back, the same adapter.
     assert engine.activate_adapter("a", 0) is False
     engine.activate_adapter("b", 0)
-    engine.load_adapter("c", "local", str(setup.adapters["rank16"]))  # "a" leaves host memory again
+    engine.lora.load("c", "local", str(setup.adapters["rank16"]))  # "a" leaves host memory again
     assert "a" not in engine.lora.registry.host
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         shutil.copy(setup.adapters["qv-only"] / name, served / name)
@@ -246,7 +247,7 @@ def test_files_changed_in_place_are_refused_when_read_again(setup: Setup, tmp_pa
         engine.activate_adapter("a", 0)
     # Unloaded and loaded again, it is the new adapter.
     engine.unload_adapter("a")
-    engine.load_adapter("a", "local", str(served))
+    engine.lora.load("a", "local", str(served))
     assert engine.activate_adapter("a", 0) is True
     assert engine.lora.registry.info("a").target_modules == ["q_proj", "v_proj"]
 
@@ -300,8 +301,8 @@ def test_unloading_the_evicted_occupant_during_a_copy_keeps_the_new_adapter(setu
     from contextlib import contextmanager
 
     engine = _engine(setup)
-    engine.load_adapter("x", "local", str(setup.adapters["rank4"]))
-    engine.load_adapter("y", "local", str(setup.adapters["qv-only"]))
+    engine.lora.load("x", "local", str(setup.adapters["rank4"]))
+    engine.lora.load("y", "local", str(setup.adapters["qv-only"]))
     engine.activate_adapter("x", 0)
     slots = engine.lora.slots
     assert slots is not None
@@ -333,7 +334,7 @@ def test_an_adapter_moved_to_another_slot_leaves_its_old_one(setup: Setup) -> No
     shard before the copy that overwrites its old one: the old slot is emptied at once, and new
     requests are bound to the new one."""
     engine = _engine(setup)
-    engine.load_adapter("x", "local", str(setup.adapters["rank16"]))
+    engine.lora.load("x", "local", str(setup.adapters["rank16"]))
     engine.activate_adapter("x", 0)
     engine.activate_adapter("x", 1)
     slots = engine.lora.slots
@@ -363,7 +364,7 @@ def test_rank_classes_hold_adapters_up_to_their_rank_in_smaller_buffers(setup: S
         assert 2 * small[0].nbytes == large[0].nbytes and 2 * small[1].nbytes == large[1].nbytes
     kinds = {0: "rank4", 1: "rank16", 2: "rank8-attention"}
     for kind in kinds.values():
-        engine.load_adapter(kind, "local", str(setup.adapters[kind]))
+        engine.lora.load(kind, "local", str(setup.adapters[kind]))
     engine.activate_adapter("rank16", 1)
     with pytest.raises(ValueError, match="'rank16' has rank 16, but slot 2 holds ranks up to 8"):
         engine.activate_adapter("rank16", 2)

@@ -22,7 +22,7 @@ from tiny_models import build_tiny_model
 from quiver_server.adapters.errors import AdapterNotFoundError
 from quiver_server.adapters.peft_config import parse_lora_config, read_lora_config, resolve_targets
 from quiver_server.adapters.spec import BaseModelSpec
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 
 MAX_RANK = 16
 
@@ -84,7 +84,7 @@ def test_weights_are_peft_s_weights(base_dir: Path, engine: Engine, tmp_path: Pa
     path = build_adapter(base_dir, tmp_path / "a", seed=1, r=8, lora_alpha=16,
                          target_modules=["q_proj", "down_proj"], safe_serialization=safe_serialization)
     assert (path / "adapter_model.bin").is_file() == (not safe_serialization)
-    info = engine.load_adapter(f"fmt-{safe_serialization}", "local", str(path))
+    info = engine.lora.load(f"fmt-{safe_serialization}", "local", str(path))
     assert (info.rank, info.scaling, info.target_modules) == (8, 2.0, ["q_proj", "down_proj"])
     assert Path(info.path) == path.resolve()
     ours = engine.lora.registry.get(f"fmt-{safe_serialization}").weights
@@ -195,7 +195,7 @@ def test_mismatch_is_a_value_error_naming_the_difference(
 ) -> None:
     path = _case(case, base_dir, tmp_path)
     with pytest.raises(ValueError, match=REFUSALS[case]) as raised:
-        engine.load_adapter(case, "local", str(path))
+        engine.lora.load(case, "local", str(path))
     assert case in str(raised.value)  # the message names the adapter too
     assert case not in engine.lora.registry and case not in engine.lora.registry.host
 
@@ -206,7 +206,7 @@ def test_files_larger_than_any_servable_adapter_are_refused_unread(
     # peft's adapter of the largest kind this base serves at the slots' rank: every projection.
     largest = build_adapter(base_dir, tmp_path / "largest", seed=3, r=MAX_RANK, lora_alpha=16,
                             target_modules="all-linear")
-    assert engine.load_adapter("largest", "local", str(largest)).rank == MAX_RANK
+    assert engine.lora.load("largest", "local", str(largest)).rank == MAX_RANK
     float32_bytes = sum(t.numel() * 4 for t in load_file(str(largest / "adapter_model.safetensors")).values())
     # Files far larger, sparse (they take no disk): read whole, they would take the host's memory.
     huge = tmp_path / "huge"
@@ -216,7 +216,7 @@ def test_files_larger_than_any_servable_adapter_are_refused_unread(
         file.truncate(3 * 2**30)
     with pytest.raises(ValueError, match=r"'huge': adapter_model\.safetensors is 3\.0 GiB, more than any adapter of "
                                          rf"rank up to {MAX_RANK} for this model can be \((\d+\.\d) MiB\)$") as raised:
-        engine.load_adapter("huge", "local", str(huge))
+        engine.lora.load("huge", "local", str(huge))
     limit_mib = float(re.search(r"\((\d+\.\d) MiB\)$", str(raised.value)).group(1))  # type: ignore[union-attr]
     # The float32 bytes of that largest adapter, and a small allowance for the file's header.
     assert float32_bytes / 2**20 - 0.05 <= limit_mib <= float32_bytes / 2**20 + 2
@@ -224,20 +224,20 @@ def test_files_larger_than_any_servable_adapter_are_refused_unread(
         file.truncate(65 * 2**20)
     with pytest.raises(ValueError, match=r"adapter_config\.json is 65\.0 MiB, more than an adapter's tokenizer, "
                                          r"template or config file may be \(64\.0 MiB\)$"):
-        engine.load_adapter("huge", "local", str(huge))
+        engine.lora.load("huge", "local", str(huge))
     assert "huge" not in engine.lora.registry
 
 
 def test_missing_adapter_is_not_found(engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(AdapterNotFoundError, match="does not exist"):
-        engine.load_adapter("gone", "local", str(tmp_path / "gone"))
+        engine.lora.load("gone", "local", str(tmp_path / "gone"))
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(AdapterNotFoundError, match="quiver-tests/no-such-adapter"):
-        engine.load_adapter("quiver-tests/no-such-adapter@v1", "hub", "", "")
+        engine.lora.load("quiver-tests/no-such-adapter@v1", "hub", "", "")
     with pytest.raises(ValueError, match="source must be one of hub, local, s3"):
-        engine.load_adapter("x", "gcs", str(tmp_path), "")
+        engine.lora.load("x", "gcs", str(tmp_path), "")
     with pytest.raises(ValueError, match="needs the directory"):
-        engine.load_adapter("x", "local", "", "")
+        engine.lora.load("x", "local", "", "")
 
 
 def test_config_reader_refuses_malformed_files(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
 
-from quiver_server.forward_batch import build_decode
+from quiver_server.engine.forward_batch import build_decode
 from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.attention_torch import decode_attention as decode_attention_torch
 from quiver_server.kernels.ops import select_ops

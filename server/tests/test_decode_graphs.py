@@ -15,10 +15,10 @@ from tiny_adapters import build_adapter, peft_reference
 from tiny_models import build_tiny_model
 
 from quiver_server.adapters.manager import AdapterManager
-from quiver_server.decode_graphs import MAX_CAPTURED_BATCH, DecodeGraphs, bucket_sizes
-from quiver_server.forward_batch import build_decode, build_lora_meta, build_prefill
+from quiver_server.engine.decode_graphs import MAX_CAPTURED_BATCH, DecodeGraphs, bucket_sizes
+from quiver_server.engine.forward_batch import build_decode, build_lora_meta, build_prefill
 from quiver_server.kernels.ops import TritonKernelOps
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import load_model
 from quiver_server.weights import load_config
 

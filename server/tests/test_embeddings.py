@@ -19,9 +19,9 @@ from sentence_transformers.sentence_transformer.modules import Normalize, Poolin
 from tiny_adapters import build_adapter, peft_reference, reference_greedy
 from tiny_models import build_tiny_model
 
-from quiver_server.batch_types import RequestSpec
-from quiver_server.engine import Engine
-from quiver_server.pooling import DEFAULT, read_pooling
+from quiver_server.engine.batch_types import RequestSpec
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.pooling import DEFAULT, read_pooling
 
 PROMPTS = [[5, 17, 42, 9, 120, 33, 7], [250, 3], list(range(40, 75))]
 ADAPTER = "all-linear"
@@ -46,7 +46,7 @@ class Setup:
 def _engine(model_dir: Path, adapter_dir: Path) -> Engine:
     engine = Engine(str(model_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
     engine.warmup(256, 128, 16, max_active_adapters=1, max_lora_rank=8)
-    engine.load_adapter(ADAPTER, "local", str(adapter_dir))
+    engine.lora.load(ADAPTER, "local", str(adapter_dir))
     engine.activate_adapter(ADAPTER, 0)
     return engine
 

@@ -23,8 +23,8 @@ from tiny_adapters import assert_greedy_matches, peft_reference, reference_greed
 from tiny_models import TINY_SHAPE, build_tiny_model
 from transformers import PreTrainedTokenizerFast
 
-from quiver_server.batch_types import RequestSpec
-from quiver_server.engine import Engine
+from quiver_server.engine.batch_types import RequestSpec
+from quiver_server.engine.engine import Engine
 from quiver_server.pb import shard_pb2
 from quiver_server.service import ShardService
 from quiver_server.tiny_model import ENDOFTEXT, IM_END, train_tokenizer

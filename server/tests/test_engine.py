@@ -12,8 +12,8 @@ import torch
 import transformers
 from tiny_models import ARCHITECTURES, build_tiny_model
 
-from quiver_server.batch_types import RequestSpec, SamplingParams
-from quiver_server.engine import Engine
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams
+from quiver_server.engine.engine import Engine
 
 NEW_TOKENS = 12
 PROMPTS = {

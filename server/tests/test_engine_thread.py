@@ -11,8 +11,8 @@ import pytest
 from shard_harness import BlockPool, greedy_request, running_shard
 from tiny_models import build_tiny_model
 
-from quiver_server.engine import Engine
-from quiver_server.engine_thread import EngineThread
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.engine_thread import EngineThread
 from quiver_server.pb import shard_pb2
 from quiver_server.service import ShardService
 

@@ -17,9 +17,9 @@ from device import TEST_DEVICE
 from tiny_adapters import build_adapter, build_legacy_expert_adapter, peft_reference
 from tiny_models import build_tiny_model
 
-from quiver_server.engine import Engine
-from quiver_server.forward_batch import build_decode, build_lora_meta, build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, PagedKVCache
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.forward_batch import build_decode, build_lora_meta, build_prefill
+from quiver_server.engine.kv_cache import BLOCK_SIZE, PagedKVCache
 from quiver_server.models import family_for
 from quiver_server.weights import load_config
 
@@ -70,7 +70,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
                     gpu_memory_fraction=0.2)
     engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=MAX_RANK)
     for slot, (name, path) in enumerate(adapters.items()):
-        info = engine.load_adapter(name, "local", str(path))
+        info = engine.lora.load(name, "local", str(path))
         assert set(info.target_modules) == set(expected_targets[name])
         engine.activate_adapter(name, slot)
     references = {name: peft_reference(base, path) for name, path in adapters.items()}

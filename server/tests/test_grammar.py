@@ -22,9 +22,9 @@ from bounded_messages import cut_parts
 from grammar_models import EOS, build_grammar_model, generate, json_grammar, new_engine, pin, request, text
 from tokenizers import Tokenizer
 
-from quiver_server.batch_types import GrammarSpec
+from quiver_server.engine.batch_types import GrammarSpec
 from quiver_server.bounded_text import MAX_MESSAGE_BYTES
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.grammar import GrammarError
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
@@ -255,7 +255,7 @@ def test_grammar_time_is_reported_only_with_a_grammar(engine: Engine) -> None:
 
 def _error(engine: Engine, grammar: GrammarSpec) -> str:
     with pytest.raises(GrammarError) as caught:
-        engine.compile_grammar("", grammar, 999)
+        engine.grammars.pin(999, "", grammar)
     assert not engine.grammars.is_pinned(999)
     return str(caught.value)
 
@@ -316,14 +316,14 @@ def test_a_compile_over_the_time_budget_is_refused(model: tuple[Path, Tokenizer]
         holder.result()
     # The build goes on once a thread is free and is cached: asking again succeeds.
     engine.grammars.compiler.budget_s = 60.0
-    engine.compile_grammar("", json_grammar(SCHEMAS["nested"]), 1)
+    engine.grammars.pin(1, "", json_grammar(SCHEMAS["nested"]))
 
 
 def test_compiles_are_cached_and_each_request_has_its_own_state(engine: Engine) -> None:
     grammar = GrammarSpec("regex", "cached-[0-9]{2}", (EOS,))
-    assert engine.compile_grammar("", grammar, 1) > 0
-    assert engine.compile_grammar("", grammar, 2) == 0
-    engine.release_grammars([1, 2])
+    assert engine.grammars.pin(1, "", grammar) > 0
+    assert engine.grammars.pin(2, "", grammar) == 0
+    engine.grammars.release([1, 2])
     # Two requests of the same grammar, both greedy on the same prompt: the same output, so
     # neither advanced the other's state.
     blocks = Blocks()
@@ -338,9 +338,9 @@ def test_a_pinned_grammar_outlives_the_cache_and_is_never_compiled_again(model: 
     engine = new_engine(model[0], grammar_cache_size=1, grammar_budget_s=0.05)
     pinned_schema = json_grammar(SCHEMAS["array_of_objects"])
     engine.grammars.compiler.budget_s = 60.0
-    engine.compile_grammar("", pinned_schema, 1)
-    engine.compile_grammar("", GrammarSpec("regex", "evicts-[0-9]", (EOS,)), 2)
-    engine.release_grammars([2])
+    engine.grammars.pin(1, "", pinned_schema)
+    engine.grammars.pin(2, "", GrammarSpec("regex", "evicts-[0-9]", (EOS,)))
+    engine.grammars.release([2])
     engine.grammars.compiler.budget_s = 0.05
     compiler = engine.grammars.compiler
     release = threading.Event()
@@ -361,7 +361,7 @@ def test_a_pinned_grammar_outlives_the_cache_and_is_never_compiled_again(model: 
         holder.result()
     assert whole[:cut] + rest == whole
     jsonschema.validate(json.loads(text(model[1], whole)), SCHEMAS["array_of_objects"])
-    engine.release_grammars([1])
+    engine.grammars.release([1])
     assert engine.grammars.pinned_count == 0
     with pytest.raises(ValueError, match="grammar 1 is not pinned"):
         engine.prefill(3, [dataclasses.replace(request(1, PROMPT, Blocks()), grammar_id=1)])

@@ -45,7 +45,7 @@ def test_an_adapter_with_its_own_tokenizer_gets_its_own_grammar(tmp_path: Path) 
     engine = new_engine(base_dir)
     engine.warmup(512, 512, 16, max_active_adapters=2, max_lora_rank=8)
     for slot, (name, directory) in enumerate((("own", adapter_dir), ("plain", plain_dir))):
-        engine.load_adapter(name, "local", str(directory))
+        engine.lora.load(name, "local", str(directory))
         engine.activate_adapter(name, slot)
 
     grammar = json_grammar(SCHEMA)
@@ -68,5 +68,5 @@ def test_grammars_for_an_adapter_that_is_not_loaded_are_refused(tmp_path: Path) 
     base_dir, _ = build_grammar_model(tmp_path / "base")
     engine = new_engine(base_dir)
     with pytest.raises(ValueError, match="adapter 'ghost' is not loaded"):
-        engine.compile_grammar("ghost", json_grammar(SCHEMA), 1)
+        engine.grammars.pin(1, "ghost", json_grammar(SCHEMA))
     assert engine.grammars.pinned_count == 0

@@ -15,7 +15,7 @@ from grammar_models import CACHE_GIB, EOS, build_grammar_model
 from shard_harness import BlockPool, running_shard
 from tokenizers import Tokenizer
 
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
 

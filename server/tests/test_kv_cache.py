@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 
-from quiver_server.forward_batch import build_decode, build_prefill
-from quiver_server.kv_cache import KVCacheSpec, PagedKVCache
+from quiver_server.engine.forward_batch import build_decode, build_prefill
+from quiver_server.engine.kv_cache import KVCacheSpec, PagedKVCache
 from quiver_server.kernels import attention_torch
 from quiver_server.kernels.ops import KernelOps, select_ops
 from quiver_server.layers.attention import prefill_attention, write_kv

@@ -17,9 +17,9 @@ from device import TEST_DEVICE
 from tiny_models import build_tiny_model
 from transformers import DynamicCache
 
-from quiver_server.engine import Engine
-from quiver_server.forward_batch import build_decode, build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.forward_batch import build_decode, build_prefill
+from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import load_model
 from quiver_server.weights import load_config
 
@@ -144,7 +144,8 @@ def test_the_engine_sizes_its_cache_in_the_dtype_and_refuses_unknown_names(
 
 
 def test_the_shard_cli_offers_exactly_the_dtypes_the_engine_resolves() -> None:
-    from quiver_server import cli, kv_cache_dtype
+    from quiver_server import cli
+    from quiver_server.engine import kv_cache_dtype
 
     assert cli.KV_CACHE_DTYPES == kv_cache_dtype.CHOICES
     cpu = torch.device("cpu")

@@ -14,12 +14,12 @@ from tiny_adapters import ALL_PROJECTIONS, build_adapter, peft_reference
 from block_tables import Blocks
 from tiny_models import build_tiny_model
 
-from quiver_server.batch_types import RequestSpec, SamplingParams, TokenLogprob, TokenOut
-from quiver_server.engine import Engine
-from quiver_server.forward_batch import build_prefill
-from quiver_server import logprobs
-from quiver_server.kv_cache import BLOCK_SIZE
-from quiver_server.logprobs import top_tokens
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams, TokenLogprob, TokenOut
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.forward_batch import build_prefill
+from quiver_server.engine import logprobs
+from quiver_server.engine.kv_cache import BLOCK_SIZE
+from quiver_server.engine.logprobs import top_tokens
 
 ATOL = 1e-4
 ADAPTER = "tiny-lora"
@@ -45,7 +45,7 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
                             target_modules=ALL_PROJECTIONS)
     engine = Engine(str(base), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
     engine.warmup(256, 128, 8, max_active_adapters=1, max_lora_rank=8)
-    engine.load_adapter(ADAPTER, "local", str(adapter))
+    engine.lora.load(ADAPTER, "local", str(adapter))
     engine.activate_adapter(ADAPTER, 0)
     return Setup(engine, {"": peft_reference(base, None), ADAPTER: peft_reference(base, adapter)})
 

@@ -23,7 +23,9 @@ from float_error import lora_error_bound
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.kernels import LoraBatchMeta, LoraProjection, cpu_ops, lora_torch  # noqa: E402
+from quiver_server.kernels import cpu_ops, lora_torch  # noqa: E402
+from quiver_server.kernels.lora_meta import LoraBatchMeta  # noqa: E402
+from quiver_server.kernels.lora_projection import LoraProjection  # noqa: E402
 from quiver_server.kernels import lora_triton  # noqa: E402
 from quiver_server.kernels.lora_reference import add_lora_reference  # noqa: E402
 from lora_parts_cases import assert_within_parts_bound, fused_parts, random_batch, reference_per_part  # noqa: E402

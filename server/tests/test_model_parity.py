@@ -17,8 +17,8 @@ import transformers
 from device import TEST_DEVICE
 from tiny_models import build_tiny_model
 
-from quiver_server.forward_batch import build_decode, build_prefill
-from quiver_server.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
+from quiver_server.engine.forward_batch import build_decode, build_prefill
+from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.layers.rotary import RopeConfig, inverse_frequencies
 from quiver_server.models import load_model
 from quiver_server.weights import load_config

@@ -11,7 +11,7 @@ import transformers
 from device import TEST_DEVICE
 from tiny_models import build_tiny_model
 
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.kernels.ops import select_ops
 from quiver_server.models.mixture import MixtralForCausalLM, Qwen3MoeForCausalLM
 from quiver_server.layers.grouped_linear import grouped_linear, has_grouped_mm, host_sync_free

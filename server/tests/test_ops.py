@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quiver_server.forward_batch import build_decode, build_prefill
+from quiver_server.engine.forward_batch import build_decode, build_prefill
 from quiver_server.kernels import cpu_ops
 from quiver_server.kernels.lora_reference import add_lora_reference
 from quiver_server.kernels.ops import CpuKernelOps, KernelOps, TritonKernelOps, select_ops

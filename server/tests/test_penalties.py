@@ -15,10 +15,10 @@ from tiny_adapters import TIE_TOLERANCE
 from tiny_models import build_tiny_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from quiver_server.batch_types import RequestSpec, SamplingParams, TokenOut
-from quiver_server.engine import Engine
-from quiver_server.penalties import generated_counts
-from quiver_server.sampling import SamplingBatch, process_scores, sample
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams, TokenOut
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.penalties import generated_counts
+from quiver_server.engine.sampling import SamplingBatch, process_scores, sample
 
 CPU = torch.device("cpu")
 VOCAB = 300

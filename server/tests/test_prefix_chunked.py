@@ -23,9 +23,9 @@ from tiny_adapters import ADAPTER_KINDS, Reference, assert_greedy_matches, build
 from tiny_models import build_tiny_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from quiver_server.batch_types import RequestSpec, SamplingParams, StepResult
-from quiver_server.engine import Engine
-from quiver_server.kv_cache import BLOCK_SIZE
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams, StepResult
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.kv_cache import BLOCK_SIZE
 
 ATOL = 1e-4
 NEW_TOKENS = 8
@@ -93,7 +93,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01)
     engine.warmup(256, 128, 16, max_active_adapters=len(adapters), max_lora_rank=16)
     for slot, (kind, path) in enumerate(adapters.items()):
-        engine.load_adapter(kind, "local", str(path))
+        engine.lora.load(kind, "local", str(path))
         engine.activate_adapter(kind, slot)
     yield Setup(base_dir, adapters, engine, Blocks())
     engine.clear_cache()

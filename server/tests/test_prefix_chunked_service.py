@@ -15,7 +15,7 @@ from shard_harness import BlockPool, greedy_request, running_shard
 from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.pb import shard_pb2, shard_pb2_grpc
 from quiver_server.service import ShardService
 

@@ -22,8 +22,8 @@ from device import TEST_DEVICE
 from quant_cases import prefill_every_position
 from tiny_models import build_tiny_model
 
-from quiver_server.forward_batch import build_decode
-from quiver_server.kv_cache import BLOCK_SIZE
+from quiver_server.engine.forward_batch import build_decode
+from quiver_server.engine.kv_cache import BLOCK_SIZE
 from quiver_server.layers.linear import Linear
 from quiver_server.models import load_model
 from quiver_server.quant.quantize import QuantizeSpec

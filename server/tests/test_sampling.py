@@ -18,10 +18,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from quiver_server.batch_types import RequestSpec, SamplingParams
-from quiver_server.engine import Engine
-from quiver_server.draw_streams import as_int64, uniforms
-from quiver_server.sampling import SamplingBatch, apply_repetition_penalty, sample, warp_scores
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams
+from quiver_server.engine.engine import Engine
+from quiver_server.engine.draw_streams import as_int64, uniforms
+from quiver_server.engine.sampling import SamplingBatch, apply_repetition_penalty, sample, warp_scores
 
 CPU = torch.device("cpu")
 ROW_PARAMS = [

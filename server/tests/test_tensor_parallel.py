@@ -20,7 +20,7 @@ from tiny_adapters import (
 from tiny_models import build_tiny_model
 from tp_ranks import RankResult, Script, run_ranks, serve_script
 
-from quiver_server.engine import Engine
+from quiver_server.engine.engine import Engine
 from quiver_server.models import family_for
 from quiver_server.weights import load_config
 from quiver_server.parallel import SINGLE, TensorParallel

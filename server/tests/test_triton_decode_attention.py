@@ -21,8 +21,8 @@ from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.forward_batch import build_decode  # noqa: E402
-from quiver_server.kernels import paged_decode_triton  # noqa: E402
+from quiver_server.engine.forward_batch import build_decode  # noqa: E402
+from quiver_server.kernels import cuda_device, paged_decode_triton  # noqa: E402
 from quiver_server.kernels.attention_torch import decode_attention as decode_attention_torch  # noqa: E402
 from quiver_server.kernels.paged_decode_triton import (  # noqa: E402
     MAX_SPLITS,
@@ -195,7 +195,7 @@ def test_split_k_at_long_context() -> None:
     # 4 or a GPU's) SMs, so the plan splits; 7 splits leave the short sequence empty ranges.
     case = Case([1000, 40], 8, 2, 64, 16, torch.float32, seed=11)
     scale = 64**-0.5
-    chosen = plan_decode(2, 8, 2, 64, case.table.shape[1] * 16, paged_decode_triton._sm_count(DEVICE)).num_splits
+    chosen = plan_decode(2, 8, 2, 64, case.table.shape[1] * 16, cuda_device.sm_count(DEVICE)).num_splits
     assert chosen > 1
     exact, bound = case.exact_and_bound(scale, splits=7)
     results = [case.triton(scale, num_splits=n) for n in (1, None, 7)]

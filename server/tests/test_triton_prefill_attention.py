@@ -25,7 +25,7 @@ from float_error import FLOAT32_UNIT_ROUNDOFF, UNIT_ROUNDOFF, gamma
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # running this file alone, without conftest
 
-from quiver_server.forward_batch import ForwardBatch, build_prefill  # noqa: E402
+from quiver_server.engine.forward_batch import ForwardBatch, build_prefill  # noqa: E402
 from quiver_server.kernels import prefill_triton  # noqa: E402
 from quiver_server.kernels.prefill_triton import LaunchConfig, PrefillTiles, paged_prefill_attention  # noqa: E402
 from quiver_server.layers.attention import prefill_attention, write_kv  # noqa: E402

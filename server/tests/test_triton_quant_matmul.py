@@ -1,6 +1,7 @@
-"""The Triton quantized matmul (`kernels/quant_matmul_triton.py`) against float64 matmuls of the
-dequantized weight, re-derived here from q, scales and offsets (w = q * scale + offset per group),
-within an a-priori rounding bound: 8 and 4 bits, with and without offsets, every scale path
+"""The Triton quantized projections (`kernels/quant_gemm.triton_linear` over the dot kernel
+`quant_matmul_triton.py` and the multiply-add kernel `quant_gemv_triton.py`) against float64
+matmuls of the dequantized weight, re-derived here from q, scales and offsets (w = q * scale +
+offset per group), within an a-priori rounding bound: 8 and 4 bits, with and without offsets, every scale path
 (groups of 16: per half-block; 32 and 128: per block; the whole row: per channel; groups that are
 no multiple of 16: per element), 0 to 130 rows (decode and prefill tiles), N and K that are not
 multiples of the blocks, float32/bfloat16/float16 activations, bias, split-K (and its counters
@@ -23,14 +24,10 @@ if not torch.cuda.is_available():
 
 from quiver_server.kernels import quant_gemm  # noqa: E402
 from quiver_server.kernels import quant_gemv_triton  # noqa: E402
+from quiver_server.kernels.quant_gemm import triton_linear  # noqa: E402
 from quiver_server.kernels.quant_gemv_triton import GemvConfig  # noqa: E402
-from quiver_server.kernels.quant_matmul_triton import (  # noqa: E402
-    LaunchConfig,
-    TritonQuantWeight,
-    launch_plan,
-    pack_for_triton,
-    quant_linear,
-)
+from quiver_server.kernels.quant_matmul_triton import LaunchConfig, launch_plan  # noqa: E402
+from quiver_server.kernels.quant_triton_layout import TritonQuantWeight, pack_for_triton  # noqa: E402
 from quiver_server.quant.weights import QuantizedWeight  # noqa: E402
 from quant_cases import random_weight
 
@@ -100,14 +97,14 @@ def unpack(packed: TritonQuantWeight) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [0, 1, 3, 17, 64])
 @pytest.mark.parametrize("group,inp", GROUPS)
 @pytest.mark.parametrize("bits,offsets", BITS_OFFSETS)
-def test_quant_linear_equals_float64_of_the_dequantized_weight(bits, offsets, group, inp, rows, dtype) -> None:
+def test_triton_linear_equals_float64_of_the_dequantized_weight(bits, offsets, group, inp, rows, dtype) -> None:
     out = 130  # 3 tiles of 64 columns, 2 of 128: the last one partial
     weight = random_weight(out, inp, bits, group, offsets, seed=rows + inp + bits)
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, inp, generator=gen).to(dtype)
     bias = torch.randn(out, generator=gen).to(dtype) if rows % 2 else None
     packed = pack_for_triton(weight, DEVICE)
-    got = quant_linear(x.to(DEVICE), packed, None if bias is None else bias.to(DEVICE))
+    got = triton_linear(x.to(DEVICE), packed, None if bias is None else bias.to(DEVICE))
     check(got, x, weight, bias, packed)
 
 
@@ -117,7 +114,7 @@ def test_prefill_tiles_of_128_rows(bits, dtype) -> None:
     weight = random_weight(200, 128, bits, 32, True, seed=11)
     x = torch.randn(130, 128, generator=torch.Generator().manual_seed(2)).to(dtype)
     packed = pack_for_triton(weight, DEVICE)
-    check(quant_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
+    check(triton_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
 
 
 @pytest.mark.parametrize("bits,offsets", BITS_OFFSETS)
@@ -131,10 +128,10 @@ def test_split_k_sums_every_split_and_resets_its_counters(bits, offsets, group, 
     bias = torch.randn(70, generator=gen).to(x.dtype)
     packed = pack_for_triton(weight, DEVICE)
     config = LaunchConfig(split_k=splits)
-    got = quant_linear(x.to(DEVICE), packed, bias.to(DEVICE), config)
+    got = triton_linear(x.to(DEVICE), packed, bias.to(DEVICE), config)
     check(got, x, weight, bias, packed, config)
     assert not packed.counters.any(), "the last split of each tile resets its counter"
-    again = quant_linear(x.to(DEVICE), packed, bias.to(DEVICE), config)
+    again = triton_linear(x.to(DEVICE), packed, bias.to(DEVICE), config)
     assert torch.equal(got, again), "partials are summed in split order whatever the arrival order"
 
 
@@ -161,7 +158,7 @@ def test_gemv_for_one_to_four_rows(bits, offsets, group, config) -> None:
         dtype = DTYPES[rows % len(DTYPES)]
         x = torch.randn(rows, inp, generator=gen).to(dtype)
         bias = torch.randn(out, generator=gen).to(dtype) if rows % 2 else None
-        got = quant_linear(x.to(DEVICE), packed, None if bias is None else bias.to(DEVICE), config)
+        got = triton_linear(x.to(DEVICE), packed, None if bias is None else bias.to(DEVICE), config)
         check(got, x, weight, bias, packed, config)
     assert not packed.counters.any(), "the last split of each tile resets its counter"
 
@@ -178,7 +175,7 @@ def test_a_few_rows_take_the_gemv_where_it_is_faster(monkeypatch: pytest.MonkeyP
     for name, packed in weights.items():
         calls.clear()
         for rows in (1, 2, 3, 4, 5):
-            quant_linear(torch.randn(rows, 256, device=DEVICE), packed)
+            triton_linear(torch.randn(rows, 256, device=DEVICE), packed)
         taken[name] = list(calls)
     assert taken == {"channel": [1], "g128": [1, 2], "g32": [1, 2, 3, 4], "g16": []}
 
@@ -191,14 +188,14 @@ def test_groups_that_are_no_multiple_of_16_dequantize_per_element(bits, group, i
     assert packed.scale_mode == 3  # PER_ELEMENT
     for dtype in DTYPES:
         x = torch.randn(5, inp, generator=torch.Generator().manual_seed(group)).to(dtype)
-        check(quant_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
+        check(triton_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
 
 
 def test_odd_in_features_with_a_whole_row_group() -> None:
     weight = random_weight(9, 45, 8, 45, False, seed=3)
     x = torch.randn(2, 45, generator=torch.Generator().manual_seed(3))
     packed = pack_for_triton(weight, DEVICE)
-    check(quant_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
+    check(triton_linear(x.to(DEVICE), packed, None), x, weight, None, packed)
 
 
 def test_views_and_leading_dimensions() -> None:
@@ -206,7 +203,7 @@ def test_views_and_leading_dimensions() -> None:
     packed = pack_for_triton(weight, DEVICE)
     x = torch.randn(20, 128, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     for view in (x[::2, :64], x[:, ::2], x[torch.tensor([3, 7, 19]), 64:], x[:, :64].reshape(4, 5, 64)):
-        got = quant_linear(view, packed, None)
+        got = triton_linear(view, packed, None)
         assert got.shape == (*view.shape[:-1], 40)
         check(got.reshape(-1, 40), view.reshape(-1, 64), weight, None, packed)
 
@@ -234,7 +231,7 @@ def test_scales_are_stored_16_bit_only_where_that_is_exact() -> None:
     assert packed.scales.nbytes < pack_for_triton(weight, DEVICE).scales.nbytes
     assert pack_for_triton(weight, DEVICE).scales.dtype == torch.float32  # random float32 scales
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
-    check(quant_linear(x.to(DEVICE), packed, None), x, as_gguf, None, packed)
+    check(triton_linear(x.to(DEVICE), packed, None), x, as_gguf, None, packed)
 
 
 def test_quant_gemm_dispatches_to_triton() -> None:
@@ -248,11 +245,11 @@ def test_quant_gemm_dispatches_to_triton() -> None:
 def test_bad_input_raises() -> None:
     packed = pack_for_triton(random_weight(8, 32, 8, 32, False, seed=7), DEVICE)
     with pytest.raises(ValueError, match="input features"):
-        quant_linear(torch.randn(2, 16, device=DEVICE), packed)
+        triton_linear(torch.randn(2, 16, device=DEVICE), packed)
     with pytest.raises(ValueError, match="activations"):
-        quant_linear(torch.randn(2, 32, device=DEVICE).double(), packed)
+        triton_linear(torch.randn(2, 32, device=DEVICE).double(), packed)
     with pytest.raises(ValueError, match="bias"):
-        quant_linear(torch.randn(2, 32, device=DEVICE), packed, torch.randn(7, device=DEVICE))
+        triton_linear(torch.randn(2, 32, device=DEVICE), packed, torch.randn(7, device=DEVICE))
 
 
 def test_no_launch_reads_a_device_value_on_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -262,8 +259,8 @@ def test_no_launch_reads_a_device_value_on_the_host(monkeypatch: pytest.MonkeyPa
     x = torch.randn(3, 256, device=DEVICE)
 
     def launch_all() -> None:
-        quant_linear(x, packed, None)
-        quant_linear(x, packed, None, LaunchConfig(split_k=2))
+        triton_linear(x, packed, None)
+        triton_linear(x, packed, None, LaunchConfig(split_k=2))
 
     if DEVICE.type == "cuda":
         launch_all()  # compile first: the first launch of a kernel may synchronise

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from quiver_server.batch_types import RequestSpec, SamplingParams
+from quiver_server.engine.batch_types import RequestSpec, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -41,14 +41,14 @@ class RankResult:
 
 
 def serve_script(script: Script, tp: Any) -> RankResult:
-    from quiver_server.engine import Engine
+    from quiver_server.engine.engine import Engine
 
     engine = Engine(str(script.model_dir), "tp-test", dtype=script.dtype, device="cpu", quantize=script.quantize,
                     adapter_root=str(next(iter(script.adapters.values())).parent) if script.adapters else None,
                     tp=tp, cpu_kv_cache_gib=0.02)
     engine.warmup(256, 256, 8, max_active_adapters=max(1, len(script.adapters)), max_lora_rank=16)
     for slot, (adapter_id, path) in enumerate(script.adapters.items()):
-        engine.load_adapter(adapter_id, "local", str(path))
+        engine.lora.load(adapter_id, "local", str(path))
         engine.activate_adapter(adapter_id, slot)
     blocks_each = 8
     requests = [RequestSpec(id=i, input_ids=prompt, blocks=list(range(i * blocks_each, (i + 1) * blocks_each)),

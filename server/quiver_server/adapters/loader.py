@@ -28,7 +28,7 @@ from quiver_server.adapters.peft_keys import lora_weights
 from quiver_server.adapters.size_limits import AdapterSizeLimits, SizeLimit
 from quiver_server.adapters.spec import BaseModelSpec
 from quiver_server.adapters.validation import check_adapter
-from quiver_server.batch_types import AdapterInfo
+from quiver_server.engine.batch_types import AdapterInfo
 
 log = logging.getLogger(__name__)
 

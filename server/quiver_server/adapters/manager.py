@@ -19,7 +19,7 @@ import torch
 from quiver_server.adapters.registry import AdapterRegistry
 from quiver_server.adapters.slots import AdapterSlots
 from quiver_server.adapters.spec import BaseModelSpec
-from quiver_server.batch_types import AdapterInfo
+from quiver_server.engine.batch_types import AdapterInfo
 from quiver_server.kernels.lora_meta import RankClasses
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.models.family import ModelFamily
@@ -96,7 +96,12 @@ class AdapterManager:
         """Warmup's dry run: LoRA kernels run for every projection, whatever the slots hold."""
         return self.slots.every_part_in_use() if self.slots is not None else contextlib.nullcontext()
 
-    def load(self, adapter_id: str, source: str, path: str, revision: str) -> AdapterInfo:
+    def load(self, adapter_id: str, source: str, path: str, revision: str = "") -> AdapterInfo:
+        """Reads an adapter into host memory and checks it against the base (ValueError saying
+        what differs; AdapterNotFoundError for a missing directory, hub repo or S3 prefix;
+        AdapterStoreError when the store fails). Source "local" reads `path`; "hub" downloads
+        `adapter_id` (owner/name[@revision]), "s3" `adapter_id` (s3://bucket/prefix), unless
+        `path` gives the directory another rank downloaded. Safe to call while steps run on another thread."""
         if self.slots is None:
             raise ValueError(DISABLED if self._warmed_up else "call warmup first: it sizes the adapter slots")
         return self.registry.load(adapter_id, source, path, revision)
@@ -132,7 +137,8 @@ class AdapterManager:
         return host_cache_hit
 
     def prefetch(self, adapter_id: str) -> bool:
-        """Brings a loaded adapter back into host memory; True when it was there already."""
+        """Brings a loaded adapter back into host memory if the cache evicted it (the router asks
+        while it waits for a slot); True when it was there already. Safe to call while steps run."""
         self._require_slots()
         host_cache_hit = adapter_id in self.registry.host
         self.registry.get(adapter_id)

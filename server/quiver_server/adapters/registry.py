@@ -29,7 +29,7 @@ from quiver_server.adapters.remote_source import RemoteSource
 from quiver_server.adapters.s3_source import S3Source
 from quiver_server.adapters.size_limits import AdapterSizeLimits
 from quiver_server.adapters.spec import BaseModelSpec
-from quiver_server.batch_types import AdapterInfo
+from quiver_server.engine.batch_types import AdapterInfo
 from quiver_server.hub import MODEL_FILE_PATTERNS
 
 log = logging.getLogger(__name__)

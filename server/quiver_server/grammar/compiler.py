@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import llguidance
 
-from quiver_server.batch_types import GrammarSpec
+from quiver_server.engine.batch_types import GrammarSpec
 from quiver_server.bounded_text import bounded
 from quiver_server.grammar.errors import GrammarError
 from quiver_server.grammar.tokenizers import TokenizerCache, TokenizerSource

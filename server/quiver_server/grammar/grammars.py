@@ -11,7 +11,7 @@ from pathlib import Path
 
 import llguidance
 
-from quiver_server.batch_types import GRAMMAR_KINDS, GrammarSpec
+from quiver_server.engine.batch_types import GRAMMAR_KINDS, GrammarSpec
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE, GrammarCompiler
 from quiver_server.grammar.errors import GrammarError
 from quiver_server.grammar.masks import GrammarMasks

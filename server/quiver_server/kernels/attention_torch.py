@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import would be a cycle
-    from quiver_server.forward_batch import ForwardBatch
+    from quiver_server.engine.forward_batch import ForwardBatch
 
 # On CPU, decode attention gathers the K/V of a few sequences at a time so the gathered copy
 # stays in cache instead of making a round trip through memory (decode is memory-bound there).

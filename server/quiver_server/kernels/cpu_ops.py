@@ -36,8 +36,8 @@ from pathlib import Path
 
 import torch
 
-from quiver_server import kv_cache_dtype
-from quiver_server.kv_cache_dtype import FLOAT8_DTYPES
+from quiver_server.engine import kv_cache_dtype
+from quiver_server.engine.kv_cache_dtype import FLOAT8_DTYPES
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ measured alternative (and is tested), not used.
 Measured 2026-11-21 on the 2-core x86 dev VM (torch 2.15, float32, 1 torch thread: with 2
 threads the shared VM's other load made medians swing 5-10x; their minima ranked the strategies
 the same except where noted). Minimum of 15 runs, microseconds. 32 slots; requests cycle over
-`a` adapters; in x out, rank r. Reproduce: `python bench/lora_kernels.py --device cpu`.
+`a` adapters; in x out, rank r. Reproduce: `python -m bench.kernels.lora --device cpu`.
 
     decode  batch  a   in x out    r   group_by_slot  gather_rows  per-token reference
               8    8   512x512    16        136           138          166

@@ -1,6 +1,6 @@
 """Triton kernels for batched LoRA: `FusedLora` (every part of a fused projection, rows grouped
 by adapter: what the serving path runs), and BGMV (decode rows) and SGMV (prefill segments) for
-one part (`add_lora_triton`; the baselines `bench/lora_kernels.py` and `bench/lora_compile_report.py`
+one part (`add_lora_triton`; the baselines `bench/kernels/lora.py` and `bench/kernels/lora_compile_report.py`
 measure).
 
 `FusedLora` runs q|k|v or gate|up in one launch: grid (segments, row programs, column splits of
@@ -48,8 +48,8 @@ and float16 runs the native path in the interpreter too.
 
 Launch plans (`plan_bgmv`, `plan_sgmv`) are pure functions of the shapes; they depend on host
 ints only (T, segments, max_seg_len), so a launch never syncs and can be captured in a CUDA
-graph with static metadata buffers. `bench/lora_compile_report.py` compiles the plans for sm_90a
-without a GPU (registers, spills, wgmma); `bench/lora_kernels.py` times them on one.
+graph with static metadata buffers. `bench/kernels/lora_compile_report.py` compiles the plans for sm_90a
+without a GPU (registers, spills, wgmma); `bench/kernels/lora.py` times them on one.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
+from quiver_server.kernels import cuda_device
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 
 
@@ -219,17 +220,10 @@ class LaunchConfig:
     num_warps: int = 4
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter on CPU: any small number keeps tests quick
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclass(frozen=True)
 class Plan:
     """One launch: grid, columns per split and the kernel's compile-time block sizes. Pure
-    function of the shapes, so `bench/lora_compile_report.py` compiles exactly what runs."""
+    function of the shapes, so `bench/kernels/lora_compile_report.py` compiles exactly what runs."""
 
     grid: tuple[int, ...]
     cols_per_split: int
@@ -293,7 +287,7 @@ def bgmv(
 ) -> None:
     """y [T, N] (a column view is fine) += per-row LoRA delta of the row's slot (-1: none)."""
     (num_rows, k), n, rank = x.shape, lora_b.shape[1], lora_a.shape[1]
-    plan = plan_bgmv(num_rows, k, n, rank, _sm_count(x.device), config)
+    plan = plan_bgmv(num_rows, k, n, rank, cuda_device.sm_count(x.device), config)
     _bgmv_kernel[plan.grid](
         y, x, lora_a, lora_b, scaling, token_slots, k, n, rank, plan.cols_per_split,
         *_strides(x, lora_a, lora_b, y), **plan.blocks, num_warps=plan.num_warps,
@@ -309,7 +303,7 @@ def sgmv(
     with slot seg_slots[i] (-1: none). max_seg_len bounds the row blocks of the grid (0 = T)."""
     (num_rows, k), n, rank = x.shape, lora_b.shape[1], lora_a.shape[1]
     plan = plan_sgmv(num_rows, int(seg_slots.shape[0]), max_seg_len, k, n, rank, x.dtype,
-                     _sm_count(x.device), config)
+                     cuda_device.sm_count(x.device), config)
     # Triton's CPU interpreter multiplies bfloat16 dot operands as their raw uint16 bits (3.9.0),
     # so off CUDA the operands go through float32: exact for 16-bit floats, same products.
     upcast = x.device.type != "cuda" and x.dtype == torch.bfloat16
@@ -480,7 +474,7 @@ class FusedLora:
         segments = meta.segments
         num_rows, k = x.shape
         plan = plan_parts(num_rows, segments.num_segments, segments.max_len, k, self.widths, self.max_rank,
-                          x.dtype, _sm_count(x.device), config)
+                          x.dtype, cuda_device.sm_count(x.device), config)
         if plan.grid[0] == 0:
             return
         # Triton's interpreter multiplies bfloat16 dot operands as raw bits: see `sgmv`.

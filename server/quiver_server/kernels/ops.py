@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from quiver_server import kv_cache_dtype
+from quiver_server.engine import kv_cache_dtype
 from quiver_server.kernels import attention_torch, cpu_gemm, cpu_ops, quant_gemm, torch_ops
 from quiver_server.quant.weights import QuantizedWeight
 
 if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import would be a cycle
-    from quiver_server.forward_batch import ForwardBatch
+    from quiver_server.engine.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -50,8 +50,9 @@ import torch
 import triton
 import triton.language as tl
 
-from quiver_server.kernels.lora_triton import _sm_count
-from quiver_server.kv_cache_dtype import cache_fits
+from quiver_server.kernels import cuda_device
+from quiver_server.kernels.triton_math import tanh
+from quiver_server.engine.kv_cache_dtype import cache_fits
 
 # A window so wide that max(0, n - window) is always 0: "no sliding window" without a branch.
 NO_WINDOW = 2**31 - 1
@@ -59,16 +60,6 @@ NO_WINDOW = 2**31 - 1
 # extra parallelism gains.
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 32
-
-
-@triton.jit
-def _tanh(x):
-    # libdevice's tanh has no interpreter implementation; this form loses nothing near 0
-    # (1 - e is exact to a few ulp of 1 where e = exp(-2|x|) is close to 1, and t ~ x is tiny
-    # there only in relative terms: the absolute error stays a few float32 ulp of 1).
-    e = tl.exp(-2.0 * tl.abs(x))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
 
 
 @triton.jit
@@ -127,7 +118,7 @@ def _attend_split_kernel(
             kt = kt.to(q.dtype)  # a narrower cache (`--kv-cache-dtype`) widens exactly to q's dtype
         scores = tl.dot(q, kt, input_precision=QK_PRECISION) * scale
         if SOFTCAP:
-            scores = softcap * _tanh(scores / softcap)
+            scores = softcap * tanh(scores / softcap)
         scores = tl.where(key_mask[None, :], scores, float("-inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         alpha = tl.exp(row_max - new_max)
@@ -258,7 +249,8 @@ def paged_decode_attention(
                          f"do not match {num_seqs} sequences")
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
-    plan = plan_decode(num_seqs, heads, kv_heads, head_dim, max_seq_len, _sm_count(q.device), num_splits, block_n)
+    plan = plan_decode(num_seqs, heads, kv_heads, head_dim, max_seq_len, cuda_device.sm_count(q.device), num_splits,
+                       block_n)
     out = torch.empty((num_seqs, heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out

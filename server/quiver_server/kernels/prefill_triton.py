@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quiver_server.kv_cache_dtype import cache_fits
+from quiver_server.engine.kv_cache_dtype import cache_fits
 
 
 @triton.jit
@@ -225,7 +225,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class PrefillPlan:
     """Compile-time shape of one launch: a pure function of the attention shape and the batch's
-    longest new-token count, so it can be compiled ahead (see `bench/lora_compile_report.py`)."""
+    longest new-token count, so it can be compiled ahead (see `bench/kernels/lora_compile_report.py`)."""
 
     block_m: int
     block_n: int

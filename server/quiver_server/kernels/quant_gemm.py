@@ -6,7 +6,9 @@ packed once at load for the device's kernel.
   activations are widened for the product and the result rounded back to their dtype). On AMX
   hosts, bfloat16 x goes to `cpu/linear_quant_amx.cpp` instead (but at FMA_ROWS), on the same
   packed weight: dequantized to bf16 once per call, multiplied in the tile unit.
-- CUDA: the Triton kernel (`quant_matmul_triton`).
+- CUDA: Triton, two kernels on one packed layout (`quant_triton_layout`), chosen per call by the
+  row count (`triton_linear`): multiply-adds on the CUDA cores for 1 to 4 rows where an H100
+  sweep found them faster (`quant_gemv_triton`), tensor-core dots otherwise (`quant_matmul_triton`).
 - Elsewhere (QUIVER_CPU_KERNELS=0, no compiler): the weight is kept quantized and dequantized
   into a temporary for each product: slow, but the memory stays small and the numbers are the
   same products (a fallback for correctness, not for speed).
@@ -16,13 +18,18 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from quiver_server.kernels import cpu_ops
 from quiver_server.quant.weights import QuantizedWeight
+
+if TYPE_CHECKING:  # triton is imported only when the Triton kernels are chosen
+    from quiver_server.kernels.quant_gemv_triton import GemvConfig
+    from quiver_server.kernels.quant_matmul_triton import LaunchConfig
+    from quiver_server.kernels.quant_triton_layout import TritonQuantWeight
 
 
 @dataclass(frozen=True)
@@ -48,7 +55,7 @@ def pack(weight: QuantizedWeight, device: torch.device, kernel: str | None = Non
     if kernel == "cpu":
         data: Any = _pack_cpu(weight)
     elif kernel == "triton":
-        from quiver_server.kernels.quant_matmul_triton import pack_for_triton  # imports triton
+        from quiver_server.kernels.quant_triton_layout import pack_for_triton  # imports triton
 
         data = pack_for_triton(weight, device)
     elif kernel == "torch":
@@ -107,9 +114,7 @@ def amx_available() -> bool:
 def linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, dequant(W), bias); x [..., in] -> [..., out] in x's dtype."""
     if packed.kernel == "triton":
-        from quiver_server.kernels.quant_matmul_triton import quant_linear
-
-        return quant_linear(x, packed.data, bias)
+        return triton_linear(x, packed.data, bias)
     if packed.kernel == "torch":
         weight: QuantizedWeight = packed.data
         return F.linear(x, weight.dequantize(x.dtype), bias)
@@ -125,3 +130,32 @@ def linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None
     y = torch.ops.quiver_cpu.linear_quant(rows, q, scales, offsets, fbias, packed.out_features, packed.bits,
                                           packed.group_size)
     return y.to(x.dtype).reshape(*x.shape[:-1], packed.out_features)
+
+
+def triton_linear(x: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor | None = None,
+                  config: LaunchConfig | GemvConfig | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(W)^T + bias -> [..., N] in x's dtype, float32 accumulation, on CUDA (or
+    Triton's interpreter). A few rows run the multiply-add kernel (`quant_gemv_triton.preferred`:
+    1 to 4 by the weight's scales), the others the dot kernel; a `LaunchConfig` pins the dot
+    kernel, a `GemvConfig` the multiply-add one (tests, benchmarks)."""
+    from quiver_server.kernels import quant_gemv_triton, quant_matmul_triton  # import triton
+
+    k, n = packed.in_features, packed.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features, the weight {k}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"activations must be float32, bfloat16 or float16, not {x.dtype}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"bias must have shape ({n},)")
+    rows = x.reshape(-1, k)  # a view where the strides allow: the kernels take any strides
+    m = rows.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*x.shape[:-1], n)
+    bias_arg = None if bias is None else bias.contiguous()
+    if isinstance(config, quant_gemv_triton.GemvConfig) or (
+            config is None and quant_gemv_triton.preferred(packed, m)):
+        quant_gemv_triton.quant_gemv(rows, packed, bias_arg, y, config or quant_gemv_triton.GemvConfig())
+    else:
+        quant_matmul_triton.quant_matmul(rows, packed, bias_arg, y, config or quant_matmul_triton.LaunchConfig())
+    return y.reshape(*x.shape[:-1], n)

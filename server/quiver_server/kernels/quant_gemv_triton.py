@@ -1,6 +1,7 @@
 """The quantized projection for 1 to 4 rows on CUDA (a single stream's decode step, or a few):
-multiply-adds on the CUDA cores instead of tensor-core dots, over `quant_matmul_triton`'s packed
-layout (`TritonQuantWeight`, read as it is).
+multiply-adds on the CUDA cores instead of tensor-core dots, over the packed layout of
+`quant_triton_layout` (`TritonQuantWeight`, read as it is). `quant_gemm.triton_linear` runs it
+for the row counts `preferred` names, the dot kernel (`quant_matmul_triton`) for the others.
 
 Why a second kernel: at one row the dot kernel pads the row to a 16-row MMA tile and converts
 every weight into the MMA operand layout; on an H100 that cost more than the weight's bytes
@@ -29,25 +30,25 @@ import torch
 import triton
 import triton.language as tl
 
-from quiver_server.kernels.lora_triton import _sm_count
-from quiver_server.kernels.quant_matmul_triton import (
+from quiver_server.kernels import cuda_device
+from quiver_server.kernels.quant_triton_layout import (
     COUNTERS,
-    K_ALIGN,
     N_ALIGN,
     PER_BLOCK,
     PER_CHANNEL,
     TritonQuantWeight,
-    _finish_tile,
-    _group_vector,
+    finish_tile,
+    group_vector,
+    padded_k,
 )
 
 MAX_ROWS = 4  # what the kernel takes (one accumulator set per row, unrolled)
 
 
 def preferred(packed: TritonQuantWeight, rows: int) -> bool:
-    """Whether `quant_linear` picks it over the dot kernel, from an H100 sweep (docs/quantization.md):
-    per-channel 8 bits at 1 row; groups of 128 or more up to 2 rows; smaller groups, whose block
-    scales slow the dot kernel's small tiles, up to 4."""
+    """Whether `quant_gemm.triton_linear` picks it over the dot kernel, from an H100 sweep
+    (docs/quantization.md): per-channel 8 bits at 1 row; groups of 128 or more up to 2 rows;
+    smaller groups, whose block scales slow the dot kernel's small tiles, up to 4."""
     if packed.scale_mode == PER_CHANNEL:
         return rows == 1
     if packed.scale_mode == PER_BLOCK:
@@ -136,9 +137,9 @@ def _quant_gemv_kernel(
     for block in range(first, last):
         k = block * (2 * TILE_K)  # a block: TILE_K low values and TILE_K high ones (the layout)
         if SCALES == 1:  # PER_BLOCK: one group holds the whole block
-            scale = _group_vector(scales_ptr, k // group_size, num_groups, n_pad, offs_n)
+            scale = group_vector(scales_ptr, k // group_size, num_groups, n_pad, offs_n)
             if HAS_OFFSETS:
-                offset = _group_vector(offsets_ptr, k // group_size, num_groups, n_pad, offs_n)
+                offset = group_vector(offsets_ptr, k // group_size, num_groups, n_pad, offs_n)
             else:
                 offset = scale  # never read: no offsets
         if PER_SUM:
@@ -199,9 +200,9 @@ def _quant_gemv_kernel(
     scale0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     offset0 = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if SCALES == 0:
-        scale0 = _group_vector(scales_ptr, 0, num_groups, n_pad, offs_n)
+        scale0 = group_vector(scales_ptr, 0, num_groups, n_pad, offs_n)
     if XSUM:
-        offset0 = _group_vector(offsets_ptr, 0, num_groups, n_pad, offs_n)
+        offset0 = group_vector(offsets_ptr, 0, num_groups, n_pad, offs_n)
     PER_CHANNEL_SCALE: tl.constexpr = SCALES == 0
     out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     out = _row_out(out, acc0, xsum0, 0, offs_m, scale0, offset0, PER_CHANNEL_SCALE, XSUM)
@@ -210,8 +211,8 @@ def _quant_gemv_kernel(
     if BLOCK_M > 2:
         out = _row_out(out, acc2, xsum2, 2, offs_m, scale0, offset0, PER_CHANNEL_SCALE, XSUM)
         out = _row_out(out, acc3, xsum3, 3, offs_m, scale0, offset0, PER_CHANNEL_SCALE, XSUM)
-    _finish_tile(out, y_ptr, bias_ptr, partial_ptr, counter_ptr, pid_n, tl.cdiv(N, BLOCK_N), split, offs_m, offs_n,
-                 M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+    finish_tile(out, y_ptr, bias_ptr, partial_ptr, counter_ptr, pid_n, tl.cdiv(N, BLOCK_N), split, offs_m, offs_n,
+                M, N, stride_ym, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
 
 
 @dataclass(frozen=True)
@@ -252,7 +253,7 @@ def _plan(m: int, n: int, k: int, bits: int, tile_k: int, sm_count: int, config:
     block_r = config.block_r or min(tile_k, 16)
     if N_ALIGN % block_n or block_r > tile_k or tile_k % block_r:
         raise ValueError(f"BLOCK_N must divide {N_ALIGN} and BLOCK_R divide TILE_K ({tile_k})")
-    num_blocks = -(-k // K_ALIGN) * K_ALIGN // (2 * tile_k)
+    num_blocks = padded_k(k) // (2 * tile_k)
     tiles = triton.cdiv(n, block_n)
     split_k = config.split_k
     if split_k is None:
@@ -269,7 +270,8 @@ def _plan(m: int, n: int, k: int, bits: int, tile_k: int, sm_count: int, config:
 
 
 def gemv_plan(m: int, packed: TritonQuantWeight, device: torch.device, config: GemvConfig = GemvConfig()) -> GemvPlan:
-    return _plan(m, packed.out_features, packed.in_features, packed.bits, packed.tile_k, _sm_count(device), config)
+    return _plan(m, packed.out_features, packed.in_features, packed.bits, packed.tile_k, cuda_device.sm_count(device),
+                 config)
 
 
 def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor | None, y: torch.Tensor,
@@ -279,7 +281,7 @@ def quant_gemv(rows: torch.Tensor, packed: TritonQuantWeight, bias: torch.Tensor
     m, k = rows.shape
     n = packed.out_features
     plan = gemv_plan(m, packed, rows.device, config)
-    num_blocks = -(-k // K_ALIGN) * K_ALIGN // (2 * packed.tile_k)
+    num_blocks = padded_k(k) // (2 * packed.tile_k)
     tiles = triton.cdiv(n, plan.block_n)
     partial = y  # unused unless split
     if plan.split_k > 1:

@@ -24,7 +24,7 @@ rd(v) below is v rounded to the input dtype (to nearest, ties to even: a no-op i
   `rotary_(x, cos, sin)` is the same rotation without the cache write.
 - `gated_activation(gate_up, kind)`, grid (T, column tiles): [T, 2I] = [gate | up] ->
   rd(rd(act(gate)) * up) [T, I], act = silu: g / (1 + exp(-g)), or gelu_tanh:
-  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh built from exp (`_tanh`).
+  0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), tanh built from exp (`triton_math.tanh`).
 - `greedy_logprob(logits)`, grid (B,): float32 [B, V] -> (the first index of the row's maximum,
   as torch.argmax: a NaN counts as the maximum; its log-softmax). One pass: every lane of a
   BLOCK_V tile keeps a running maximum, the first index where it was reached and
@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from quiver_server.kernels.paged_decode_triton import _tanh
-from quiver_server.kv_cache_dtype import cache_fits, float8_limit
+from quiver_server.kernels.triton_math import tanh
+from quiver_server.engine.kv_cache_dtype import cache_fits, float8_limit
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -226,7 +226,7 @@ def _gated_activation_kernel(
     up = tl.load(base + (cols + width) * stride_gd, mask=mask, other=0.0).to(tl.float32)
     if GELU:
         inner = BETA * (gate + KAPPA * (gate * gate * gate))
-        act = 0.5 * gate * (1.0 + _tanh(inner))
+        act = 0.5 * gate * (1.0 + tanh(inner))
     else:
         act = tl.div_rn(gate, 1.0 + tl.exp(-gate))
     out = _rounded(act, dtype, BF16_BY_BITS).to(tl.float32) * up

@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from quiver_server.forward_batch import ForwardBatch
+from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels.attention_torch import sdpa
-from quiver_server.kv_cache_dtype import FLOAT8_DTYPES, as_stored, to_cache
+from quiver_server.engine.kv_cache_dtype import FLOAT8_DTYPES, as_stored, to_cache
 
 
 def write_kv(

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quiver_server.forward_batch import ForwardBatch
+from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.parallel import RowSpans, take_rows

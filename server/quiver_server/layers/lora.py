@@ -4,7 +4,7 @@
 slots for, and takes it away again when adapters are disabled: a model served without adapters
 runs its plain layers. A wrapper calls its base layer, then adds every row's adapter delta into
 the output columns of each of the base's parts (`LoraPart`: that part's stacked slot buffers),
-with the shard's LoRA backend bound once into the kernel call (`kernels.LoraProjection`).
+with the shard's LoRA backend bound once into the kernel call (`kernels.lora_projection.LoraProjection`).
 
 A part's buffers hold `experts` rows per slot: one for a plain projection, one per expert for a
 sparse MLP's stacked expert projections (row slot * experts + expert). Rows of x name the buffer
@@ -18,8 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quiver_server.forward_batch import ForwardBatch
-from quiver_server.kernels import LoraBatchMeta, LoraProjection
+from quiver_server.engine.forward_batch import ForwardBatch
+from quiver_server.kernels.lora_meta import LoraBatchMeta
+from quiver_server.kernels.lora_projection import LoraProjection
 from quiver_server.layers.grouped_linear import GroupedLinear
 from quiver_server.layers.linear import Linear
 
