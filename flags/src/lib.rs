@@ -8,6 +8,8 @@ mod lora_rank_classes;
 mod reasoning_parser;
 mod router_argv;
 mod serving;
+#[cfg(test)]
+mod test_cli;
 mod tool_call_parser;
 
 pub use adapter_source::{AdapterSource, UnknownAdapterSource};

@@ -115,22 +115,12 @@ pub fn slot_ranks(
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-
     use super::*;
+    use crate::test_cli::try_parse;
     use crate::ServingFlags;
 
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        flags: ServingFlags,
-    }
-
     fn parse(args: &[&str]) -> Result<ServingFlags, String> {
-        let argv = std::iter::once("quiver-router").chain(args.iter().copied());
-        Cli::try_parse_from(argv)
-            .map(|cli| cli.flags)
-            .map_err(|error| error.to_string())
+        try_parse(args.iter().copied())
     }
 
     fn classes(text: &str) -> Vec<RankClass> {

@@ -179,18 +179,11 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
+    use crate::test_cli::{try_parse, Cli};
     use crate::AdapterSource;
 
-    /// A command line made of the serving flags alone, as each binary flattens them.
-    #[derive(Parser)]
-    struct Cli {
-        #[command(flatten)]
-        flags: ServingFlags,
-    }
-
     fn parse(args: Vec<OsString>) -> ServingFlags {
-        let argv = std::iter::once(OsString::from("quiver-router")).chain(args);
-        Cli::try_parse_from(argv).unwrap().flags
+        try_parse(args).unwrap()
     }
 
     /// Every flag away from its default (the API key aside: it never rides on the command line).

@@ -23,10 +23,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from quiver_server.forward_batch import ForwardBatch
+from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels import cpu_gemm, quant_gemm
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.kv_cache import PagedKVCache
+from quiver_server.engine.kv_cache import PagedKVCache
 from quiver_server.layers.activation import gated_activation
 from quiver_server.layers.linear import Linear
 from quiver_server.layers.norm import make_norm

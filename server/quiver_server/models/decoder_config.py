@@ -66,31 +66,32 @@ class DecoderConfig:
         return bool(self.moe_layers) and self.moe_layers[layer]
 
 
-def common_fields(config: dict[str, Any]) -> dict[str, Any]:
-    """The DecoderConfig fields every family reads the same way from config.json."""
+def common_config(config: dict[str, Any]) -> DecoderConfig:
+    """The DecoderConfig fields every family reads the same way from config.json, the rest at
+    their (Llama) defaults: a family `replace`s what it reads differently."""
     num_layers = int(config["num_hidden_layers"])
     num_heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     # A per-layer-type rope (Gemma 3) is the family's to split; the global one stands in here.
     per_layer_type = isinstance((config.get("rope_parameters") or {}).get("full_attention"), dict)
     rope = RopeConfig.from_hf(config, "full_attention" if per_layer_type else None)
-    return {
-        "model_type": str(config.get("model_type")),
-        "vocab_size": int(config["vocab_size"]),
-        "hidden_size": hidden,
-        "intermediate_size": int(config["intermediate_size"]),
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": int(config.get("num_key_value_heads") or num_heads),
-        "head_dim": int(config.get("head_dim") or hidden // num_heads),
-        "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
-        "max_position_embeddings": int(config.get("max_position_embeddings", 2048)),
-        "ropes": (rope,),
-        "layer_ropes": (0,) * num_layers,
-        "sliding_windows": (None,) * num_layers,
-        "tie_word_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "activation": activation_name(config.get("hidden_act") or config.get("hidden_activation")),
-    }
+    return DecoderConfig(
+        model_type=str(config.get("model_type")),
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or num_heads),
+        head_dim=int(config.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        ropes=(rope,),
+        layer_ropes=(0,) * num_layers,
+        sliding_windows=(None,) * num_layers,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        activation=activation_name(config.get("hidden_act") or config.get("hidden_activation")),
+    )
 
 
 class Biases(TypedDict):

@@ -13,9 +13,9 @@ from typing import Any, ClassVar, Protocol
 import torch
 from torch import nn
 
-from quiver_server.forward_batch import ForwardBatch
+from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels.ops import KernelOps
-from quiver_server.kv_cache import PagedKVCache
+from quiver_server.engine.kv_cache import PagedKVCache
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import QuantizeSpec
 from quiver_server.layers.grouped_linear import GroupedLinear

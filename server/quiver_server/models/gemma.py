@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from quiver_server.layers.activation import activation_name
 from quiver_server.layers.rotary import RopeConfig
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields, layer_windows, projection_biases
+from quiver_server.models.decoder_config import DecoderConfig, common_config, layer_windows, projection_biases
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import SEPARATE
 
@@ -53,17 +53,17 @@ class GemmaForCausalLM(DecoderForCausalLM):
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not a Gemma 2 or 3 text model")
         config = {"tie_word_embeddings": True, **config}
-        fields = common_fields(config)
-        num_layers, hidden = fields["num_layers"], fields["hidden_size"]
+        base = common_config(config)
+        num_layers, hidden = base.num_layers, base.hidden_size
         layer_types = _layer_types(config, num_layers)
         cfg = replace(
-            DecoderConfig(**fields),
+            base,
             **projection_biases(config),
             norm="gemma",
             sandwich_norms=True,
             activation=activation_name(config.get("hidden_activation") or config.get("hidden_act"),
                                        default="gelu_pytorch_tanh"),
-            attention_scale=float(config.get("query_pre_attn_scalar", fields["head_dim"])) ** -0.5,
+            attention_scale=float(config.get("query_pre_attn_scalar", base.head_dim)) ** -0.5,
             # transformers' Gemma 3 never applies attn_logit_softcapping (released configs set
             # none): the reference decides, so only Gemma 2 caps attention scores.
             attention_softcap=(_optional_float(config.get("attn_logit_softcapping"))

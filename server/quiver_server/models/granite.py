@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields, projection_biases
+from quiver_server.models.decoder_config import DecoderConfig, common_config, projection_biases
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import SEPARATE
 
@@ -20,12 +20,12 @@ class GraniteForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
+        base = common_config(config)
         return replace(
-            DecoderConfig(**fields),
+            base,
             **projection_biases(config),
             embed_scale=float(config.get("embedding_multiplier", 1.0)),
-            attention_scale=float(config.get("attention_multiplier", fields["head_dim"] ** -0.5)),
+            attention_scale=float(config.get("attention_multiplier", base.head_dim ** -0.5)),
             residual_multiplier=float(config.get("residual_multiplier", 1.0)),
             logits_divisor=float(config.get("logits_scaling", 1.0)),
         )

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from quiver_server.models.decoder import DecoderForCausalLM
 from quiver_server.models.decoder_config import (
     DecoderConfig,
-    common_fields,
+    common_config,
     layer_windows,
     projection_biases,
     uniform_windows,
@@ -44,10 +44,9 @@ class LlamaForCausalLM(DecoderForCausalLM):
         model_type = config.get("model_type")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type {model_type!r} is not in the Llama family {MODEL_TYPES}")
-        fields = common_fields(config)
-        if fields["activation"] != "silu":
+        cfg = common_config(config)
+        if cfg.activation != "silu":
             raise ValueError(f"hidden_act {config.get('hidden_act')!r} is not supported (the Llama family uses silu)")
-        cfg = DecoderConfig(**fields)
         num_layers = cfg.num_layers
         cfg = replace(cfg, **projection_biases(config))
         if model_type == "qwen2":

@@ -11,7 +11,7 @@ from quiver_server.models.decoder import DecoderForCausalLM
 from quiver_server.models.decoder_config import (
     DecoderConfig,
     MoeConfig,
-    common_fields,
+    common_config,
     projection_biases,
     uniform_windows,
 )
@@ -33,19 +33,19 @@ class MixtralForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
+        base = common_config(config)
         moe = MoeConfig(
             num_experts=int(config["num_local_experts"]),
             top_k=int(config["num_experts_per_tok"]),
-            intermediate_size=fields["intermediate_size"],
+            intermediate_size=base.intermediate_size,
             normalize_top_k=True,
             weights_in_float32=True,
         )
         return replace(
-            DecoderConfig(**fields),
-            sliding_windows=uniform_windows(config, fields["num_layers"]),
+            base,
+            sliding_windows=uniform_windows(config, base.num_layers),
             moe=moe,
-            moe_layers=(True,) * fields["num_layers"],
+            moe_layers=(True,) * base.num_layers,
         )
 
     @classmethod
@@ -59,8 +59,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
-        num_layers = fields["num_layers"]
+        base = common_config(config)
+        num_layers = base.num_layers
         num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
         step = int(config.get("decoder_sparse_step", 1))
         dense = set(config.get("mlp_only_layers") or [])
@@ -72,7 +72,7 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
             weights_in_float32=False,
         )
         return replace(
-            DecoderConfig(**fields),
+            base,
             **projection_biases(config),
             qk_norm=True,
             sliding_windows=qwen_windows(config, num_layers),

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from quiver_server.forward_batch import ForwardBatch
+from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels.lora_meta import LoraBatchMeta
 from quiver_server.kernels.ops import KernelOps
 from quiver_server.layers.activation import gated_activation

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from quiver_server.models.decoder import DecoderForCausalLM
-from quiver_server.models.decoder_config import DecoderConfig, common_fields, uniform_windows
+from quiver_server.models.decoder_config import DecoderConfig, common_config, uniform_windows
 from quiver_server.models.family import ProjectionLayout
 from quiver_server.models.layouts import FUSED
 
@@ -21,9 +21,5 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 
     @classmethod
     def config_from_hf(cls, config: dict[str, Any]) -> DecoderConfig:
-        fields = common_fields(config)
-        return replace(
-            DecoderConfig(**fields),
-            fused_checkpoint=True,
-            sliding_windows=uniform_windows(config, fields["num_layers"]),
-        )
+        base = common_config(config)
+        return replace(base, fused_checkpoint=True, sliding_windows=uniform_windows(config, base.num_layers))

@@ -19,7 +19,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "vec_f32.h"
+#include "f32_panels.h"
 
 #include <algorithm>
 #include <cstring>
@@ -27,44 +27,20 @@
 
 namespace {
 
-using quiver_vec::kVecRegs;
-using quiver_vec::VL;
-using quiver_vec::vfloat;
-using quiver_vec::vload;
-using quiver_vec::vstore;
-// Vectors per panel row and rows per block. AVX-512: 3 x 8 (24 accumulators of 32 zmm). AVX2:
-// 2 x 6 (12 of 16 ymm), measured faster than 3 x 4 at 32-128 rows, and its panel row is one
-// 64-byte line.
-constexpr int NV = kVecRegs >= 32 ? 3 : 2;
-constexpr int MR = kVecRegs >= 32 ? 8 : 6;
-constexpr int64_t PANEL = NV * VL;
-static_assert(MR * NV + NV + 1 <= kVecRegs, "the micro-kernel's block (and its operands) must fit the register file");
-// Rows per work item of a prefill-sized product: x's chunk stays in L2 while the panels stream.
-constexpr int64_t ROW_CHUNK = 128;
-
-// The next panel's cache lines, spread over the current panel's k iterations (`step` per k).
-struct Prefetcher {
-  const char* next = nullptr;
-  int64_t lines = 0, issued = 0, per_step = 1;
-
-  void reset(const char* next_panel, int64_t panel_lines, int64_t steps) {
-    next = next_panel;
-    lines = next_panel ? panel_lines : 0;
-    issued = 0;
-    per_step = steps > 0 ? std::max<int64_t>(1, (lines + steps - 1) / steps) : 1;
-  }
-
-  inline void step() {
-    for (int64_t q = 0; q < per_step && issued < lines; ++q, ++issued) {
-      __builtin_prefetch(next + issued * 64, 0, 2);
-    }
-  }
-};
+using quiver_panels::NV;
+using quiver_panels::PANEL;
+using quiver_panels::Prefetcher;
+using quiver_panels::vfloat;
+using quiver_panels::VL;
+// Rows per block. AVX-512: 8 x 3 vectors (24 accumulators of 32 zmm). AVX2: 6 x 2 (12 of 16 ymm).
+constexpr int MR = quiver_panels::kVecRegs >= 32 ? 8 : 6;
+static_assert(MR * NV + NV + 1 <= quiver_panels::kVecRegs,
+              "the micro-kernel's block (and its operands) must fit the register file");
 
 // y[0 : ROWS, :cols] = x[0 : ROWS] @ panel (+ bias); x rows k_len apart, y rows y_stride apart.
 template <int ROWS>
-void micro(const float* x, int64_t k_len, const float* panel, const float* bias, float* y, int64_t y_stride,
-           int64_t cols, Prefetcher& prefetch) {
+void micro(const float* x, int64_t k_len, const float* panel, const float* bias, float* y,
+                             int64_t y_stride, int64_t cols, Prefetcher& prefetch) {
   vfloat acc[ROWS][NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vfloat{};
@@ -72,71 +48,27 @@ void micro(const float* x, int64_t k_len, const float* panel, const float* bias,
     const float* w = panel + k * PANEL;
     vfloat wv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) wv[v] = vload(w + v * VL);
+    for (int v = 0; v < NV; ++v) wv[v] = quiver_panels::vload(w + v * VL);
     prefetch.step();
-#pragma GCC unroll 8
-    for (int i = 0; i < ROWS; ++i) {
-      const float xi = x[i * k_len + k];
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) acc[i][v] += xi * wv[v];
-    }
+    quiver_panels::fma_rows<ROWS>(acc, x, k_len, k, wv);
   }
-  for (int i = 0; i < ROWS; ++i) {
-    if (bias)
-      for (int v = 0; v < NV; ++v) acc[i][v] += vload(bias + v * VL);
-    float* yi = y + i * y_stride;
-    if (cols == PANEL) {
-      for (int v = 0; v < NV; ++v) vstore(yi + v * VL, acc[i][v]);
-    } else {
-      float tmp[PANEL];
-      for (int v = 0; v < NV; ++v) vstore(tmp + v * VL, acc[i][v]);
-      std::memcpy(yi, tmp, cols * sizeof(float));
-    }
-  }
+  quiver_panels::store_rows<ROWS>(acc, bias, y, y_stride, cols);
 }
 
-// Rows [m_begin, m_end) of one panel, in blocks of MR, then 4 (when MR is larger), 2 and 1 rows.
-void panel_rows(const float* x, int64_t k_len, const float* panel, const float* bias, float* y, int64_t y_stride,
-                int64_t cols, int64_t m_begin, int64_t m_end, Prefetcher& prefetch) {
-  int64_t m = m_begin;
-  for (; m + MR <= m_end; m += MR) micro<MR>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-  if (MR > 4 && m + 4 <= m_end) {
-    micro<4>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-    m += 4;
-  }
-  if (m + 2 <= m_end) {
-    micro<2>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-    m += 2;
-  }
-  if (m < m_end) micro<1>(x + m * k_len, k_len, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-}
-
-// How many micro-kernel calls panel_rows makes for `rows` rows.
-int64_t row_blocks(int64_t rows) {
-  const int64_t rest = rows % MR;
-  return rows / MR + (MR > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
-}
-
-// Work items are (row chunk, panel) pairs, chunk-major, split into one contiguous range per
-// thread; a decode-sized product is one chunk, so the threads split the panels.
 void run(const float* x, int64_t m, int64_t k_len, const float* packed, int64_t n, const float* bias_padded,
          float* y) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
-  const int64_t chunk = m <= 2 * ROW_CHUNK ? m : ROW_CHUNK;
-  const int64_t chunks = (m + chunk - 1) / chunk;
   const int64_t panel_lines = k_len * PANEL * static_cast<int64_t>(sizeof(float)) / 64;
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    Prefetcher prefetch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / panels, p = item % panels;
-      const int64_t m_begin = c * chunk, m_end = std::min(m, m_begin + chunk);
-      const float* panel = packed + p * k_len * PANEL;
-      const bool next = item + 1 < end && p + 1 < panels;  // this thread's next item, same rows
-      prefetch.reset(next ? reinterpret_cast<const char*>(panel + k_len * PANEL) : nullptr, panel_lines,
-                     row_blocks(m_end - m_begin) * k_len);
-      panel_rows(x, k_len, panel, bias_padded ? bias_padded + p * PANEL : nullptr, y + p * PANEL, n,
-                 std::min<int64_t>(PANEL, n - p * PANEL), m_begin, m_end, prefetch);
-    }
+  quiver_panels::for_panel_items(m, panels, [&](int64_t p, int64_t m_begin, int64_t m_end, bool next,
+                                                Prefetcher& prefetch) {
+    const float* panel = packed + p * k_len * PANEL;
+    const float* bias = bias_padded ? bias_padded + p * PANEL : nullptr;
+    const int64_t cols = std::min<int64_t>(PANEL, n - p * PANEL);
+    prefetch.reset(next ? reinterpret_cast<const char*>(panel + k_len * PANEL) : nullptr, panel_lines,
+                   quiver_panels::row_blocks<MR>(m_end - m_begin) * k_len);
+    quiver_panels::for_row_blocks<MR>(m_begin, m_end, [&](auto rows, int64_t r) {
+      micro<decltype(rows)::value>(x + r * k_len, k_len, panel, bias, y + p * PANEL + r * n, n, cols, prefetch);
+    });
   });
 }
 

@@ -18,31 +18,29 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "f32_panels.h"
 #include "quant_packed.h"
-#include "vec_f32.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-using quiver_vec::kVecRegs;
-using quiver_vec::VL;
-using quiver_vec::vfloat;
-using quiver_vec::vload;
-using quiver_vec::vstore;
+using quiver_panels::fma_rows;
+using quiver_panels::NV;
+using quiver_panels::PANEL;
+using quiver_panels::Prefetcher;
+using quiver_panels::vfloat;
+using quiver_panels::vload;
+using quiver_panels::VL;
 
 // Same panels as linear.cpp. Rows per block: the float32 kernel's 8 (AVX-512) / 6 (AVX2) plus
 // the NV scale and NV offset vectors would spill, so one row fewer on AVX-512 keeps the block,
 // the dequantized panel row and its scales in the 32 zmm registers, and AVX2 takes 4 rows.
-constexpr int NV = kVecRegs >= 32 ? 3 : 2;
-constexpr int MR = kVecRegs >= 32 ? 6 : 4;
-constexpr int64_t PANEL = NV * VL;
-constexpr int64_t ROW_CHUNK = 128;
+constexpr int MR = quiver_panels::kVecRegs >= 32 ? 6 : 4;
 
 // Widening bytes to float32 lanes with the ISA's own instructions (vpmovsxbd/vpmovzxbd, then
 // vcvtdq2ps): GCC's __builtin_convertvector on byte vectors extracts them lane by lane.
@@ -68,42 +66,16 @@ inline vfloat low_nibbles(vint v) { return (vfloat)_mm256_cvtepi32_ps(_mm256_and
 inline vfloat high_nibbles(vint v) { return (vfloat)_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
 #endif
 
-struct Prefetcher {  // the next panel's lines, spread over the current panel's k steps
-  const char* next = nullptr;
-  int64_t lines = 0, issued = 0, per_step = 1;
-
-  void reset(const char* next_panel, int64_t panel_lines, int64_t steps) {
-    next = next_panel;
-    lines = next_panel ? panel_lines : 0;
-    issued = 0;
-    per_step = steps > 0 ? std::max<int64_t>(1, (lines + steps - 1) / steps) : 1;
-  }
-
-  inline void step() {
-    for (int64_t q = 0; q < per_step && issued < lines; ++q, ++issued) __builtin_prefetch(next + issued * 64, 0, 2);
-  }
-};
-
 struct Panel {
   const void* q;         // this panel's values
   const float* scales;   // [G, PANEL]
   const float* offsets;  // [G, PANEL] or null
 };
 
-template <int ROWS>
-inline void fma_rows(vfloat (&acc)[ROWS][NV], const float* x, int64_t k_len, int64_t k, const vfloat (&w)[NV]) {
-#pragma GCC unroll 8
-  for (int i = 0; i < ROWS; ++i) {
-    const float xi = x[i * k_len + k];
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) acc[i][v] += xi * w[v];
-  }
-}
-
 // y[0 : ROWS, :cols] = x[0 : ROWS] dequant(panel) (+ bias).
 template <int BITS, bool OFFSETS, int ROWS>
-void micro(const float* x, int64_t k_len, int64_t group, const Panel& panel, const float* bias, float* y,
-           int64_t y_stride, int64_t cols, Prefetcher& prefetch) {
+void micro(const float* x, int64_t k_len, int64_t group, const Panel& panel, const float* bias,
+           float* y, int64_t y_stride, int64_t cols, Prefetcher& prefetch) {
   vfloat acc[ROWS][NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = vfloat{};
@@ -147,66 +119,27 @@ void micro(const float* x, int64_t k_len, int64_t group, const Panel& panel, con
       }
     }
   }
-  for (int i = 0; i < ROWS; ++i) {
-    if (bias)
-      for (int v = 0; v < NV; ++v) acc[i][v] += vload(bias + v * VL);
-    float* yi = y + i * y_stride;
-    if (cols == PANEL) {
-      for (int v = 0; v < NV; ++v) vstore(yi + v * VL, acc[i][v]);
-    } else {
-      float tmp[PANEL];
-      for (int v = 0; v < NV; ++v) vstore(tmp + v * VL, acc[i][v]);
-      std::memcpy(yi, tmp, cols * sizeof(float));
-    }
-  }
+  quiver_panels::store_rows<ROWS>(acc, bias, y, y_stride, cols);
 }
 
-template <int BITS, bool OFFSETS>
-void panel_rows(const float* x, int64_t k_len, int64_t group, const Panel& panel, const float* bias, float* y,
-                int64_t y_stride, int64_t cols, int64_t m_begin, int64_t m_end, Prefetcher& prefetch) {
-  int64_t m = m_begin;
-  for (; m + MR <= m_end; m += MR)
-    micro<BITS, OFFSETS, MR>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-  if (MR > 4 && m + 4 <= m_end) {
-    micro<BITS, OFFSETS, 4>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-    m += 4;
-  }
-  if (m + 2 <= m_end) {
-    micro<BITS, OFFSETS, 2>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-    m += 2;
-  }
-  if (m < m_end)
-    micro<BITS, OFFSETS, 1>(x + m * k_len, k_len, group, panel, bias, y + m * y_stride, y_stride, cols, prefetch);
-}
-
-int64_t row_blocks(int64_t rows) {
-  const int64_t rest = rows % MR;
-  return rows / MR + (MR > 4 && rest >= 4) + (rest % 4 >= 2) + (rest % 2);
-}
-
-// Work items are (row chunk, panel) pairs, chunk-major, one contiguous range per thread.
 template <int BITS, bool OFFSETS>
 void run(const float* x, int64_t m, int64_t k_len, int64_t group, const uint8_t* q, const float* scales,
          const float* offsets, int64_t n, const float* bias_padded, float* y) {
   const int64_t panels = (n + PANEL - 1) / PANEL;
-  const int64_t chunk = m <= 2 * ROW_CHUNK ? m : ROW_CHUNK;
-  const int64_t chunks = (m + chunk - 1) / chunk;
   const int64_t panel_bytes = k_len * PANEL * BITS / 8;
   const int64_t panel_params = (k_len / group) * PANEL;
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
-    Prefetcher prefetch;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c = item / panels, p = item % panels;
-      const int64_t m_begin = c * chunk, m_end = std::min(m, m_begin + chunk);
-      const Panel panel{q + p * panel_bytes, scales + p * panel_params,
-                        OFFSETS ? offsets + p * panel_params : nullptr};
-      const bool next = item + 1 < end && p + 1 < panels;
-      const int64_t steps = row_blocks(m_end - m_begin) * (BITS == 8 ? k_len : k_len / 2);
-      prefetch.reset(next ? reinterpret_cast<const char*>(q + (p + 1) * panel_bytes) : nullptr, panel_bytes / 64,
-                     steps);
-      panel_rows<BITS, OFFSETS>(x, k_len, group, panel, bias_padded ? bias_padded + p * PANEL : nullptr,
-                                y + p * PANEL, n, std::min<int64_t>(PANEL, n - p * PANEL), m_begin, m_end, prefetch);
-    }
+  quiver_panels::for_panel_items(m, panels, [&](int64_t p, int64_t m_begin, int64_t m_end, bool next,
+                                                Prefetcher& prefetch) {
+    const Panel panel{q + p * panel_bytes, scales + p * panel_params, OFFSETS ? offsets + p * panel_params : nullptr};
+    const float* bias = bias_padded ? bias_padded + p * PANEL : nullptr;
+    const int64_t cols = std::min<int64_t>(PANEL, n - p * PANEL);
+    const int64_t steps = quiver_panels::row_blocks<MR>(m_end - m_begin) * (BITS == 8 ? k_len : k_len / 2);
+    prefetch.reset(next ? reinterpret_cast<const char*>(q + (p + 1) * panel_bytes) : nullptr, panel_bytes / 64,
+                   steps);
+    quiver_panels::for_row_blocks<MR>(m_begin, m_end, [&](auto rows, int64_t r) {
+      micro<BITS, OFFSETS, decltype(rows)::value>(x + r * k_len, k_len, group, panel, bias, y + p * PANEL + r * n,
+                                                  n, cols, prefetch);
+    });
   });
 }
 
@@ -228,13 +161,9 @@ at::Tensor linear_quant(const at::Tensor& x, const at::Tensor& q, const at::Tens
   const float* bp = b.empty() ? nullptr : b.data();
   float* yp = y.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  if (bits == 8) {
-    if (has_offsets) run<8, true>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
-    else run<8, false>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
-  } else {
-    if (has_offsets) run<4, true>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
-    else run<4, false>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
-  }
+  quiver_quant::with_format(bits, has_offsets, [&](auto bits_c, auto offsets_c) {
+    run<decltype(bits_c)::value, decltype(offsets_c)::value>(xp, m, k_len, group, qp, sp, op, n, bp, yp);
+  });
   return y;
 }
 

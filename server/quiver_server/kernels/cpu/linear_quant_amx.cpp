@@ -135,13 +135,9 @@ at::Tensor linear_quant_amx(const at::Tensor& x, const at::Tensor& q, const at::
   const Problem pr{rows, m, k_pad, n, panels, b.empty() ? nullptr : b.data(), y.data_ptr<at::BFloat16>()};
   const Weights w{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(),
                   has_offsets ? offsets->data_ptr<float>() : nullptr, k_len, group, k_len / group};
-  if (bits == 8) {
-    if (has_offsets) run(pr, QuantSource<8, true>{w});
-    else run(pr, QuantSource<8, false>{w});
-  } else {
-    if (has_offsets) run(pr, QuantSource<4, true>{w});
-    else run(pr, QuantSource<4, false>{w});
-  }
+  quiver_quant::with_format(bits, has_offsets, [&](auto bits_c, auto offsets_c) {
+    run(pr, QuantSource<decltype(bits_c)::value, decltype(offsets_c)::value>{w});
+  });
   return y;
 }
 

@@ -26,10 +26,6 @@
 
 namespace {
 
-using quiver_lora::check_part;
-using quiver_lora::check_ranks;
-using quiver_lora::rank_major;
-
 // h[r] = scale * (a[r] . x) for r < rank. Four rank rows per sweep of x: four independent
 // accumulator chains, and each x vector is loaded once for four rows.
 template <typename scalar_t>
@@ -106,33 +102,17 @@ void expand_out_major(const scalar_t* b, const float* h, int64_t rank, int64_t s
 }
 
 template <typename scalar_t>
-void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora_a,
-                const std::vector<at::Tensor>& lora_b, const std::vector<at::Tensor>& slot_ranks,
-                const std::vector<int64_t>& columns, const at::Tensor& scaling,
+void bgmv_parts(at::Tensor& y, const at::Tensor& x, const quiver_lora::Parts& checked, const at::Tensor& scaling,
                 const at::Tensor& token_slots) {
-  const int64_t rows = x.size(0), in = x.size(1), parts = static_cast<int64_t>(lora_a.size());
+  const int64_t rows = x.size(0), in = x.size(1);
   const int64_t y_stride = y.stride(0);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
   const float* scale_data = scaling.data_ptr<float>();
   const int32_t* slots = token_slots.data_ptr<int32_t>();
   scalar_t* y_data = y.data_ptr<scalar_t>();
-  // Per-part pointers, sizes and layout, read once here rather than per row.
-  struct Part {
-    const scalar_t* a;
-    const scalar_t* b;
-    const int32_t* ranks;  // a slot's own rank in this part (rows past it are zero); null: R
-    int64_t rank, out, column;
-    bool rank_major;
-  };
-  std::vector<Part> info;
-  int64_t max_rank = 0, max_out = 0;
-  for (int64_t p = 0; p < parts; ++p) {
-    const int32_t* ranks = slot_ranks.empty() ? nullptr : slot_ranks[p].data_ptr<int32_t>();
-    info.push_back({lora_a[p].data_ptr<scalar_t>(), lora_b[p].data_ptr<scalar_t>(), ranks,
-                    lora_a[p].size(1), lora_b[p].size(1), columns[p], rank_major(lora_b[p])});
-    max_rank = std::max(max_rank, info.back().rank);
-    max_out = std::max(max_out, info.back().out);
-  }
+  const quiver_lora::PartViews<scalar_t> views(checked);
+  const auto& info = views.parts;
+  const int64_t max_rank = views.max_rank, max_out = views.max_out;
 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> xf(in), h(max_rank), acc(max_out);
@@ -142,7 +122,7 @@ void bgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
       const scalar_t* x_row = x_data + t * in;
       for (int64_t i = 0; i < in; ++i) xf[i] = static_cast<float>(x_row[i]);
       const float scale = scale_data[slot];
-      for (const Part& part : info) {
+      for (const auto& part : info) {
         const int64_t rank = part.ranks ? part.ranks[slot] : part.rank;
         if (rank == 0) continue;  // this slot's adapter does not target the part
         scalar_t* y_row = y_data + t * y_stride + part.column;
@@ -168,19 +148,9 @@ void lora_bgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, a
   quiver_lora::check_common(y, x, scaling);
   TORCH_CHECK(token_slots.numel() == x.size(0), "token_slots must have one entry per row of x");
   quiver_lora::check_slots(token_slots, scaling, "token_slots");
-  TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
-              "one lora_a, lora_b and column per part");
-  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == lora_a.size(),
-              "slot_ranks: none, or one per part");
-  std::vector<at::Tensor> as(lora_a.begin(), lora_a.end()), bs(lora_b.begin(), lora_b.end());
-  std::vector<at::Tensor> ranks(slot_ranks.begin(), slot_ranks.end());
-  std::vector<int64_t> cols(columns.begin(), columns.end());
-  for (size_t p = 0; p < as.size(); ++p) {
-    check_part(y, x, as[p], bs[p], cols[p], scaling);
-    if (!ranks.empty()) check_ranks(ranks[p], as[p]);
-  }
+  const quiver_lora::Parts parts = quiver_lora::check_parts(y, x, lora_a, lora_b, slot_ranks, columns, scaling);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_bgmv", [&] {
-    bgmv_parts<scalar_t>(y, x, as, bs, ranks, cols, scaling, token_slots);
+    bgmv_parts<scalar_t>(y, x, parts, scaling, token_slots);
   });
 }
 

@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <vector>
+
 namespace quiver_lora {
 
 // A transposed view of contiguous [S, R, out] storage: the CPU adapter slots' lora_B layout.
@@ -58,5 +61,57 @@ inline void check_slots(const at::Tensor& slots, const at::Tensor& scaling, cons
     TORCH_CHECK(data[i] >= -1 && data[i] < scaling.numel(), name, "[", i, "] = ", data[i], " is not a slot");
   }
 }
+
+// The parts of one fused projection as the *_parts ops take them (a lora_a, a lora_b, an optional
+// slot_ranks and an output column each), held in vectors for the kernels' per-dtype templates.
+struct Parts {
+  std::vector<at::Tensor> a, b, ranks;
+  std::vector<int64_t> columns;
+};
+
+// The parts, each checked against y, x and scaling; `rank_major_op` names the op that needs
+// every lora_b in the CPU slots' rank-major layout (null: either layout).
+inline Parts check_parts(const at::Tensor& y, const at::Tensor& x, at::TensorList lora_a, at::TensorList lora_b,
+                         at::TensorList slot_ranks, at::IntArrayRef columns, const at::Tensor& scaling,
+                         const char* rank_major_op = nullptr) {
+  TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
+              "one lora_a, lora_b and column per part");
+  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == lora_a.size(), "slot_ranks: none, or one per part");
+  Parts parts{{lora_a.begin(), lora_a.end()}, {lora_b.begin(), lora_b.end()},
+              {slot_ranks.begin(), slot_ranks.end()}, {columns.begin(), columns.end()}};
+  for (size_t p = 0; p < parts.a.size(); ++p) {
+    check_part(y, x, parts.a[p], parts.b[p], parts.columns[p], scaling);
+    if (rank_major_op)
+      TORCH_CHECK(rank_major(parts.b[p]), rank_major_op, ": lora_b must be a transposed view of "
+                  "contiguous [S, R, out] (the CPU slots' layout)");
+    if (!parts.ranks.empty()) check_ranks(parts.ranks[p], parts.a[p]);
+  }
+  return parts;
+}
+
+// One part's pointers, sizes and layout for the dtype a kernel runs in, read once per call rather
+// than per row; max_rank and max_out size the kernels' per-thread buffers.
+template <typename scalar_t>
+struct PartViews {
+  struct Part {
+    const scalar_t* a;
+    const scalar_t* b;
+    const int32_t* ranks;  // a slot's own rank in this part (rows past it are zero); null: R
+    int64_t rank, out, column;
+    bool rank_major;
+  };
+  std::vector<Part> parts;
+  int64_t max_rank = 0, max_out = 0;
+
+  explicit PartViews(const Parts& checked) {
+    for (size_t p = 0; p < checked.a.size(); ++p) {
+      const int32_t* ranks = checked.ranks.empty() ? nullptr : checked.ranks[p].data_ptr<int32_t>();
+      parts.push_back({checked.a[p].data_ptr<scalar_t>(), checked.b[p].data_ptr<scalar_t>(), ranks,
+                       checked.a[p].size(1), checked.b[p].size(1), checked.columns[p], rank_major(checked.b[p])});
+      max_rank = std::max(max_rank, parts.back().rank);
+      max_out = std::max(max_out, parts.back().out);
+    }
+  }
+};
 
 }  // namespace quiver_lora

@@ -210,28 +210,15 @@ struct Tile {
 };
 
 template <typename scalar_t>
-void sgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor>& lora_a,
-                const std::vector<at::Tensor>& lora_b, const std::vector<at::Tensor>& slot_ranks,
-                const std::vector<int64_t>& columns, const at::Tensor& scaling,
+void sgmv_parts(at::Tensor& y, const at::Tensor& x, const quiver_lora::Parts& checked, const at::Tensor& scaling,
                 const std::vector<Tile>& tiles) {
   const int64_t in = x.size(1), y_stride = y.stride(0);
   const scalar_t* x_data = x.data_ptr<scalar_t>();
   const float* scale_data = scaling.data_ptr<float>();
   scalar_t* y_data = y.data_ptr<scalar_t>();
-  struct Part {
-    const scalar_t* a;
-    const scalar_t* b;
-    const int32_t* ranks;  // null: every slot uses the full R
-    int64_t rank, out, column;
-  };
-  std::vector<Part> parts;
-  int64_t max_rank = 0;
-  for (size_t p = 0; p < lora_a.size(); ++p) {
-    parts.push_back({lora_a[p].data_ptr<scalar_t>(), lora_b[p].data_ptr<scalar_t>(),
-                     slot_ranks.empty() ? nullptr : slot_ranks[p].data_ptr<int32_t>(),
-                     lora_a[p].size(1), lora_b[p].size(1), columns[p]});
-    max_rank = std::max(max_rank, parts.back().rank);
-  }
+  const quiver_lora::PartViews<scalar_t> views(checked);
+  const auto& parts = views.parts;
+  const int64_t max_rank = views.max_rank;
 
   at::parallel_for(0, static_cast<int64_t>(tiles.size()), 1, [&](int64_t first, int64_t last) {
     std::vector<float> xf(TILE_ROWS * in), h(TILE_ROWS * std::max<int64_t>(max_rank, 1));
@@ -240,7 +227,7 @@ void sgmv_parts(at::Tensor& y, const at::Tensor& x, const std::vector<at::Tensor
       const int64_t rows = tile.end - tile.begin;
       for (int64_t k = 0; k < rows * in; ++k) xf[k] = static_cast<float>(x_data[tile.begin * in + k]);
       const float scale = scale_data[tile.slot];
-      for (const Part& part : parts) {
+      for (const auto& part : parts) {
         const int64_t rank = part.ranks ? part.ranks[tile.slot] : part.rank;
         if (rank == 0) continue;  // this slot's adapter does not target the part
         const scalar_t* a = part.a + tile.slot * part.rank * in;
@@ -256,18 +243,8 @@ void lora_sgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, a
                      at::TensorList slot_ranks, at::IntArrayRef columns, const at::Tensor& scaling,
                      const at::Tensor& seg_indptr, const at::Tensor& seg_slots) {
   quiver_lora::check_common(y, x, scaling);
-  TORCH_CHECK(!lora_a.empty() && lora_a.size() == lora_b.size() && lora_a.size() == columns.size(),
-              "one lora_a, lora_b and column per part");
-  TORCH_CHECK(slot_ranks.empty() || slot_ranks.size() == lora_a.size(), "slot_ranks: none, or one per part");
-  std::vector<at::Tensor> as(lora_a.begin(), lora_a.end()), bs(lora_b.begin(), lora_b.end());
-  std::vector<at::Tensor> ranks(slot_ranks.begin(), slot_ranks.end());
-  std::vector<int64_t> cols(columns.begin(), columns.end());
-  for (size_t p = 0; p < as.size(); ++p) {
-    quiver_lora::check_part(y, x, as[p], bs[p], cols[p], scaling);
-    TORCH_CHECK(quiver_lora::rank_major(bs[p]), "lora_sgmv: lora_b must be a transposed view of "
-                "contiguous [S, R, out] (the CPU slots' layout)");
-    if (!ranks.empty()) quiver_lora::check_ranks(ranks[p], as[p]);
-  }
+  const quiver_lora::Parts parts =
+      quiver_lora::check_parts(y, x, lora_a, lora_b, slot_ranks, columns, scaling, "lora_sgmv");
   quiver_lora::check_slots(seg_slots, scaling, "seg_slots");
   TORCH_CHECK(seg_indptr.scalar_type() == at::kInt && seg_indptr.is_contiguous() &&
                   seg_indptr.numel() == seg_slots.numel() + 1,
@@ -285,7 +262,7 @@ void lora_sgmv_parts(at::Tensor y, const at::Tensor& x, at::TensorList lora_a, a
   }
   if (tiles.empty()) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "lora_sgmv", [&] {
-    sgmv_parts<scalar_t>(y, x, as, bs, ranks, cols, scaling, tiles);
+    sgmv_parts<scalar_t>(y, x, parts, scaling, tiles);
   });
 }
 

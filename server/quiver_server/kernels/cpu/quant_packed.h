@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace quiver_quant {
@@ -40,6 +41,19 @@ inline std::vector<float> padded_bias(const c10::optional<at::Tensor>& bias, int
   out.assign(panels * panel, 0.f);
   std::memcpy(out.data(), fb.data_ptr<float>(), n * sizeof(float));
   return out;
+}
+
+// f(integral_constant<int, BITS>, bool_constant<OFFSETS>) for the packed format, so each kernel
+// picks its template instance (8- or 4-bit values, with or without offsets) in one place.
+template <typename F>
+inline void with_format(int64_t bits, bool has_offsets, F&& f) {
+  if (bits == 8) {
+    if (has_offsets) f(std::integral_constant<int, 8>{}, std::true_type{});
+    else f(std::integral_constant<int, 8>{}, std::false_type{});
+  } else {
+    if (has_offsets) f(std::integral_constant<int, 4>{}, std::true_type{});
+    else f(std::integral_constant<int, 4>{}, std::false_type{});
+  }
 }
 
 }  // namespace quiver_quant
