@@ -111,7 +111,7 @@ demo-adapter: python
 serve: install
 	$(VENV)/bin/quiver-launcher
 
-test: install test-rust test-server test-integration docs
+test: structure install test-rust test-server test-integration docs
 
 test-rust:
 	$(CARGO) test --workspace
@@ -138,9 +138,9 @@ soak: install
 	$(PY) integration-tests/soak.py
 
 bench: install demo-wheel
-	$(PY) bench/run.py
+	$(PY) -m bench.suite.run
 
-# quiver beside vLLM's CPU build and llama.cpp's llama-server (bench/peers.py,
+# quiver beside vLLM's CPU build and llama.cpp's llama-server (bench/peers/,
 # docs/benchmarks-peers.md): the peers install into .cache/peers on first use; the report and its
 # plot (pyproject's `bench` extra: matplotlib) go to bench/results/.
 $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
@@ -148,22 +148,22 @@ $(VENV)/.bench-installed: pyproject.toml $(VENV)/.installed
 	touch $@
 
 bench-peers: install $(VENV)/.bench-installed
-	$(PY) bench/peers.py
+	$(PY) -m bench.peers.run
 
 # The prepared check for a machine with one NVIDIA GPU and no network (docs/gpu-check.md).
 # `make gpu-bundle` here gathers what that machine lacks into .cache/gpu-bundle (the stripped
 # release binaries, the generated gRPC modules, Python 3.12 wheels; printed size, 48 MiB at most);
 # `make gpu-check REPORT_DIR=DIR` there runs the check with the machine's own python3 (no .venv,
 # nothing built): each phase writes its JSON file into DIR. GPU_CHECK_ARGS passes more options
-# (e.g. --shape tiny, --phases env,kernels; `python3 bench/gpu_check.py --help`).
+# (e.g. --shape tiny, --phases env,kernels; `python3 -m bench.gpu_check.run --help`).
 GPU_BUNDLE := .cache/gpu-bundle
 GPU_PYTHON ?= python3
 gpu-bundle: rust proto-py
-	$(PY) bench/gpu_check_bundle.py --out $(GPU_BUNDLE)
+	$(PY) -m bench.gpu_check.bundle --out $(GPU_BUNDLE)
 
 gpu-check:
 	@test -n "$(REPORT_DIR)" || { echo "usage: make gpu-check REPORT_DIR=DIR [GPU_CHECK_ARGS=...]"; exit 2; }
-	$(GPU_PYTHON) bench/gpu_check.py --bundle $(GPU_BUNDLE) --report-dir $(REPORT_DIR) $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m bench.gpu_check.run --bundle $(GPU_BUNDLE) --report-dir $(REPORT_DIR) $(GPU_CHECK_ARGS)
 
 # ruff and mypy: pyproject's `lint` extra, pinned there; configured in pyproject.toml.
 $(VENV)/.lint-installed: pyproject.toml $(VENV)/.installed
@@ -177,6 +177,13 @@ lint: $(VENV)/.lint-installed proto-py
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/hadolint Dockerfile
+	python3 tools/structure_check.py
+
+# No source file over 600 lines and no import circles in the router, shard, launcher and flags
+# (the rules and why: tools/structure_check.py). Standard library only, so nothing to install.
+.PHONY: structure
+structure:
+	python3 tools/structure_check.py
 
 clean:
 	rm -rf target $(VENV) .cache

@@ -13,7 +13,7 @@ __all__ = ["HOSTILE_MODULES", "MAX_MESSAGE_BYTES", "hostile_copy"]
 
 # 200 module names of 100 characters: a refusal quoting them is longer than an HTTP/2 trailer
 # may be by default (16 KiB).
-HOSTILE_MODULES = ["m%05d" % i + "x" * 94 for i in range(200)]
+HOSTILE_MODULES = [f"m{i:05d}" + "x" * 94 for i in range(200)]
 
 
 def hostile_copy(source: Path, target: Path) -> Path:

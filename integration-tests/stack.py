@@ -1,7 +1,7 @@
 """Starts the real quiver stack (`quiver-launcher` → shard + router) on a free loopback port.
 
-Shared by the integration tests and the benchmark (`bench/run.py` puts this directory on
-sys.path). Nothing here is mocked: the launcher spawns `quiver-server` and `quiver-router` from
+Shared by the integration tests and the benchmarks (which import it through
+bench/fixtures/stack.py). Nothing here is mocked: the launcher spawns `quiver-server` and `quiver-router` from
 `.venv/bin`, exactly as `make serve` does.
 """
 

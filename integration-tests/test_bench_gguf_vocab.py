@@ -1,20 +1,15 @@
-"""The SentencePiece form of the bench vocabulary (bench/gguf_convert.py), which llama.cpp's
+"""The SentencePiece form of the bench vocabulary (bench/peers/gguf_convert.py), which llama.cpp's
 converter turns into the GGUF's vocabulary, keeps every token id of the bench tokenizer: read back
 by sentencepiece itself, each id is the same kind of token and decodes to the same word as the
 bench tokenizer (transformers) decodes it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-
-import bench_model  # noqa: E402
-import gguf_convert  # noqa: E402
+from bench.fixtures import bench_model
+from bench.peers import gguf_convert
 
 VOCAB = 32000
 
@@ -24,7 +19,7 @@ def sentencepiece_and_bench(tmp_path_factory):
     from sentencepiece import SentencePieceProcessor
 
     root = tmp_path_factory.mktemp("vocab")
-    bench_model._write_tokenizer(root, VOCAB)
+    bench_model.write_tokenizer(root, VOCAB)
     gguf_convert.write_sentencepiece_model(root / "tokenizer.model", VOCAB)
     processor = SentencePieceProcessor()
     processor.LoadFromFile(str(root / "tokenizer.model"))

