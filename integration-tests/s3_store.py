@@ -10,7 +10,7 @@ proxy in front of it that sees every request the server under test makes.
     proxy.hold_objects(); proxy.wait_held(); proxy.release()     # a slow store
     proxy.corrupt.add("team/sql/adapter_model.safetensors")      # a corrupted transfer
 
-Used by server/tests/test_adapters_s3_source.py and integration-tests/test_adapters_s3.py.
+Used by server/tests/s3_adapter_fixtures.py (the shard-level S3 tests) and integration-tests/test_adapters_s3.py.
 """
 
 from __future__ import annotations

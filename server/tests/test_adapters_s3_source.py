@@ -1,153 +1,54 @@
 """S3 adapters (`s3://bucket/prefix`) against the real S3 API: moto's server on loopback with IAM
 authentication on, reached through a proxy that records (and can hold or corrupt) what the shard
 asks for. The references: the files peft's save_pretrained wrote, and the same adapter read from
-its local directory."""
+its local directory. The disk cache's budget and eviction: test_adapters_s3_disk_cache.py."""
 
 from __future__ import annotations
 
 import logging
 import shutil
-import sys
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
-import torch
-from shard_harness import BlockPool, generate_greedy, running_shard
-from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
-from tiny_models import build_tiny_model
-
 from quiver_server.adapters.errors import AdapterNotFoundError, AdapterStoreError
-from quiver_server.adapters.registry import AdapterRegistry
-from quiver_server.adapters.remote_source import AdapterFiles
 from quiver_server.adapters.spec import BaseModelSpec
-from quiver_server.engine.engine import Engine
-from quiver_server.pb import shard_pb2, shard_pb2_grpc
-from quiver_server.service import ShardService
+from quiver_server.pb import shard_pb2
+from s3_adapter_fixtures import (
+    BUCKET,
+    CONFIG,
+    MAX_RANK,
+    NEW_TOKENS,
+    PROMPT,
+    WEIGHTS,
+    Shard,
+    assert_same_weights,
+    files_under,
+    registry_for,
+)
+from s3_store import S3Store, StoreProxy
+from shard_harness import generate_greedy
+from tiny_adapters import assert_greedy_matches, build_adapter, peft_reference, reference_greedy
 
-sys.path.append(str(Path(__file__).resolve().parents[2] / "integration-tests"))
-from s3_store import AWS_VARIABLES_TO_CLEAR, S3Store, StoreProxy, start_store  # noqa: E402
-
-BUCKET = "quiver-adapters"
-MAX_RANK = 16
-WEIGHTS = "adapter_model.safetensors"
-CONFIG = "adapter_config.json"
-PROMPT = [9, 80, 41, 7, 230, 15, 66]
-NEW_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("base"), "llama", seed=5)
-
-
-@pytest.fixture(scope="module")
-def spec(base_dir: Path) -> BaseModelSpec:
-    return Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01).lora.spec
-
-
-@pytest.fixture(scope="module")
-def adapters(base_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two adapters of one shape with other weights (the second is the first "re-uploaded"); the
-    first with a chat template, an extra template, and files an adapter directory does not hold."""
-    root = tmp_path_factory.mktemp("adapters")
-    qv = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-    first = build_adapter(base_dir, root / "first", seed=1, **qv)
-    (first / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
-    (first / "additional_chat_templates").mkdir()
-    (first / "additional_chat_templates" / "tools.jinja").write_text("{{ tools }}")
-    (first / "checkpoint-10").mkdir()
-    (first / "checkpoint-10" / WEIGHTS).write_bytes((first / WEIGHTS).read_bytes())
-    (first / "training_args.bin").write_bytes(b"not an adapter file")
-    return {"first": first, "second": build_adapter(base_dir, root / "second", seed=2, **qv)}
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[S3Store]:
-    store = start_store()
-    store.create_bucket(BUCKET)
-    yield store
-    store.stop()
-
-
-def _point_at(store: S3Store, proxy: StoreProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shard's AWS_* environment (the store through `proxy`) and its adapter cache."""
-    for name in AWS_VARIABLES_TO_CLEAR:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in store.server_env(proxy.endpoint, config_dir=tmp_path / "aws").items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("QUIVER_ADAPTER_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def proxy(store: S3Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StoreProxy:
-    proxy = store.proxy()
-    _point_at(store, proxy, tmp_path, monkeypatch)
-    return proxy
-
-
-@dataclass
-class Shard:
-    stub: shard_pb2_grpc.ShardStub
-    pool: BlockPool
-    proxy: StoreProxy
-
-
-@pytest.fixture(scope="module")
-def shard(base_dir: Path, store: S3Store, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Shard]:
-    """The gRPC shard, with S3 adapters from BUCKET, one adapter slot."""
-    proxy = store.proxy()
-    with pytest.MonkeyPatch.context() as monkeypatch:
-        _point_at(store, proxy, tmp_path_factory.mktemp("shard"), monkeypatch)
-        engine = Engine(str(base_dir), "tiny", dtype="float32", device="cpu", cpu_kv_cache_gib=0.01,
-                        s3_adapter_buckets=(BUCKET,))
-        with running_shard(ShardService(engine), tmp_path_factory.mktemp("sock") / "shard.sock") as stub:
-            warm = stub.Warmup(shard_pb2.WarmupRequest(max_batch_prefill_tokens=64, max_total_tokens=64,
-                                                       max_batch_size=4, max_active_adapters=1,
-                                                       max_lora_rank=MAX_RANK))
-            yield Shard(stub, BlockPool(warm.block_size, warm.num_blocks), proxy)
-
-
-def _registry(spec: BaseModelSpec, buckets: tuple[str, ...] = (BUCKET,), adapter_root: Path | None = None,
-              disk_cache_bytes: int = 0, max_cpu_adapters: int = 8) -> AdapterRegistry:
-    """A shard's adapter registry, as warmup leaves it (slots of rank up to MAX_RANK)."""
-    registry = AdapterRegistry(spec, torch.float32, torch.device("cpu"), max_cpu_adapters=max_cpu_adapters,
-                               adapter_root=str(adapter_root) if adapter_root else None, s3_buckets=buckets,
-                               disk_cache_bytes=disk_cache_bytes)
-    registry.max_rank = MAX_RANK
-    return registry
-
-
-def _assert_same_weights(registry: AdapterRegistry, got_id: str, want_id: str) -> None:
-    got, want = registry.get(got_id), registry.get(want_id)
-    assert (got.rank, got.scaling, got.target_modules) == (want.rank, want.scaling, want.target_modules)
-    assert got.weights.keys() == want.weights.keys()
-    for key, (a, b) in want.weights.items():
-        assert torch.equal(got.weights[key][0], a) and torch.equal(got.weights[key][1], b), key
-
-
-def _files_under(directory: Path) -> dict[str, bytes]:
-    return {p.relative_to(directory).as_posix(): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+# The shared fixtures (base model, adapters, the S3 store, the shard), by name.
+pytest_plugins = ["s3_adapter_fixtures"]
 
 
 def test_an_s3_adapter_is_the_adapter_its_directory_holds(
     spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy, tmp_path: Path
 ) -> None:
     store.upload_dir(BUCKET, "team/sql-v1", adapters["first"])
-    registry = _registry(spec)
+    registry = registry_for(spec)
     info = registry.load(f"s3://{BUCKET}/team/sql-v1", "s3", "", "")
     registry.load("local", "local", str(adapters["first"]), "")
-    _assert_same_weights(registry, f"s3://{BUCKET}/team/sql-v1", "local")
+    assert_same_weights(registry, f"s3://{BUCKET}/team/sql-v1", "local")
 
     # The files an adapter directory holds, byte for byte; not the checkpoint, README or training state.
     downloaded = Path(info.path)
-    source = _files_under(adapters["first"])
+    source = files_under(adapters["first"])
     kept = [CONFIG, WEIGHTS, "chat_template.jinja", "additional_chat_templates/tools.jinja"]
-    assert _files_under(downloaded) == {name: source[name] for name in kept}
+    assert files_under(downloaded) == {name: source[name] for name in kept}
     assert sorted(proxy.object_gets) == sorted(f"{BUCKET}/team/sql-v1/{name}" for name in kept)
     assert downloaded.parent == (tmp_path / "cache" / "s3" / BUCKET / "team" / "sql-v1").resolve()
 
@@ -157,11 +58,11 @@ def test_an_unchanged_adapter_is_read_from_the_cache(
 ) -> None:
     store.upload_dir(BUCKET, "cached", adapters["first"])
     adapter_id = f"s3://{BUCKET}/cached"
-    first = _registry(spec).load(adapter_id, "s3", "", "")
+    first = registry_for(spec).load(adapter_id, "s3", "", "")
     downloads = len(proxy.object_gets)
     assert downloads > 0
     # A new process (a fresh registry) and an unload + load in the same one: listed, not downloaded.
-    registry = _registry(spec)
+    registry = registry_for(spec)
     assert registry.load(adapter_id, "s3", "", "").path == first.path
     registry.forget(adapter_id)
     assert registry.load(adapter_id, "s3", "", "").path == first.path
@@ -173,7 +74,7 @@ def test_a_reuploaded_adapter_is_downloaded_again(
 ) -> None:
     adapter_id = f"s3://{BUCKET}/reuploaded"
     store.upload_dir(BUCKET, "reuploaded", adapters["first"])
-    registry = _registry(spec)
+    registry = registry_for(spec)
     old = registry.load(adapter_id, "s3", "", "")
     registry.forget(adapter_id)
     store.upload_dir(BUCKET, "reuploaded", adapters["second"])
@@ -182,7 +83,7 @@ def test_a_reuploaded_adapter_is_downloaded_again(
     assert new.path != old.path
     assert f"{BUCKET}/reuploaded/{WEIGHTS}" in proxy.object_gets[gets_before:]
     registry.load("second", "local", str(adapters["second"]), "")
-    _assert_same_weights(registry, adapter_id, "second")
+    assert_same_weights(registry, adapter_id, "second")
 
 
 def test_another_rank_reads_rank_0_s_download(
@@ -190,28 +91,28 @@ def test_another_rank_reads_rank_0_s_download(
 ) -> None:
     adapter_id = f"s3://{BUCKET}/ranks"
     store.upload_dir(BUCKET, "ranks", adapters["first"])
-    rank0 = _registry(spec)
+    rank0 = registry_for(spec)
     path = rank0.load(adapter_id, "s3", "", "").path
     requests = len(proxy.requests)
-    rank1 = _registry(spec)
+    rank1 = registry_for(spec)
     assert rank1.load(adapter_id, "s3", path, "").path == path
     assert len(proxy.requests) == requests  # nothing asked of the store
     rank1.load("local", "local", str(adapters["first"]), "")
-    _assert_same_weights(rank1, adapter_id, "local")
+    assert_same_weights(rank1, adapter_id, "local")
     # A directory that is not that adapter's place in the cache is refused.
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(path, elsewhere)
     with pytest.raises(ValueError, match="not where this server's cache keeps that S3 adapter"):
-        _registry(spec).load(adapter_id, "s3", str(elsewhere), "")
+        registry_for(spec).load(adapter_id, "s3", str(elsewhere), "")
     with pytest.raises(ValueError, match="not where this server's cache keeps that S3 adapter"):
-        _registry(spec).load(f"s3://{BUCKET}/other", "s3", path, "")
+        registry_for(spec).load(f"s3://{BUCKET}/other", "s3", path, "")
 
 
 def test_a_missing_adapter_is_not_found(
     spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
 ) -> None:
     store.put(BUCKET, "readme-only/README.md", b"# no adapter here")
-    registry = _registry(spec, buckets=(BUCKET, "no-such-bucket"))
+    registry = registry_for(spec, buckets=(BUCKET, "no-such-bucket"))
     for adapter_id in (f"s3://{BUCKET}/nothing/here", f"s3://{BUCKET}/readme-only", "s3://no-such-bucket/a"):
         with pytest.raises(AdapterNotFoundError):
             registry.load(adapter_id, "s3", "", "")
@@ -227,7 +128,7 @@ def test_an_oversized_file_is_refused_before_its_download(
     largest = build_adapter(base_dir, tmp_path / "largest", seed=3, r=MAX_RANK, lora_alpha=16,
                             target_modules="all-linear")
     store.upload_dir(BUCKET, "largest", largest)
-    registry = _registry(spec)
+    registry = registry_for(spec)
     assert registry.load(f"s3://{BUCKET}/largest", "s3", "", "").rank == MAX_RANK
     too_big = (largest / WEIGHTS).stat().st_size + 2 * 2**20  # past any header allowance too
     store.put(BUCKET, "huge/adapter_config.json", (largest / CONFIG).read_bytes())
@@ -266,18 +167,18 @@ def test_malformed_ids_are_refused_before_any_request(
     spec: BaseModelSpec, proxy: StoreProxy, adapter_id: str, problem: str
 ) -> None:
     with pytest.raises(ValueError, match="S3 adapter ids are s3://bucket/prefix") as raised:
-        _registry(spec).load(adapter_id, "s3", "", "")
+        registry_for(spec).load(adapter_id, "s3", "", "")
     assert problem in str(raised.value)
     assert proxy.requests == []
 
 
 def test_buckets_not_allowed_are_refused_before_any_request(spec: BaseModelSpec, proxy: StoreProxy) -> None:
     with pytest.raises(ValueError, match="bucket 'other-bucket' is not one this server loads adapters from"):
-        _registry(spec).load("s3://other-bucket/a", "s3", "", "")
+        registry_for(spec).load("s3://other-bucket/a", "s3", "", "")
     with pytest.raises(ValueError, match=r"S3 adapters are not enabled on this server \(--s3-adapter-buckets\)"):
-        _registry(spec, buckets=()).load(f"s3://{BUCKET}/a", "s3", "", "")
+        registry_for(spec, buckets=()).load(f"s3://{BUCKET}/a", "s3", "", "")
     with pytest.raises(ValueError, match="S3 adapters have no revisions"):
-        _registry(spec).load(f"s3://{BUCKET}/a", "s3", "", "v2")
+        registry_for(spec).load(f"s3://{BUCKET}/a", "s3", "", "v2")
     assert proxy.requests == []
 
 
@@ -298,7 +199,7 @@ def test_refused_credentials_are_a_store_error_that_never_shows_them(
         monkeypatch.setenv(name, value)
     caplog.set_level(logging.INFO)
     with pytest.raises(AdapterStoreError, match="the object store refused the server's credentials") as raised:
-        _registry(spec).load(f"s3://{BUCKET}/guarded", "s3", "", "")
+        registry_for(spec).load(f"s3://{BUCKET}/guarded", "s3", "", "")
     assert f"({code})" in str(raised.value)
     # Neither chained nor logged: botocore's exception text is the store's, not ours to show.
     assert raised.value.__cause__ is None and raised.value.__suppress_context__
@@ -315,7 +216,7 @@ def test_no_credentials_at_all(spec: BaseModelSpec, proxy: StoreProxy, monkeypat
     # No instance role to find either (the metadata service is off).
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(AdapterStoreError, match=r"refused the server's credentials .*\(NoCredentialsError"):
-        _registry(spec).load(f"s3://{BUCKET}/a", "s3", "", "")
+        registry_for(spec).load(f"s3://{BUCKET}/a", "s3", "", "")
     assert proxy.requests == []
 
 
@@ -324,7 +225,7 @@ def test_a_corrupted_download_is_refused_and_nothing_is_kept(
 ) -> None:
     store.upload_dir(BUCKET, "corrupted", adapters["first"])
     proxy.corrupt.add(f"{BUCKET}/corrupted/{WEIGHTS}")
-    registry = _registry(spec)
+    registry = registry_for(spec)
     with pytest.raises(AdapterStoreError, match=rf"the download of {WEIGHTS} from s3://{BUCKET}/corrupted was "
                                                 r"corrupt: .* MD5"):
         registry.load(f"s3://{BUCKET}/corrupted", "s3", "", "")
@@ -340,7 +241,7 @@ def test_concurrent_first_loads_download_once(
 ) -> None:
     adapter_id = f"s3://{BUCKET}/concurrent"
     etags = store.upload_dir(BUCKET, "concurrent", adapters["first"])
-    registry = _registry(spec)
+    registry = registry_for(spec)
     proxy.hold_objects()
     results: dict[int, str] = {}
 
@@ -373,7 +274,7 @@ def test_two_processes_downloading_one_version_keep_one_complete_copy(
 
     def load(index: int) -> None:
         try:
-            results[index] = _registry(spec).load(adapter_id, "s3", "", "").path
+            results[index] = registry_for(spec).load(adapter_id, "s3", "", "").path
         except BaseException as error:  # reported below
             errors.append(error)
 
@@ -388,154 +289,13 @@ def test_two_processes_downloading_one_version_keep_one_complete_copy(
     assert results[0] == results[1]
     folder = Path(results[0]).parent
     assert [p.name for p in folder.iterdir()] == [Path(results[0]).name]  # no staging left behind
-    registry = _registry(spec)
+    registry = registry_for(spec)
     registry.load(adapter_id, "s3", results[0], "")
     registry.load("local", "local", str(adapters["first"]), "")
-    _assert_same_weights(registry, adapter_id, "local")
+    assert_same_weights(registry, adapter_id, "local")
 
 
 # ---- the disk cache's budget (--adapter-disk-cache-gib) -------------------------------------------
-
-
-def _version_bytes(adapter: Path) -> int:
-    """What one version folder of `adapter` ("second": no template) holds in the cache."""
-    return sum((adapter / name).stat().st_size for name in (CONFIG, WEIGHTS))
-
-
-def _upload_copies(store: S3Store, adapter: Path, *prefixes: str) -> list[str]:
-    for prefix in prefixes:
-        store.upload_dir(BUCKET, prefix, adapter)
-    return [f"s3://{BUCKET}/{prefix}" for prefix in prefixes]
-
-
-def test_past_the_budget_unused_versions_are_evicted_but_never_one_in_use(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy,
-    caplog: pytest.LogCaptureFixture
-) -> None:
-    a, b, c = _upload_copies(store, adapters["second"], "budget/a", "budget/b", "budget/c")
-    size = _version_bytes(adapters["second"])
-    registry = _registry(spec, disk_cache_bytes=size * 3 // 2)  # less than two adapters
-    path_a = Path(registry.load(a, "s3", "", "").path)
-    assert sum(p.stat().st_size for p in path_a.iterdir()) == size
-    # Both loaded: over the budget, but neither is evicted.
-    path_b = Path(registry.load(b, "s3", "", "").path)
-    assert path_a.is_dir() and path_b.is_dir()
-    # a unloaded: the next download evicts its folder; b (loaded) and c (just downloaded) stay.
-    registry.forget(a)
-    caplog.set_level(logging.INFO)
-    path_c = Path(registry.load(c, "s3", "", "").path)
-    assert not path_a.exists() and path_b.is_dir() and path_c.is_dir()
-    assert list(path_a.parent.iterdir()) == []  # no trash left behind
-    assert f"removed {path_a} from the adapter cache" in caplog.text
-    # Loaded again: downloaded again.
-    gets = len(proxy.object_gets)
-    registry.forget(c)
-    assert Path(registry.load(a, "s3", "", "").path) == path_a
-    assert f"{BUCKET}/budget/a/{WEIGHTS}" in proxy.object_gets[gets:]
-    assert path_b.is_dir() and not path_c.exists()
-
-
-def test_the_least_recently_used_version_is_evicted_first(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
-) -> None:
-    a, b, c = _upload_copies(store, adapters["second"], "lru/a", "lru/b", "lru/c")
-    registry = _registry(spec, disk_cache_bytes=_version_bytes(adapters["second"]) * 5 // 2)  # room for two
-    paths = {}
-    for adapter_id in (a, b):
-        paths[adapter_id] = Path(registry.load(adapter_id, "s3", "", "").path)
-        registry.forget(adapter_id)
-    gets = len(proxy.object_gets)
-    registry.load(a, "s3", "", "")  # the cached copy: a is now more recently used than b
-    registry.forget(a)
-    assert proxy.object_gets[gets:] == []
-    paths[c] = Path(registry.load(c, "s3", "", "").path)
-    registry.forget(c)
-    assert paths[a].is_dir() and not paths[b].exists() and paths[c].is_dir()
-    registry.load(b, "s3", "", "")  # downloaded again: now a is the least recently used
-    assert not paths[a].exists() and paths[b].is_dir() and paths[c].is_dir()
-
-
-def test_an_older_version_is_removed_once_a_newer_one_is_downloaded(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
-) -> None:
-    adapter_id = f"s3://{BUCKET}/versions"
-    store.upload_dir(BUCKET, "versions", adapters["first"])
-    registry = _registry(spec)  # no budget: older versions go all the same
-    old = Path(registry.load(adapter_id, "s3", "", "").path)
-    store.upload_dir(BUCKET, "versions", adapters["second"])
-    # Still loaded: the newer version is downloaded (and the load refused), the older one kept.
-    with pytest.raises(ValueError, match="already loaded from another place"):
-        registry.load(adapter_id, "s3", "", "")
-    assert old.is_dir() and len(list(old.parent.iterdir())) == 2
-    registry.forget(adapter_id)
-    new = Path(registry.load(adapter_id, "s3", "", "").path)  # the cached newer version
-    assert list(old.parent.iterdir()) == [new]
-    store.upload_dir(BUCKET, "versions", adapters["first"])
-    registry.forget(adapter_id)
-    newest = Path(registry.load(adapter_id, "s3", "", "").path)  # downloaded
-    assert newest == old and list(old.parent.iterdir()) == [newest]
-
-
-def _evicted_by_another_server(spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, path: Path) -> None:
-    """Another server sharing the cache, with a budget of one adapter, evicts `path`."""
-    (other,) = _upload_copies(store, adapters["second"], f"refetch/other-{path.parent.name}")
-    _registry(spec, disk_cache_bytes=_version_bytes(adapters["second"])).load(other, "s3", "", "")
-    assert not path.exists()
-
-
-def test_an_adapter_evicted_from_disk_and_host_is_fetched_again(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
-) -> None:
-    (adapter_id,) = _upload_copies(store, adapters["second"], "refetch/same")
-    registry = _registry(spec, max_cpu_adapters=1)
-    path = Path(registry.load(adapter_id, "s3", "", "").path)
-    registry.load("local", "local", str(adapters["second"]), "")  # evicts its host copy
-    assert adapter_id not in registry.host
-    _evicted_by_another_server(spec, adapters, store, path)
-    gets = len(proxy.object_gets)
-    _assert_same_weights(registry, adapter_id, "local")
-    assert f"{BUCKET}/refetch/same/{WEIGHTS}" in proxy.object_gets[gets:]
-    assert path.is_dir() and registry.location(adapter_id) == (path, path)
-
-
-def test_a_version_evicted_between_its_fetch_and_its_read_is_fetched_again(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy,
-    monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Another prefix's download may evict a cached version after its load found it, before the
-    registry knows it is in use: the load fetches it again."""
-    (adapter_id,) = _upload_copies(store, adapters["second"], "refetch/raced")
-    registry = _registry(spec)
-    fetch = registry.s3.fetch
-    evicted: list[Path] = []
-
-    def fetch_then_evict(*args: Any) -> AdapterFiles:
-        files = fetch(*args)
-        if not evicted:
-            evicted.append(files.directory)
-            shutil.rmtree(files.directory)
-        return files
-
-    monkeypatch.setattr(registry.s3, "fetch", fetch_then_evict)
-    info = registry.load(adapter_id, "s3", "", "")
-    assert Path(info.path) == evicted[0] and evicted[0].is_dir()
-    registry.load("local", "local", str(adapters["second"]), "")
-    _assert_same_weights(registry, adapter_id, "local")
-
-
-def test_an_adapter_that_changed_in_its_bucket_is_not_fetched_again(
-    spec: BaseModelSpec, adapters: dict[str, Path], store: S3Store, proxy: StoreProxy
-) -> None:
-    (adapter_id,) = _upload_copies(store, adapters["second"], "refetch/changed")
-    registry = _registry(spec, max_cpu_adapters=1)
-    path = Path(registry.load(adapter_id, "s3", "", "").path)
-    registry.load("local", "local", str(adapters["first"]), "")  # evicts its host copy
-    _evicted_by_another_server(spec, adapters, store, path)
-    store.upload_dir(BUCKET, "refetch/changed", adapters["first"])
-    with pytest.raises(AdapterStoreError, match=rf"adapter '{adapter_id}' changed in its bucket since it was "
-                                                r"loaded.*unload it and load it again"):
-        registry.get(adapter_id)
-    assert adapter_id in registry and not path.exists()
 
 
 # ---- over gRPC, as the router calls the shard ----------------------------------------------------
