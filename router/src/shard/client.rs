@@ -316,6 +316,7 @@ impl ShardBackend for ShardClient {
     fn decode(&self, batches: Vec<CachedBatch>) -> BoxFuture<'_, ShardResult<Step>> {
         let request = pb::DecodeRequest {
             batches: batches.into_iter().map(pb::CachedBatch::from).collect(),
+            prefill: None,
         };
         self.fan_out(request, |mut c, r| async move { c.decode(r).await })
             .map_ok(|r| wire::step(r.generations, r.batch, r.forward_ns, r.grammar_ns))

@@ -76,6 +76,7 @@ impl Shard for Served {
                 batch,
                 forward_ns,
                 grammar_ns,
+                prefill: None,
             }
         }))
     }
