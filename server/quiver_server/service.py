@@ -223,12 +223,23 @@ class ShardService(shard_pb2_grpc.ShardServicer):
     ) -> shard_pb2.DecodeResponse:
         # Membership of each cached batch lives in the engine (FilterBatch updates it); only the
         # ids are needed here.
-        step = await self._run(self._engine.decode, [b.id for b in request.batches])
+        batch_ids = [b.id for b in request.batches]
+        prefill: shard_pb2.PrefillResponse | None = None
+        if request.HasField("prefill"):
+            specs = [request_from_pb(r) for r in request.prefill.requests]
+            step, prefilled = await self._run(self._engine.mixed_step, batch_ids, request.prefill.batch_id, specs)
+            prefill = shard_pb2.PrefillResponse(
+                generations=_generations_to_pb(prefilled),
+                batch=_batch_to_pb(prefilled.batch_id, prefilled.request_ids),
+            )
+        else:
+            step = await self._run(self._engine.decode, batch_ids)
         return shard_pb2.DecodeResponse(
             generations=_generations_to_pb(step),
             batch=_batch_to_pb(step.batch_id, step.request_ids),
             forward_ns=step.forward_ns,
             grammar_ns=step.grammar_ns,
+            prefill=prefill,
         )
 
     async def FilterBatch(

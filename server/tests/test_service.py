@@ -166,6 +166,51 @@ def test_greedy_over_grpc_equals_transformers(shard: Shard, reference_model: tor
     )
 
 
+def test_a_decode_carrying_a_prefill_over_grpc_equals_transformers(
+    shard: Shard, reference_model: torch.nn.Module
+) -> None:
+    """A Decode of request 21 carries the Prefill of 22: 22's first token comes in the
+    response's `prefill`, 22 joins the decoded batch, and both continue as transformers does."""
+    vocab = reference_model.config.vocab_size
+    prompts = {21: [(5 * i + 2) % vocab for i in range(7)], 22: [(11 * i + 4) % vocab for i in range(10)]}
+    references = {rid: reference_greedy(reference_model, p, NEW_TOKENS) for rid, p in prompts.items()}
+    tokens: dict[int, list[int]] = {rid: [] for rid in prompts}
+    logprobs: dict[int, list[float]] = {rid: [] for rid in prompts}
+
+    def record(generations) -> None:
+        for g in generations:
+            tokens[g.request_id].append(g.token_id)
+            logprobs[g.request_id].append(g.logprob)
+
+    first = shard.stub.Prefill(shard_pb2.PrefillRequest(
+        batch_id=301, requests=[greedy_request(21, prompts[21], NEW_TOKENS, shard.pool)]))
+    record(first.generations)
+    mixed = shard.stub.Decode(shard_pb2.DecodeRequest(
+        batches=[first.batch],
+        prefill=shard_pb2.PrefillRequest(batch_id=302,
+                                         requests=[greedy_request(22, prompts[22], NEW_TOKENS, shard.pool)])))
+    assert mixed.HasField("prefill")
+    assert [g.request_id for g in mixed.generations] == [21]
+    assert [g.request_id for g in mixed.prefill.generations] == [22]
+    assert (mixed.prefill.batch.id, list(mixed.prefill.batch.request_ids)) == (302, [22])
+    assert (mixed.batch.id, list(mixed.batch.request_ids)) == (301, [21, 22])
+    record(mixed.generations)
+    record(mixed.prefill.generations)
+    batches = [mixed.batch]
+    while len(tokens[22]) < NEW_TOKENS:
+        decode = shard.stub.Decode(shard_pb2.DecodeRequest(batches=batches))
+        assert not decode.HasField("prefill")
+        batches = [decode.batch]
+        record(decode.generations)
+    shard.stub.ClearCache(shard_pb2.ClearCacheRequest(batch_id=301))
+    assert_matches_reference(tokens[22], logprobs[22], references[22])
+    # 21 decoded once more per step than 22 from the mixed step on: its first NEW_TOKENS are compared.
+    assert_matches_reference(tokens[21][:NEW_TOKENS], logprobs[21][:NEW_TOKENS], references[21])
+    # The prefill's batch id was consumed: no batch of it is kept.
+    expect_status(grpc.StatusCode.INVALID_ARGUMENT, shard.stub.Decode,
+                  shard_pb2.DecodeRequest(batches=[shard_pb2.CachedBatch(id=302, request_ids=[22])]))
+
+
 def test_bad_requests_are_invalid_argument_and_shard_keeps_serving(
     shard: Shard, reference_model: torch.nn.Module
 ) -> None:

@@ -15,7 +15,7 @@ import torch
 import transformers
 from tiny_models import build_tiny_model
 
-from quiver_server.engine.forward_batch import build_decode, build_prefill
+from quiver_server.engine.forward_batch import build_decode, build_mixed, build_prefill
 from quiver_server.kernels.ops import TritonKernelOps
 from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.models import load_model
@@ -76,3 +76,35 @@ def test_prefill_cached_prefill_and_decode_equal_transformers(case: Path) -> Non
             sequences[i].append(token)
             expected = reference(torch.tensor([sequences[i]])).logits[0, -1]
             torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_mixed_pass_equals_transformers(case: Path) -> None:
+    """Two decoding sequences and a fresh prompt's prefill in one pass (`build_mixed`): the
+    prompt rows through the paged prefill kernel, the decode rows through the decode kernel."""
+    reference = transformers.AutoModelForCausalLM.from_pretrained(case, dtype=torch.float32,
+                                                                  attn_implementation="eager").eval()
+    model = load_model(case, load_config(case), torch.float32, DEVICE, TritonKernelOps(DEVICE, "torch", None))
+    cfg = model.config
+    spec = KVCacheSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32, BLOCK_SIZE)
+    rng = random.Random(9)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (13, 26, 19)]
+    blocks_each = spec.blocks_for_tokens(max(map(len, prompts)) + 2)
+    cache = PagedKVCache(spec, blocks_each * len(prompts), DEVICE)
+    table = torch.randperm(blocks_each * len(prompts), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    table = table.view(len(prompts), blocks_each)
+    running = prompts[:2]
+    lens = [len(p) for p in running]
+    model(torch.tensor([t for p in running for t in p], device=DEVICE),
+          build_prefill(lens, table[:2], BLOCK_SIZE, DEVICE), cache)
+
+    fed = [7, 11]
+    head = build_prefill([len(prompts[2])], table[2:], BLOCK_SIZE, DEVICE)
+    tail = build_decode(lens, table[:2], BLOCK_SIZE, DEVICE)
+    batch = build_mixed(head, [1], [-1], tail, [-1, -1], 0, DEVICE)
+    logits = model(torch.tensor(prompts[2] + fed, device=DEVICE), batch, cache).cpu()
+    assert logits.shape[0] == 3
+    torch.testing.assert_close(logits[0], reference(torch.tensor([prompts[2]])).logits[0, -1], atol=ATOL, rtol=0)
+    for row, (prompt, token) in enumerate(zip(running, fed, strict=True), start=1):
+        expected = reference(torch.tensor([prompt + [token]])).logits[0, -1]
+        torch.testing.assert_close(logits[row], expected, atol=ATOL, rtol=0)

@@ -49,7 +49,14 @@ from quiver_server.engine.kv_cache import BLOCK_SIZE, KVCacheSpec, PagedKVCache
 from quiver_server.engine.kv_cache_dtype import resolve as resolve_kv_cache_dtype
 from quiver_server.engine.pooling import pool, read_pooling
 from quiver_server.engine.request_checks import RequestLimits, check_decode, check_prefill
-from quiver_server.engine.step_plan import ForwardPlan, StepPlan, plan_decode, plan_embedding, plan_prefill
+from quiver_server.engine.step_plan import (
+    ForwardPlan,
+    StepPlan,
+    plan_decode,
+    plan_embedding,
+    plan_mixed,
+    plan_prefill,
+)
 from quiver_server.engine.warmup import WarmupLimits, allocate_cache
 from quiver_server.grammar import Grammars
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
@@ -240,24 +247,88 @@ class Engine:
     @torch.inference_mode()
     def decode(self, batch_ids: list[int]) -> StepResult:
         self._require_cache()
+        self._check_decode(batch_ids)
+        start = time.perf_counter_ns()
+        return self._decode_batch(batch_ids[0], self._merged(batch_ids), start)
+
+    def _check_decode(self, batch_ids: list[int]) -> None:
         if not batch_ids:
             raise ValueError("decode needs at least one batch id")
         if len(set(batch_ids)) != len(batch_ids):
             raise ValueError(f"decode got a batch id twice: {batch_ids}")
         check_decode([r for batch_id in batch_ids for r in self._batch(batch_id).requests],
                      self.max_position_embeddings)
-        start = time.perf_counter_ns()
-        batch = self._merged(batch_ids)
+
+    def _decode_batch(self, batch_id: int, batch: CachedBatch, start: int) -> StepResult:
         if not batch.requests:
-            return StepResult(generations=[], batch_id=batch_ids[0], request_ids=[])
+            return StepResult(generations=[], batch_id=batch_id, request_ids=[])
         plan = plan_decode(batch, self.vocab_size, self.device)
         lengths = [r.length for r in batch.requests]
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.batch is batch and ahead.lengths == lengths:
             # Launched by the previous step on exactly these requests, tokens and positions.
-            return self._run(batch_ids[0], plan, lambda: ahead.logits, start)
+            return self._run(batch_id, plan, lambda: ahead.logits, start)
         input_ids = batch.input_ids(self.device)
-        return self._run(batch_ids[0], plan, lambda: self._decode_logits(batch, input_ids, lengths), start)
+        return self._run(batch_id, plan, lambda: self._decode_logits(batch, input_ids, lengths), start)
+
+    @torch.inference_mode()
+    def mixed_step(self, batch_ids: list[int], prefill_batch_id: int,
+                   requests: list[RequestSpec]) -> tuple[StepResult, StepResult]:
+        """A decode step of `batch_ids` (as `decode`) and the prefill of `requests` (as `prefill`
+        would run them under `prefill_batch_id`) in one forward pass, so the weights are read
+        once for both: (the decode's result, the prefill's). The prefill's finished prompts then
+        join the decoded batch, after its requests, and no batch of `prefill_batch_id` is kept.
+        The decode's forward_ns is the whole step's; the prefill's is 0."""
+        kv_cache = self._require_cache()
+        if prefill_batch_id in self.batches or prefill_batch_id in batch_ids:
+            raise ValueError(f"batch id {prefill_batch_id} is already in use")
+        self._check_decode(batch_ids)
+        slots = check_prefill(requests, self._request_limits(kv_cache), self.lora, self.grammars)
+        start = time.perf_counter_ns()
+        generating = [(r, slot) for r, slot in zip(requests, slots, strict=True) if not r.embed]
+        embeds = [(r, slot) for r, slot in zip(requests, slots, strict=True) if r.embed]
+        batch = self._merged(batch_ids)
+        self._ahead = None  # the batch changes now: a forward launched for it is void
+        if generating and batch.requests:
+            decoded, prefilled, new = self._run_mixed(batch_ids[0], batch, prefill_batch_id, generating, kv_cache,
+                                                      start)
+        else:  # nothing to share a pass with
+            decoded = self._decode_batch(batch_ids[0], batch, start)
+            prefilled = (self._prefill_generating(prefill_batch_id, generating, kv_cache, start) if generating
+                         else StepResult(generations=[], batch_id=prefill_batch_id, request_ids=[]))
+            new = self.batches.pop(prefill_batch_id, None)
+        joined = CachedBatch.joined([batch, new]) if new is not None else batch
+        if joined.requests:
+            self.batches[batch_ids[0]] = joined
+        if embeds:
+            embedded = self._embed(embeds, kv_cache)
+            prefilled = dataclasses.replace(prefilled, generations=prefilled.generations + embedded)
+        decoded = dataclasses.replace(decoded, request_ids=joined.request_ids,
+                                      forward_ns=time.perf_counter_ns() - start,
+                                      grammar_ns=decoded.grammar_ns + prefilled.grammar_ns)
+        return decoded, dataclasses.replace(prefilled, forward_ns=0, grammar_ns=0)
+
+    def _run_mixed(self, batch_id: int, batch: CachedBatch, prefill_batch_id: int,
+                   requests: list[tuple[RequestSpec, int]], kv_cache: PagedKVCache,
+                   start: int) -> tuple[StepResult, StepResult, CachedBatch | None]:
+        """`mixed_step`'s shared pass: (the decode's result, the prefill's, its new batch)."""
+        prefill = plan_prefill([r for r, _ in requests], [slot for _, slot in requests], self.grammars,
+                               self.lora.ranks, self.vocab_size, self.device)
+        plan = plan_mixed(prefill, batch, self.lora.ranks, self.vocab_size, self.device)
+        logits: list[torch.Tensor] = []
+
+        def forward_once() -> torch.Tensor:  # the pass both steps sample from
+            if not logits:
+                logits.append(self._forward(plan.forward, kv_cache))
+            return logits[0]
+
+        prefilled = StepResult(generations=[], batch_id=prefill_batch_id, request_ids=[])
+        if plan.prefill is not None:
+            prefilled = self._run(prefill_batch_id, plan.prefill, lambda: forward_once()[: plan.prefill_rows], start,
+                                  launch_ahead=False)
+        decoded = self._run(batch_id, plan.decode, lambda: forward_once()[plan.prefill_rows :], start,
+                            launch_ahead=False)
+        return decoded, prefilled, plan.prefill.batch if plan.prefill is not None else None
 
     def _merged(self, batch_ids: list[int]) -> CachedBatch:
         """The batches' requests as one batch, kept under the first id."""
@@ -269,9 +340,11 @@ class Engine:
             self.batches[batch_ids[0]] = batch
         return batch
 
-    def _run(self, batch_id: int, plan: StepPlan, run_forward: Callable[[], torch.Tensor], start: int) -> StepResult:
+    def _run(self, batch_id: int, plan: StepPlan, run_forward: Callable[[], torch.Tensor], start: int,
+             launch_ahead: bool = True) -> StepResult:
         """A planned step: forward pass -> sample -> record. run_forward: the step's forward pass
-        (the model eagerly, a decode graph, or the logits launched ahead) -> logits."""
+        (the model eagerly, a decode graph, or the logits launched ahead) -> logits.
+        launch_ahead: False where the batch changes after this step (a mixed step)."""
         batch, inputs = plan.batch, plan.inputs
         # The grammar rows' mask is filled on its own thread while the forward pass runs.
         pending = self.grammars.masks.start(inputs.matchers, self.device.type == "cuda") if inputs.has_grammar \
@@ -288,7 +361,7 @@ class Engine:
         if plan.prompt_spans:
             prompt = dict(zip(plan.prompt_spans,
                               logprobs.prompt_logprobs(logits, list(plan.prompt_spans.values())), strict=True))
-        if plan.fed_last_token and self.overlap_steps:
+        if plan.fed_last_token and self.overlap_steps and launch_ahead:
             self._launch_ahead(batch, sampled.tokens)
         token_list, logprob_list = sampled.tokens.tolist(), sampled.logprobs.tolist()
         batch.record(sampled.tokens, token_list, plan.fed_last_token)

@@ -13,6 +13,11 @@ step uses an adapter, so the base-only path does no LoRA work at all). In a pref
 layer computes o_proj and the MLP only for the rows `logits_indices` selects; `lora_rows` is
 the same mapping for those rows, switched in by `at_logits_rows`.
 
+Mixed step: a prefill's new tokens and a decode step's (one per running sequence) in one pass,
+prompt tokens first: everything but attention treats it as a prefill whose decode sequences
+have one new token after their cached context; attention runs the two parts through their own
+kernels (`mixed`: the prefill's batch for the first rows, the decode's for the rest).
+
 Logits rows: one per sequence (its last token), except in a prefill for the sequences that ask
 for prompt logprobs, which get one per prompt token, and for the chunks of a prompt that is not
 complete yet, which get none; `sample_rows` then says which logits row is each sampled
@@ -57,6 +62,7 @@ class ForwardBatch:
     # Per-pass data a kernel builds on its first layer and every later layer reuses (the Triton
     # prefill's tile table), keyed by what it depends on besides the batch.
     kernel_plans: dict[object, object] = field(default_factory=dict)
+    mixed: MixedSplit | None = None  # a mixed step's two attention views
 
     def context_of(self, sequence: int) -> int:
         """Tokens of `sequence` cached before this pass (0 in decode: see `seq_lens`)."""
@@ -90,6 +96,16 @@ class ForwardBatch:
             mask = mask[:, None, None, :]
             self._decode_masks[sliding_window] = mask
         return mask
+
+
+@dataclass(frozen=True)
+class MixedSplit:
+    """A mixed step's attention views: its first `prefill_tokens` rows are the prompt tokens of
+    `head` (a prefill's batch), the others one token per sequence of `tail` (a decode's)."""
+
+    prefill_tokens: int
+    head: ForwardBatch
+    tail: ForwardBatch
 
 
 def _slots(
@@ -210,4 +226,39 @@ def build_decode(
         seq_lens_host=[n + 1 for n in lengths],
         kv_span=num_blocks * block_size,
         lora=lora,
+    )
+
+
+def build_mixed(
+    head: ForwardBatch,
+    head_rows: list[int],
+    head_slots: list[int],
+    tail: ForwardBatch,
+    tail_slots: list[int],
+    lora_ranks: int | RankClasses,
+    device: torch.device,
+) -> ForwardBatch:
+    """One pass over a prefill's tokens (`head`, from build_prefill; its logits rows per
+    sequence `head_rows`) and a decode step's (`tail`, from build_decode), prompt tokens first.
+    head_slots / tail_slots: each sequence's adapter slot (-1 = base). The logits rows are the
+    head's, then one per decode sequence."""
+    prompt_tokens, decoding = int(head.positions.shape[0]), len(tail.seq_lens_host)
+    contexts = head.context_lens_host or [0] * len(head.seq_lens_host)
+    slots = head_slots + tail_slots
+    lora = lora_rows = None
+    if max(slots, default=-1) >= 0:
+        lora = build_lora_meta(slots, head.seq_lens_host + [1] * decoding, lora_ranks, device)
+        lora_rows = build_lora_meta(slots, head_rows + [1] * decoding, lora_ranks, device)
+    decode_rows = torch.arange(prompt_tokens, prompt_tokens + decoding, device=device)
+    return ForwardBatch(
+        is_prefill=True,
+        positions=torch.cat((head.positions, tail.positions)),
+        slot_mapping=torch.cat((head.slot_mapping, tail.slot_mapping)),
+        logits_indices=torch.cat((head.logits_indices, decode_rows)),
+        seq_lens_host=head.seq_lens_host + [1] * decoding,
+        # A decode sequence's one new token sits after its cached tokens: seq_lens - 1 of them.
+        context_lens_host=contexts + [n - 1 for n in tail.seq_lens_host],
+        lora=lora,
+        lora_rows=lora_rows,
+        mixed=MixedSplit(prompt_tokens, head, tail),
     )

@@ -19,7 +19,13 @@ import torch
 from quiver_server.engine import logprobs
 from quiver_server.engine.batch_state import CachedBatch, SamplingInputs, new_request_state, padded_block_table
 from quiver_server.engine.batch_types import RequestSpec
-from quiver_server.engine.forward_batch import ForwardBatch, build_prefill, logits_rows_per_sequence
+from quiver_server.engine.forward_batch import (
+    ForwardBatch,
+    build_decode,
+    build_mixed,
+    build_prefill,
+    logits_rows_per_sequence,
+)
 from quiver_server.engine.kv_cache import BLOCK_SIZE
 from quiver_server.grammar import Grammars
 from quiver_server.kernels.lora_meta import RankClasses
@@ -49,6 +55,19 @@ class ForwardPlan:
 class PrefillPlan:
     forward: ForwardPlan
     step: StepPlan | None  # None: every request is a chunk, which only writes its K/V
+    slots: list[int]  # each request's adapter slot (-1: the base model)
+    logits_rows: list[int]  # logits rows per request (`logits_rows_per_sequence`)
+
+
+@dataclass(frozen=True)
+class MixedPlan:
+    """A prefill and a decode step in one forward pass (prompt tokens first): the prefill's
+    plan samples the first `prefill_rows` logits rows, the decode's the others."""
+
+    forward: ForwardPlan
+    prefill: StepPlan | None
+    decode: StepPlan
+    prefill_rows: int
 
 
 def plan_prefill(
@@ -76,17 +95,30 @@ def plan_prefill(
                       [r.cached_tokens for r in requests], sampled),
         new_lens,
     )
-    if not finals:
-        return PrefillPlan(forward, None)
-    # Chunks have no logits rows, so the final requests' rows are laid out as among themselves.
     rows_per_sequence = logits_rows_per_sequence(new_lens, all_logits, sampled)
+    if not finals:
+        return PrefillPlan(forward, None, list(slots), rows_per_sequence)
+    # Chunks have no logits rows, so the final requests' rows are laid out as among themselves.
     spans = logprobs.prompt_spans(
         [r.input_ids for r, _ in finals], [r.prompt_logprobs for r, _ in finals],
         [n for n, final in zip(rows_per_sequence, sampled, strict=True) if final],
     )
     step = StepPlan(batch, batch.sampling_inputs(vocab_size, device), fed_last_token=False,
                     sample_rows=forward.batch.sample_rows, prompt_spans=spans)
-    return PrefillPlan(forward, step)
+    return PrefillPlan(forward, step, list(slots), rows_per_sequence)
+
+
+def plan_mixed(prefill: PrefillPlan, batch: CachedBatch, lora_ranks: RankClasses | None, vocab_size: int,
+               device: torch.device) -> MixedPlan:
+    """A decode step of `batch` run in the forward pass of `prefill` (planned by plan_prefill)."""
+    lengths = [r.length for r in batch.requests]
+    tail = build_decode(lengths, batch.block_table(device), BLOCK_SIZE, device)
+    head = prefill.forward.batch
+    forward = build_mixed(head, prefill.logits_rows, prefill.slots, tail, [r.lora_slot for r in batch.requests],
+                          lora_ranks or 0, device)
+    input_ids = torch.cat((prefill.forward.input_ids, batch.input_ids(device).to(torch.long)))
+    return MixedPlan(ForwardPlan(input_ids, forward, prefill.forward.lengths + [1] * len(lengths)),
+                     prefill.step, plan_decode(batch, vocab_size, device), int(head.logits_indices.shape[0]))
 
 
 def plan_embedding(

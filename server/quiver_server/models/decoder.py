@@ -82,7 +82,16 @@ class Attention(nn.Module):
         are still written for every token)."""
         tokens = x.shape[0]
         q, k, v = self.store_kv(x, cos_sin, batch, k_cache, v_cache)
-        if batch.is_prefill:
+        if batch.mixed is not None:
+            # Prompt rows, then one decode row per running sequence, each through its own kernel.
+            split, at = batch.mixed, batch.mixed.prefill_tokens
+            out = torch.cat((
+                self.ops.prefill_attention(q[:at], k[:at], v[:at], split.head, self.scale, self.sliding_window,
+                                           k_cache, v_cache, self.softcap),
+                self.ops.decode_attention(q[at:], k_cache, v_cache, split.tail, self.scale, self.sliding_window,
+                                          self.softcap),
+            ))
+        elif batch.is_prefill:
             # Every token's K/V of this layer is in the cache before any sequence reads it back.
             out = self.ops.prefill_attention(q, k, v, batch, self.scale, self.sliding_window, k_cache, v_cache,
                                              self.softcap)
