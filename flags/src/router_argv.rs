@@ -19,6 +19,7 @@ impl ServingFlags {
             prefix_caching,
             chunked_prefill,
             prefill_pace,
+            mixed_prefill,
             max_batch_total_tokens,
             max_batch_size,
             max_concurrent_requests,
@@ -70,6 +71,7 @@ impl ServingFlags {
             .flag("--prefix-caching", prefix_caching.to_string())
             .flag("--chunked-prefill", chunked_prefill.to_string())
             .flag("--prefill-pace", prefill_pace.to_string())
+            .flag("--mixed-prefill", mixed_prefill.to_string())
             .flag_if_set(
                 "--max-batch-total-tokens",
                 max_batch_total_tokens.map(|n| n.to_string()),
@@ -197,6 +199,7 @@ mod tests {
             prefix_caching: false,
             chunked_prefill: false,
             prefill_pace: 0.5,
+            mixed_prefill: false,
             max_batch_total_tokens: Some(100_000),
             max_batch_size: 32,
             max_concurrent_requests: 64,

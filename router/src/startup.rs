@@ -49,10 +49,11 @@ pub struct Settings {
     pub metrics_max_adapter_labels: usize,
     /// `--metrics-open`: /metrics without a key even when keys are configured.
     pub metrics_open: bool,
-    /// `--prefix-caching`, `--chunked-prefill`, `--prefill-pace`.
+    /// `--prefix-caching`, `--chunked-prefill`, `--prefill-pace`, `--mixed-prefill`.
     pub prefix_caching: bool,
     pub chunked_prefill: bool,
     pub prefill_pace: f64,
+    pub mixed_prefill: bool,
 }
 
 /// `--max-choices-per-request`, `--max-request-kv-share`, `--max-logprob-entries`,
@@ -130,6 +131,7 @@ impl Settings {
             prefix_caching: args.serving.prefix_caching,
             chunked_prefill: args.serving.chunked_prefill,
             prefill_pace: args.serving.prefill_pace,
+            mixed_prefill: args.serving.mixed_prefill,
             admission: AdmissionSettings {
                 max_choices_per_request: args.serving.max_choices_per_request,
                 max_request_kv_share: args.serving.max_request_kv_share,
@@ -240,6 +242,7 @@ pub async fn start(
             prefix_caching: settings.prefix_caching,
             chunked_prefill: settings.chunked_prefill,
             prefill_pace: settings.prefill_pace,
+            mixed_prefill: settings.mixed_prefill,
         },
         scheduler_metrics.clone(),
     );

@@ -113,6 +113,7 @@ InferencePool, whose endpoint picker cannot send one. */}}
 {{- include "quiver.flag" (dict "flag" "--prefix-caching" "value" $v.scheduling.prefixCaching) }}
 {{- include "quiver.flag" (dict "flag" "--chunked-prefill" "value" $v.scheduling.chunkedPrefill) }}
 {{- include "quiver.flag" (dict "flag" "--prefill-pace" "value" $v.scheduling.prefillPace) }}
+{{- include "quiver.flag" (dict "flag" "--mixed-prefill" "value" $v.scheduling.mixedPrefill) }}
 {{- include "quiver.flag" (dict "flag" "--gpu-memory-fraction" "value" $v.memory.gpuMemoryFraction) }}
 {{- include "quiver.flag" (dict "flag" "--cpu-kv-cache-gib" "value" $v.memory.cpuKvCacheGib) }}
 {{- include "quiver.flag" (dict "flag" "--adapter-source" "value" $v.adapters.source) }}

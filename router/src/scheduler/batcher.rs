@@ -1,10 +1,13 @@
 //! The continuous-batching loop: one task that owns the queue, the block allocator and the
 //! running batch, so none of it needs a lock.
 //!
-//! Each step: one Prefill (`batcher/prefill.rs`: the next chunks of prompts under way, then
-//! what fits from the queue whose adapter is in a device slot; slots for the others are filled
-//! beside the steps), then one Decode over [running batch, the requests whose prompt is done],
-//! which the shard merges into the running batch.
+//! Each step: the prefill is planned (`batcher/prefill.rs`: the next chunks of prompts under
+//! way, then what fits from the queue whose adapter is in a device slot; slots for the others
+//! are filled beside the steps). While requests decode, one Decode of the running batch carries
+//! it (`batcher/mixed.rs`, `--mixed-prefill`): one forward pass, whose finished prompts join the
+//! running batch. Otherwise (nothing decodes yet, or `--mixed-prefill false`) one Prefill call,
+//! then one Decode over [running batch, the requests whose prompt is done], which the shard
+//! merges into the running batch.
 //! After every shard call each request's token goes to its channel; requests that finished
 //! (EOS, length) or whose client left give their blocks back at once and leave the shard's batch
 //! with FilterBatch. A failed shard call fails the requests of the batch it touched, clears that
@@ -31,6 +34,7 @@ use crate::shard::{CachedBatch, Generation, ShardBackend, ShardError};
 use crate::telemetry::{within_step, RequestTrace, StepSpan};
 
 mod adapters;
+mod mixed;
 mod pace;
 mod preemption;
 mod prefill;
@@ -112,10 +116,6 @@ impl Keyed for Entry {
 
     fn tenant(&self) -> &str {
         &self.request.scope.tenant
-    }
-
-    fn decodes(&self) -> bool {
-        !self.request.embed
     }
 }
 
@@ -292,12 +292,24 @@ impl Batcher {
                 continue;
             }
             let waiting = self.queue.len();
-            let new_batch = self.prefill_waiting().await;
-            let stuck = new_batch.is_none()
+            let planned = self.plan_prefill().await;
+            let mixed = planned.is_some() && self.config.mixed_prefill && self.running.is_some();
+            let new_batch = match planned {
+                Some(plan) if mixed => {
+                    self.mixed_step(plan).await;
+                    None
+                }
+                Some(plan) => self.prefill(plan).await,
+                None => None,
+            };
+            let stuck = !mixed
+                && new_batch.is_none()
                 && self.running.is_none()
                 && self.prefilling.is_empty()
                 && self.queue.len() == waiting;
-            self.decode(new_batch).await;
+            if !mixed {
+                self.decode(new_batch).await;
+            }
             self.publish_gauges();
             if stuck {
                 // Nothing runs, so every slot and block is free and some request should have

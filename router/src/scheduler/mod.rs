@@ -228,6 +228,9 @@ pub struct SchedulerConfig {
     /// While requests decode, size a step's prefill to take about this many times a decode
     /// step (`batcher/pace.rs`); 0: always up to `max_batch_prefill_tokens`.
     pub prefill_pace: f64,
+    /// Run a step's prefill in the same shard call (and forward pass) as its decode when
+    /// requests decode (`batcher/mixed.rs`); false: a Prefill call, then a Decode call.
+    pub mixed_prefill: bool,
 }
 
 impl SchedulerConfig {
@@ -266,7 +269,8 @@ pub struct SchedulerStats {
     pub active_adapters: usize,
     /// Adapter slots in all (`max_active_adapters`).
     pub adapter_slots: u32,
-    /// Prefill and Decode calls made to the shards since start.
+    /// Steps that prefilled and steps that decoded since start; a mixed step (a Decode that
+    /// carried a Prefill) counts as both.
     pub prefill_steps: u64,
     pub decode_steps: u64,
     /// Running requests taken out of the batch to make room, since start.
@@ -363,6 +367,8 @@ impl Scheduler {
             max_concurrent_requests = config.max_concurrent_requests,
             max_active_adapters = config.max_active_adapters,
             slot_ranks = ?config.slot_ranks,
+            prefill_pace = config.prefill_pace,
+            mixed_prefill = config.mixed_prefill,
             "scheduler started"
         );
         Self {

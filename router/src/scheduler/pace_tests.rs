@@ -1,6 +1,8 @@
 //! Prefill pacing against a fake shard whose Decode takes 32 ms and whose Prefill takes 1 ms
-//! per computed prompt token, on tokio's paused clock: the step times the batcher measures are
-//! exact, so the chunk sizes and the running streams' inter-token times are too.
+//! per computed prompt token (a mixed step: both), on tokio's paused clock: the step times the
+//! batcher measures are exact, so the chunk sizes and the running streams' inter-token times
+//! are too. A wave of prompts among decoding streams is checked in both step shapes (mixed,
+//! and a Prefill call then a Decode call).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -9,7 +11,7 @@ use tokio::time::Instant;
 
 use super::test_support::{assert_all_released, collect, config, next_token, request, start};
 use super::{FinishReason, SchedulerConfig};
-use crate::shard::FakeShard;
+use crate::shard::{fake_next_token, FakeShard};
 
 const DECODE: Duration = Duration::from_millis(32);
 const PER_TOKEN: Duration = Duration::from_millis(1);
@@ -24,10 +26,14 @@ fn shard() -> Arc<FakeShard> {
 }
 
 fn paced(pace: f64) -> SchedulerConfig {
+    paced_with_cache(pace, 256)
+}
+
+fn paced_with_cache(pace: f64, num_blocks: u32) -> SchedulerConfig {
     SchedulerConfig {
         max_batch_prefill_tokens: 4096,
         prefill_pace: pace,
-        ..config(16, 256)
+        ..config(16, num_blocks)
     }
 }
 
@@ -88,28 +94,177 @@ async fn without_pacing_the_prompt_takes_the_whole_budget() {
     assert!(longest >= PER_TOKEN * 320, "{longest:?}");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_burst_of_new_requests_is_not_held_back() {
-    // One stream decodes; eight requests of 100 distinct tokens arrive at once: they
-    // outnumber it, so they share one full-budget Prefill.
-    let shard = shard();
-    let scheduler = start(&shard, paced(1.0));
-    let mut first = scheduler.submit(request(&[1, 2, 3, 4], 40)).unwrap();
-    next_token(&mut first).await;
-    next_token(&mut first).await;
-    let before = shard.stats().prefill_tokens.len();
-    let burst: Vec<_> = (0..8)
-        .map(|n| {
-            let prompt: Vec<u32> = (0..100).map(|i| 20 + n + i).collect();
-            scheduler.submit(request(&prompt, 2)).unwrap()
+/// The wave's shard: each call takes `STEP`, a Decode `WAVE_DECODE` more, and each computed
+/// prompt token `PER_TOKEN` more (a mixed step: `STEP + WAVE_DECODE + tokens × PER_TOKEN`).
+const STEP: Duration = Duration::from_millis(2);
+const WAVE_DECODE: Duration = Duration::from_millis(30);
+const BLOCK: u32 = 16;
+
+/// The longest a running stream may wait for its next token while prompts go in: one step
+/// whose prefill is one paced budget. The budget is `pace` × the decode step's time
+/// (`STEP + WAVE_DECODE`) at `PER_TOKEN` a token, at least a block; a Prefill call of its own
+/// measures its `STEP` as prefill cost too, which only makes its budget smaller. A mixed step
+/// then takes `STEP + WAVE_DECODE + budget × PER_TOKEN`; two calls one `STEP` more.
+fn paced_gap_bound(pace: f64, calls_per_step: u32) -> Duration {
+    let decode = STEP + WAVE_DECODE;
+    let budget = (pace * decode.as_secs_f64() / PER_TOKEN.as_secs_f64()).ceil() as u32;
+    STEP * calls_per_step + WAVE_DECODE + PER_TOKEN * budget.max(BLOCK)
+}
+
+/// The fake's base-model tokens after `prompt`.
+fn reference(prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut previous = *prompt.last().unwrap();
+    (0..n)
+        .map(|_| {
+            previous = fake_next_token(previous, super::test_support::VOCAB);
+            previous
+        })
+        .collect()
+}
+
+/// What the shard saw while a wave went in among decoding streams.
+struct Wave {
+    /// Longest wait of a running stream for its next token meanwhile.
+    longest_gap: Duration,
+    /// Prefill calls (on their own or carried) and mixed steps meanwhile.
+    prefills: u64,
+    mixed: u64,
+    /// Decode calls and decode steps the router counted meanwhile.
+    decode_calls: u64,
+    decode_steps: u64,
+}
+
+/// Four streams decode; 32 prompts of 100 distinct tokens arrive at once, more than a whole
+/// step's budget. Every one of them must get its first token and finish, with the fake's
+/// tokens, while the streams decode.
+async fn wave_among_decoding(mixed_prefill: bool) -> Wave {
+    let shard = Arc::new(
+        FakeShard::new(super::test_support::VOCAB)
+            .with_cache(BLOCK, 512)
+            .with_step_delay(STEP)
+            .with_decode_delay(WAVE_DECODE)
+            .with_prefill_token_delay(PER_TOKEN),
+    );
+    let scheduler = start(
+        &shard,
+        SchedulerConfig {
+            mixed_prefill,
+            ..paced_with_cache(1.0, 512)
+        },
+    );
+    let mut streams: Vec<_> = (0..4)
+        .map(|n| scheduler.submit(request(&[1, 2, 3, n + 4], 400)).unwrap())
+        .collect();
+    for events in &mut streams {
+        next_token(events).await;
+    }
+    let (shard_before, router_before) = (shard.stats(), scheduler.stats());
+    let prompts: Vec<Vec<u32>> = (0..32u32)
+        .map(|n| (0..100).map(|i| 10 + (n * 7 + i) % 240).collect())
+        .collect();
+    let wave: Vec<_> = prompts
+        .iter()
+        .map(|prompt| {
+            let events = scheduler.submit(request(prompt, 4)).unwrap();
+            tokio::spawn(collect(events))
         })
         .collect();
-    for events in burst {
+    let mut longest_gap = Duration::ZERO;
+    let mut last = Instant::now();
+    while !wave.iter().all(|request| request.is_finished()) {
+        let event = next_token(&mut streams[0]).await;
+        assert_eq!(
+            event.finish, None,
+            "the stream ended before the wave went in"
+        );
+        longest_gap = longest_gap.max(last.elapsed());
+        last = Instant::now();
+    }
+    let (shard_after, router_after) = (shard.stats(), scheduler.stats());
+    for (prompt, request) in prompts.iter().zip(wave) {
+        let outcome = request.await.unwrap();
+        assert_eq!(outcome.tokens, reference(prompt, 4));
+        assert_eq!(outcome.finish, Ok(FinishReason::Length));
+    }
+    for events in streams {
         assert_eq!(collect(events).await.finish, Ok(FinishReason::Length));
     }
-    assert_eq!(collect(first).await.finish, Ok(FinishReason::Length));
-    assert_eq!(shard.stats().prefill_tokens[before..], [800]);
     assert_all_released(&shard, &scheduler).await;
+    Wave {
+        longest_gap,
+        prefills: shard_after.prefill_calls - shard_before.prefill_calls,
+        mixed: shard_after.mixed_calls - shard_before.mixed_calls,
+        decode_calls: shard_after.decode_calls - shard_before.decode_calls,
+        decode_steps: router_after.decode_steps - router_before.decode_steps,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_wave_of_prompts_goes_in_mixed_steps_of_one_paced_budget() {
+    let wave = wave_among_decoding(true).await;
+    let bound = paced_gap_bound(1.0, 1);
+    assert!(
+        wave.longest_gap <= bound,
+        "{:?} > {bound:?}",
+        wave.longest_gap
+    );
+    // More than one step: the wave was paced, not let in whole.
+    assert!(wave.prefills > 1);
+    // One shard call a step: every prefill rode in the step's Decode.
+    assert_eq!(wave.mixed, wave.prefills);
+    assert!(wave.decode_calls.abs_diff(wave.decode_steps) <= 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_mixed_steps_a_wave_is_paced_over_two_calls_a_step() {
+    let wave = wave_among_decoding(false).await;
+    let bound = paced_gap_bound(1.0, 2);
+    assert!(
+        wave.longest_gap <= bound,
+        "{:?} > {bound:?}",
+        wave.longest_gap
+    );
+    assert!(wave.prefills > 1);
+    // A Prefill call, then a Decode call.
+    assert_eq!(wave.mixed, 0);
+    assert!(wave.decode_calls.abs_diff(wave.decode_steps) <= 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn unpaced_a_wave_stalls_the_streams_for_its_whole_prefill() {
+    // The control: with `--prefill-pace 0` the wave's 3,200 tokens go in as one step.
+    for mixed_prefill in [true, false] {
+        let shard = shard();
+        let scheduler = start(
+            &shard,
+            SchedulerConfig {
+                mixed_prefill,
+                ..paced(0.0)
+            },
+        );
+        let mut stream = scheduler.submit(request(&[1, 2, 3, 4], 40)).unwrap();
+        next_token(&mut stream).await;
+        let wave: Vec<_> = (0..32u32)
+            .map(|n| {
+                let prompt: Vec<u32> = (0..100).map(|i| 10 + (n * 7 + i) % 240).collect();
+                scheduler.submit(request(&prompt, 2)).unwrap()
+            })
+            .collect();
+        // The step in flight when the wave came ends first; the next one takes the wave whole.
+        next_token(&mut stream).await;
+        let before = Instant::now();
+        next_token(&mut stream).await;
+        assert!(
+            before.elapsed() >= PER_TOKEN * 3200,
+            "{:?}",
+            before.elapsed()
+        );
+        for events in wave {
+            assert_eq!(collect(events).await.finish, Ok(FinishReason::Length));
+        }
+        assert_eq!(collect(stream).await.finish, Ok(FinishReason::Length));
+        assert_all_released(&shard, &scheduler).await;
+    }
 }
 
 #[tokio::test(start_paused = true)]

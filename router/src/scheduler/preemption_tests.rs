@@ -53,9 +53,21 @@ async fn two_long_requests(scheduler: &Scheduler) -> Vec<(Vec<u32>, EventReceive
 
 #[tokio::test(start_paused = true)]
 async fn a_starved_request_preempts_and_the_victims_resume_with_identical_tokens() {
+    for mixed_prefill in [true, false] {
+        starved_request_preempts(mixed_prefill).await;
+    }
+}
+
+/// The victims' resumption and the short request's prefill run beside the other long
+/// request's decode: in mixed steps, or as Prefill calls of their own.
+async fn starved_request_preempts(mixed_prefill: bool) {
     let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(STEP));
     let wait = Duration::from_millis(50);
-    let scheduler = start(&shard, full_cache_config(wait));
+    let config = SchedulerConfig {
+        mixed_prefill,
+        ..full_cache_config(wait)
+    };
+    let scheduler = start(&shard, config);
     let longs = two_long_requests(&scheduler).await;
 
     let started = Instant::now();
@@ -78,6 +90,7 @@ async fn a_starved_request_preempts_and_the_victims_resume_with_identical_tokens
         assert_eq!(outcome.finish, Ok(FinishReason::Length));
     }
     assert_all_released(&shard, &scheduler).await;
+    assert_eq!(shard.stats().mixed_calls > 0, mixed_prefill);
 }
 
 #[tokio::test(start_paused = true)]

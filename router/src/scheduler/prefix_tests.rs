@@ -257,29 +257,87 @@ async fn a_long_prompt_is_prefilled_in_chunks_of_the_budget() {
     }
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn running_requests_decode_between_the_chunks_of_a_long_prompt() {
-    let shard = shard(16, 256);
-    let scheduler = start(&shard, chunked(16, 256, 32, true));
-    let short = prompt(0, 4, 1);
-    let mut running = scheduler.submit(request(&short, 40)).unwrap();
-    let first = running.recv().await.unwrap().unwrap();
-    assert_eq!(first.token_id, expected(&short, 1)[0]);
-    let long = prompt(0, 320, 2);
-    let long_events = scheduler.submit(request(&long, 2)).unwrap();
-    let long_run = tokio::spawn(run(long_events));
-    // The long prompt takes 10 steps of 32 tokens; the running request gets a token in each.
-    let mut tokens = vec![first.token_id];
-    while tokens.len() < 40 {
-        let event = running.recv().await.unwrap().unwrap();
-        tokens.push(event.token_id);
+    for mixed_prefill in [true, false] {
+        // Steps take time, so the long prompt arrives while the short request decodes.
+        let shard = Arc::new(
+            FakeShard::new(VOCAB)
+                .with_cache(16, 256)
+                .with_step_delay(std::time::Duration::from_millis(1)),
+        );
+        let config = SchedulerConfig {
+            mixed_prefill,
+            ..chunked(16, 256, 32, true)
+        };
+        let scheduler = start(&shard, config);
+        let short = prompt(0, 4, 1);
+        let mut running = scheduler.submit(request(&short, 40)).unwrap();
+        let first = running.recv().await.unwrap().unwrap();
+        assert_eq!(first.token_id, expected(&short, 1)[0]);
+        let long = prompt(0, 320, 2);
+        let long_events = scheduler.submit(request(&long, 2)).unwrap();
+        let long_run = tokio::spawn(run(long_events));
+        // The long prompt takes 10 steps of 32 tokens; the running request gets a token in
+        // each.
+        let mut tokens = vec![first.token_id];
+        while tokens.len() < 40 {
+            let event = running.recv().await.unwrap().unwrap();
+            tokens.push(event.token_id);
+        }
+        assert_eq!(tokens, expected(&short, 40));
+        let outcome = long_run.await.unwrap();
+        assert_eq!(outcome.tokens, expected(&long, 2));
+        let stats = shard.stats();
+        assert_eq!(stats.prefill_calls, 11, "{stats:?}");
+        assert_eq!(stats.max_decode_batch_size, 2, "{stats:?}");
+        // Every chunk of the long prompt rode in a Decode of the running request.
+        let carried = if mixed_prefill { 10 } else { 0 };
+        assert_eq!(stats.mixed_calls, carried, "{stats:?}");
+        assert_all_released(&shard, &scheduler).await;
     }
-    assert_eq!(tokens, expected(&short, 40));
-    let outcome = long_run.await.unwrap();
-    assert_eq!(outcome.tokens, expected(&long, 2));
-    let stats = shard.stats();
-    assert!(stats.prefill_calls >= 11, "{stats:?}");
-    assert_all_released(&shard, &scheduler).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn blocks_of_a_failed_step_beside_a_decode_are_never_hits() {
+    for mixed_prefill in [true, false] {
+        let shard = Arc::new(
+            FakeShard::new(VOCAB)
+                .with_cache(16, 64)
+                .with_step_delay(std::time::Duration::from_millis(1)),
+        );
+        let config = SchedulerConfig {
+            mixed_prefill,
+            ..config(16, 64)
+        };
+        let scheduler = start(&shard, config);
+        let mut stream = scheduler.submit(request(&prompt(0, 4, 9), 30)).unwrap();
+        stream.recv().await.unwrap().unwrap();
+        let p = prompt(48, 4, 0);
+        shard.fail_next(FakeRpc::Prefill);
+        let mut failed = scheduler.submit(request(&p, 3)).unwrap();
+        let error = loop {
+            match failed.recv().await.expect("an error event") {
+                Ok(_) => continue,
+                Err(error) => break error,
+            }
+        };
+        assert!(error.to_string().contains("injected failure"));
+        // A failed mixed step failed the stream's step too; a failed Prefill only its own.
+        let stream_failed = loop {
+            match stream.recv().await.expect("a last event") {
+                Ok(event) if event.finish.is_some() => break false,
+                Ok(_) => continue,
+                Err(_) => break true,
+            }
+        };
+        assert_eq!(stream_failed, mixed_prefill);
+        // The blocks were registered when the step was planned; the fake would reject a hit
+        // on them, since their KV was never written.
+        let after = complete(&scheduler, request(&p, 3)).await;
+        assert_eq!(after.cached_tokens, 0);
+        assert_all_released(&shard, &scheduler).await;
+    }
 }
 
 #[tokio::test]

@@ -29,6 +29,7 @@ pub(super) fn config(block_size: u32, num_blocks: u32) -> SchedulerConfig {
         chunked_prefill: true,
         // Chunk sizes that depend on measured step times would make step counts vary.
         prefill_pace: 0.0,
+        mixed_prefill: true,
     }
 }
 

@@ -345,20 +345,39 @@ async fn decode_failure_fails_the_batch_and_serving_continues() {
 }
 
 #[tokio::test]
-async fn prefill_failure_fails_only_the_new_requests() {
-    let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
-    let scheduler = start(&shard, config(16, 64));
-    let mut running = scheduler.submit(request(&[7], 30)).unwrap();
-    let mut tokens = vec![running.recv().await.unwrap().unwrap().token_id];
-    shard.fail_next(FakeRpc::Prefill);
-    let failed = collect(scheduler.submit(request(&[8], 5)).unwrap()).await;
-    assert!(matches!(failed.finish, Err(GenerationError::Shard(_))));
-    assert!(failed.tokens.is_empty());
-    let rest = collect(running).await;
-    tokens.extend(rest.tokens);
-    assert_eq!(tokens, reference_tokens(&[7], 30));
-    assert_eq!(rest.finish, Ok(FinishReason::Length));
-    assert_all_released(&shard, &scheduler).await;
+async fn prefill_failure_fails_only_the_new_requests_unless_it_rode_in_the_decode() {
+    for mixed_prefill in [false, true] {
+        let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
+        let scheduler = start(
+            &shard,
+            SchedulerConfig {
+                mixed_prefill,
+                ..config(16, 64)
+            },
+        );
+        let mut running = scheduler.submit(request(&[7], 30)).unwrap();
+        let mut tokens = vec![running.recv().await.unwrap().unwrap().token_id];
+        shard.fail_next(FakeRpc::Prefill);
+        let failed = collect(scheduler.submit(request(&[8], 5)).unwrap()).await;
+        assert!(matches!(failed.finish, Err(GenerationError::Shard(_))));
+        assert!(failed.tokens.is_empty());
+        let rest = collect(running).await;
+        tokens.extend(rest.tokens);
+        if mixed_prefill {
+            // One call carried the running request's step too: it fails with it, as in a
+            // failed Decode.
+            assert!(matches!(rest.finish, Err(GenerationError::Shard(_))));
+            assert_eq!(tokens, reference_tokens(&[7], tokens.len()));
+        } else {
+            assert_eq!(tokens, reference_tokens(&[7], 30));
+            assert_eq!(rest.finish, Ok(FinishReason::Length));
+        }
+        assert_all_released(&shard, &scheduler).await;
+        // Serving goes on.
+        let later = collect(scheduler.submit(request(&[3], 6)).unwrap()).await;
+        assert_eq!(later.tokens, reference_tokens(&[3], 6));
+        assert_all_released(&shard, &scheduler).await;
+    }
 }
 
 #[tokio::test]

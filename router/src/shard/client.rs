@@ -23,8 +23,8 @@ use tonic::transport::{Channel, Endpoint, Uri};
 
 use super::wire;
 use super::{
-    AdapterLoad, CachedBatch, Grammar, GrammarCompiled, KvLayout, LoadedAdapter, PrefillEntry,
-    ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
+    AdapterLoad, CachedBatch, Grammar, GrammarCompiled, KvLayout, LoadedAdapter, MixedStep,
+    PrefillEntry, ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
 };
 use crate::bounded_text::bounded;
 use crate::pb;
@@ -320,6 +320,24 @@ impl ShardBackend for ShardClient {
         };
         self.fan_out(request, |mut c, r| async move { c.decode(r).await })
             .map_ok(|r| wire::step(r.generations, r.batch, r.forward_ns, r.grammar_ns))
+            .boxed()
+    }
+
+    fn decode_with_prefill(
+        &self,
+        batches: Vec<CachedBatch>,
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<MixedStep>> {
+        let request = pb::DecodeRequest {
+            batches: batches.into_iter().map(pb::CachedBatch::from).collect(),
+            prefill: Some(pb::PrefillRequest {
+                batch_id,
+                requests: requests.into_iter().map(pb::Request::from).collect(),
+            }),
+        };
+        self.fan_out(request, |mut c, r| async move { c.decode(r).await })
+            .map(|answer| answer.and_then(wire::mixed_step))
             .boxed()
     }
 

@@ -134,6 +134,50 @@ async fn every_rank_sees_each_call_and_rank_zero_answers() {
 }
 
 #[tokio::test]
+async fn a_decode_carrying_a_prefill_reaches_every_rank_and_answers_both() {
+    let dir = SocketDir::new();
+    let (shards, client) = ranks(&dir, 2).await;
+    let prefill = client
+        .prefill(3, vec![one_request(10, vec![5], vec![0], 4)])
+        .await
+        .unwrap();
+    let running = prefill.batch.unwrap();
+    let mixed = client
+        .decode_with_prefill(
+            vec![running],
+            4,
+            vec![one_request(11, vec![6, 2], vec![1], 4)],
+        )
+        .await
+        .unwrap();
+    // Request 10 decodes from its first token, next(5) = 162; request 11 gets its first.
+    let decoded: Vec<u32> = mixed
+        .decode
+        .generations
+        .iter()
+        .map(|g| g.token_id)
+        .collect();
+    assert_eq!(decoded, vec![(162 * 31 + 7) % 256]);
+    let first: Vec<u32> = mixed
+        .prefill
+        .generations
+        .iter()
+        .map(|g| g.token_id)
+        .collect();
+    assert_eq!(first, vec![2 * 31 + 7]);
+    assert_eq!(mixed.prefill.batch.unwrap().request_ids, vec![11]);
+    let joined = mixed.decode.batch.unwrap();
+    assert_eq!((joined.id, joined.request_ids.clone()), (3, vec![10, 11]));
+    for shard in &shards {
+        assert_eq!((shard.live_requests(), shard.live_batches()), (2, 1));
+        assert_eq!(shard.stats().mixed_calls, 1);
+    }
+    // The joined batch decodes as one on every rank.
+    let next = client.decode(vec![joined]).await.unwrap();
+    assert_eq!(next.generations.len(), 2);
+}
+
+#[tokio::test]
 async fn warmup_gives_every_rank_the_slot_ranks() {
     let dir = SocketDir::new();
     let (shards, client) = ranks(&dir, 2).await;
@@ -225,6 +269,7 @@ async fn the_scheduler_runs_over_grpc() {
         prefix_caching: true,
         chunked_prefill: true,
         prefill_pace: 0.0,
+        mixed_prefill: true,
     };
     let scheduler = Scheduler::start_observed(Arc::new(client), config, Arc::default());
     let mut events = scheduler

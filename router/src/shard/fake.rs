@@ -33,12 +33,13 @@
 //! `ReleaseGrammars` released (`pinned_grammars` counts them). A call that fails changes nothing (except a failed
 //! activation, which leaves its slot empty, as a half-written slot would be on a real shard).
 //! The adapter RPCs and their own checks are described in `fake/adapters.rs`; Prefill is in
-//! `fake/prefill.rs`, Decode, FilterBatch and ClearCache in `fake/decode.rs`, the token and
-//! embedding rules in `fake/tokens.rs`.
+//! `fake/prefill.rs`, Decode, FilterBatch and ClearCache in `fake/decode.rs`, a Decode that
+//! carries a Prefill (a mixed step) in `fake/mixed.rs`, the token and embedding rules in
+//! `fake/tokens.rs`.
 //!
 //! Tests can inspect what is still held (`live_requests`, `live_batches`, `stats`,
 //! `active_adapters`, `activations`) and make the next call of one RPC fail with `Internal`
-//! (`fail_next`).
+//! (`fail_next`; a mixed step fails on a failure injected for Prefill or for Decode).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Mutex, MutexGuard};
@@ -49,13 +50,14 @@ use futures::FutureExt;
 
 use super::{
     AdapterLoad, CachedBatch, Generation, Grammar, GrammarCompiled, KvLayout, LoadedAdapter,
-    PrefillEntry, ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
+    MixedStep, PrefillEntry, ShardBackend, ShardError, ShardInfo, ShardResult, Step, WarmupLimits,
 };
 
 mod adapters;
 mod decode;
 mod kv_content;
 mod logprobs;
+mod mixed;
 mod prefill;
 mod tokens;
 
@@ -88,8 +90,13 @@ pub enum FakeRpc {
 /// Counters of what the fake was asked to do.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FakeShardStats {
+    /// Prefills run, on their own or carried by a Decode.
     pub prefill_calls: u64,
+    /// Decode calls, those carrying a Prefill included.
     pub decode_calls: u64,
+    /// Decode calls that carried a Prefill (mixed steps): the shard calls of the steps are
+    /// `prefill_calls + decode_calls - mixed_calls`.
+    pub mixed_calls: u64,
     pub filter_calls: u64,
     pub clear_calls: u64,
     /// Most requests seen in one Decode (shows that requests were batched together).
@@ -100,7 +107,8 @@ pub struct FakeShardStats {
     pub max_live_adapters: usize,
     /// Most distinct adapters (base model not counted) seen in one Decode.
     pub max_decode_adapters: usize,
-    /// Prompt tokens each Prefill computed (cached ones excluded), in order.
+    /// Prompt tokens each Prefill (on its own or carried) computed (cached ones excluded), in
+    /// order.
     pub prefill_tokens: Vec<u32>,
 }
 
@@ -169,7 +177,7 @@ pub struct FakeShard {
     step_delay: Duration,
     /// Extra Prefill time per computed prompt token.
     prefill_token_delay: Duration,
-    /// Extra time of each Decode.
+    /// Extra time of each Decode (a mixed step's too).
     decode_delay: Duration,
     rank: u32,
     world_size: u32,
@@ -309,8 +317,13 @@ impl FakeShard {
 
     /// Locks the state, first failing the call if a failure was injected for `rpc`.
     fn begin(&self, rpc: FakeRpc) -> ShardResult<MutexGuard<'_, State>> {
+        self.begin_any(&[rpc])
+    }
+
+    /// As `begin`, for a call that is any of `rpcs`.
+    fn begin_any(&self, rpcs: &[FakeRpc]) -> ShardResult<MutexGuard<'_, State>> {
         let mut state = self.lock();
-        if state.fail_next == Some(rpc) {
+        if state.fail_next.is_some_and(|rpc| rpcs.contains(&rpc)) {
             state.fail_next = None;
             return Err(ShardError::Status {
                 rank: self.rank as usize,
@@ -439,6 +452,25 @@ impl ShardBackend for FakeShard {
                 tokio::time::sleep(self.decode_delay).await;
             }
             self.decode_now(batches)
+        }
+        .boxed()
+    }
+
+    fn decode_with_prefill(
+        &self,
+        batches: Vec<CachedBatch>,
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<MixedStep>> {
+        async move {
+            self.delay().await;
+            // One forward pass: the decode's time plus the prompt tokens'.
+            let prefill = self.prefill_token_delay * computed_tokens(&requests);
+            let extra = self.decode_delay + prefill;
+            if !extra.is_zero() {
+                tokio::time::sleep(extra).await;
+            }
+            self.decode_with_prefill_now(batches, batch_id, requests)
         }
         .boxed()
     }

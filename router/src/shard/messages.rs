@@ -187,6 +187,17 @@ pub struct Step {
     pub grammar_ns: u64,
 }
 
+/// What a Decode carrying a Prefill returns (a mixed step: one forward pass for both).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MixedStep {
+    /// The decode's tokens, and the decoded batch with the prefill's finished prompts joined
+    /// after its own requests; its times are the whole step's.
+    pub decode: Step,
+    /// The prefill's answer as a Prefill would give it; its `batch` lists the requests that
+    /// joined the decoded batch (no batch of its id is kept), its times are 0.
+    pub prefill: Step,
+}
+
 /// Where a shard reads an adapter from.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdapterLoad {

@@ -24,6 +24,8 @@ mod client_tests;
 #[cfg(test)]
 mod fake_adapter_tests;
 #[cfg(test)]
+mod fake_mixed_tests;
+#[cfg(test)]
 mod fake_tests;
 #[cfg(test)]
 mod served_fake;
@@ -38,8 +40,8 @@ pub use fake::{
 };
 pub use messages::{
     AdapterLoad, CachedBatch, Generation, Grammar, GrammarCompiled, GrammarKind, KvLayout,
-    LoadedAdapter, PrefillEntry, PromptPosition, SamplingParams, ShardInfo, Step, TokenLogprob,
-    WarmupLimits,
+    LoadedAdapter, MixedStep, PrefillEntry, PromptPosition, SamplingParams, ShardInfo, Step,
+    TokenLogprob, WarmupLimits,
 };
 
 /// Result of one shard call.
@@ -127,6 +129,15 @@ pub trait ShardBackend: Send + Sync {
     ) -> BoxFuture<'_, ShardResult<Step>>;
     /// One decode step over the union of `batches`, merged into the first one's id.
     fn decode(&self, batches: Vec<CachedBatch>) -> BoxFuture<'_, ShardResult<Step>>;
+    /// One decode step over the union of `batches` (merged into the first one's id) that also
+    /// runs the Prefill `batch_id`/`requests` in the same forward pass: the prompts' finished
+    /// requests join the decoded batch after its own, and no batch `batch_id` is kept.
+    fn decode_with_prefill(
+        &self,
+        batches: Vec<CachedBatch>,
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> BoxFuture<'_, ShardResult<MixedStep>>;
     /// Keeps only `keep` of batch `batch_id`; `None` when nothing is left of it.
     fn filter_batch(
         &self,

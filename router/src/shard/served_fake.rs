@@ -68,16 +68,29 @@ impl Shard for Served {
         }))
     }
     async fn decode(&self, r: Request<pb::DecodeRequest>) -> Answer<pb::DecodeResponse> {
-        let batches = r.into_inner().batches.into_iter().map(Into::into).collect();
-        answer(self.0.decode(batches).await.map(|step| {
-            let (generations, batch, forward_ns, grammar_ns) = step_parts(step);
-            pb::DecodeResponse {
+        let r = r.into_inner();
+        let batches = r.batches.into_iter().map(Into::into).collect();
+        let Some(prefill) = r.prefill else {
+            return answer(
+                self.0
+                    .decode(batches)
+                    .await
+                    .map(|step| decode_response(step, None)),
+            );
+        };
+        let requests = prefill.requests.into_iter().map(prefill_entry).collect();
+        let mixed = self
+            .0
+            .decode_with_prefill(batches, prefill.batch_id, requests);
+        answer(mixed.await.map(|mixed| {
+            let (generations, batch, forward_ns, grammar_ns) = step_parts(mixed.prefill);
+            let prefill = pb::PrefillResponse {
                 generations,
                 batch,
                 forward_ns,
                 grammar_ns,
-                prefill: None,
-            }
+            };
+            decode_response(mixed.decode, Some(prefill))
         }))
     }
     async fn filter_batch(
@@ -267,6 +280,20 @@ fn generation(generation: Generation) -> pb::Generation {
             })
             .collect(),
         embedding: generation.embedding,
+    }
+}
+
+pub(super) fn decode_response(
+    step: Step,
+    prefill: Option<pb::PrefillResponse>,
+) -> pb::DecodeResponse {
+    let (generations, batch, forward_ns, grammar_ns) = step_parts(step);
+    pb::DecodeResponse {
+        generations,
+        batch,
+        forward_ns,
+        grammar_ns,
+        prefill,
     }
 }
 

@@ -5,9 +5,10 @@ use quiver_flags::AdapterSource;
 
 use super::messages::{
     AdapterLoad, CachedBatch, Generation, Grammar, GrammarCompiled, GrammarKind, KvLayout,
-    LoadedAdapter, PrefillEntry, PromptPosition, SamplingParams, ShardInfo, Step, TokenLogprob,
-    WarmupLimits,
+    LoadedAdapter, MixedStep, PrefillEntry, PromptPosition, SamplingParams, ShardInfo, Step,
+    TokenLogprob, WarmupLimits,
 };
+use super::{ShardError, ShardResult};
 use crate::pb;
 
 impl From<pb::InfoResponse> for ShardInfo {
@@ -175,6 +176,32 @@ pub(super) fn step(
         forward_ns,
         grammar_ns,
     }
+}
+
+/// The answer to a Decode that carried a Prefill. One without the prefill's answer comes from
+/// a shard that ignored the prefill: its prompts' requests would never run, so the call fails.
+pub(super) fn mixed_step(response: pb::DecodeResponse) -> ShardResult<MixedStep> {
+    let Some(prefill) = response.prefill else {
+        return Err(ShardError::Status {
+            rank: 0,
+            code: tonic::Code::Internal,
+            message: "Decode carrying a prefill returned no prefill answer".to_string(),
+        });
+    };
+    Ok(MixedStep {
+        decode: step(
+            response.generations,
+            response.batch,
+            response.forward_ns,
+            response.grammar_ns,
+        ),
+        prefill: step(
+            prefill.generations,
+            prefill.batch,
+            prefill.forward_ns,
+            prefill.grammar_ns,
+        ),
+    })
 }
 
 impl From<AdapterLoad> for pb::LoadAdapterRequest {

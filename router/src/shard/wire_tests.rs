@@ -4,8 +4,8 @@
 
 use quiver_flags::AdapterSource;
 
-use super::served_fake::{grammar, prefill_entry, step_parts};
-use super::wire::step;
+use super::served_fake::{decode_response, grammar, prefill_entry, step_parts};
+use super::wire::{mixed_step, step};
 use super::*;
 use crate::pb;
 
@@ -87,6 +87,55 @@ fn a_step_keeps_every_field() {
     assert_eq!(step(generations, batch, forward_ns, grammar_ns), sent);
     let (generations, batch, forward_ns, grammar_ns) = step_parts(Step::default());
     assert_eq!(step(generations, batch, forward_ns, grammar_ns).batch, None);
+}
+
+#[test]
+fn a_mixed_step_keeps_both_answers_and_needs_the_prefill_one() {
+    let generation = |request_id, token_id| Generation {
+        request_id,
+        token_id,
+        logprob: -0.5,
+        top_logprobs: Vec::new(),
+        prompt_logprobs: Vec::new(),
+        embedding: Vec::new(),
+    };
+    let sent = MixedStep {
+        decode: Step {
+            generations: vec![generation(1, 40)],
+            batch: Some(CachedBatch {
+                id: 0,
+                request_ids: vec![1, 2],
+            }),
+            forward_ns: 900,
+            grammar_ns: 30,
+        },
+        prefill: Step {
+            generations: vec![generation(2, 41), generation(3, 42)],
+            batch: Some(CachedBatch {
+                id: 7,
+                request_ids: vec![2],
+            }),
+            forward_ns: 0,
+            grammar_ns: 0,
+        },
+    };
+    let (generations, batch, forward_ns, grammar_ns) = step_parts(sent.prefill.clone());
+    let prefill = pb::PrefillResponse {
+        generations,
+        batch,
+        forward_ns,
+        grammar_ns,
+    };
+    let response = decode_response(sent.decode.clone(), Some(prefill));
+    assert_eq!(mixed_step(response.clone()).unwrap(), sent);
+    // A shard that dropped the prefill would strand its requests: the call fails.
+    let ignored = pb::DecodeResponse {
+        prefill: None,
+        ..response
+    };
+    let error = mixed_step(ignored).unwrap_err();
+    assert_eq!(error.code(), tonic::Code::Internal);
+    assert!(error.message().contains("no prefill answer"), "{error}");
 }
 
 #[test]

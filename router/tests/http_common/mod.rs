@@ -296,6 +296,7 @@ impl TestApp {
             prefix_caching: true,
             chunked_prefill: true,
             prefill_pace: 0.0,
+            mixed_prefill: true,
         };
         let state = startup::start(backend, info, assets, settings).await?;
         Ok(Self {

@@ -1,6 +1,8 @@
-//! One step's Prefill: the next chunks of prompts under way, then the queued requests that fit
+//! One step's prefill: the next chunks of prompts under way, then the queued requests that fit
 //! the prefill budget (prefix-cache hits cost nothing of it), the blocks they register in the
-//! prefix cache, and what a finished request leaves there.
+//! prefix cache, and what a finished request leaves there. Planned once (`plan_prefill`), then
+//! run as a Prefill call of its own (`prefill`) or carried by the step's Decode
+//! (`batcher/mixed.rs`); both take the answer with `accept_prefill`.
 
 use std::sync::atomic::Ordering;
 
@@ -14,15 +16,29 @@ use crate::scheduler::blocks::{BlockAllocator, BlockHash};
 use crate::scheduler::prefix_hash::block_hashes;
 use crate::scheduler::queue::Admit;
 use crate::scheduler::GenerationRequest;
-use crate::shard::{CachedBatch, PrefillEntry};
+use crate::shard::{CachedBatch, PrefillEntry, ShardError, Step};
 use crate::telemetry::{within_step, StepSpan};
 
+/// A step's prefill, planned: its requests are in `active` (and the new chunked ones in
+/// `prefilling`), the prefix-cache blocks it computes are registered (`step_registered`).
+pub(super) struct PlannedPrefill {
+    pub(super) batch_id: u64,
+    /// What the shard is sent (taken by the call).
+    pub(super) requests: Vec<PrefillEntry>,
+    /// Every request it computes a part of, in order.
+    pub(super) ids: Vec<u64>,
+    /// Those whose prompt it completes and that go on decoding: the batch it must return.
+    pub(super) finals: Vec<u64>,
+    /// Prompt tokens it computes (prefix-cache hits excluded).
+    pub(super) prefill_tokens: u64,
+}
+
 impl Batcher {
-    /// Runs one Prefill: the next chunks of prompts whose prefill goes on, then the waiting
-    /// requests that fit, within `max_batch_prefill_tokens` computed tokens (prefix-cache hits
-    /// are not computed). Returns the new cached batch of the requests whose prompt is done, if
-    /// any is left after its first token.
-    pub(super) async fn prefill_waiting(&mut self) -> Option<CachedBatch> {
+    /// Plans this step's prefill: the next chunks of prompts whose prefill goes on, then the
+    /// waiting requests that fit, within the step's budget of computed prompt tokens
+    /// (`step_budget`; prefix-cache hits are not computed). `None` when there is nothing to
+    /// prefill.
+    pub(super) async fn plan_prefill(&mut self) -> Option<PlannedPrefill> {
         self.drop_gone_prefilling();
         if self.queue.is_empty() && self.prefilling.is_empty() {
             return None;
@@ -87,59 +103,89 @@ impl Batcher {
             prefill_tokens,
             "prefill"
         );
-
         self.gauges.observed.prefill_batch(requests.len());
         self.gauges.prefill_steps.fetch_add(1, Ordering::Relaxed);
+        Some(PlannedPrefill {
+            batch_id,
+            requests,
+            ids,
+            finals,
+            prefill_tokens,
+        })
+    }
+
+    /// Runs `plan` as a Prefill call of its own. Returns the new cached batch of the requests
+    /// whose prompt is done, if any is left after its first token.
+    pub(super) async fn prefill(&mut self, mut plan: PlannedPrefill) -> Option<CachedBatch> {
         let step = StepSpan::start(
             "prefill",
-            || step_attributes(batch_id, ids.len(), prefill_tokens),
-            ids.iter().filter_map(|id| self.traced(*id)),
+            || step_attributes(plan.batch_id, plan.ids.len(), plan.prefill_tokens),
+            plan.ids.iter().filter_map(|id| self.traced(*id)),
         );
         let started = Instant::now();
-        let outcome = within_step(step.as_ref(), self.shard.prefill(batch_id, requests)).await;
+        let requests = std::mem::take(&mut plan.requests);
+        let call = self.shard.prefill(plan.batch_id, requests);
+        let outcome = within_step(step.as_ref(), call).await;
         if outcome.is_ok() {
-            self.pace.record_prefill(started.elapsed(), prefill_tokens);
+            self.pace
+                .record_prefill(started.elapsed(), plan.prefill_tokens);
         }
         if let Some(step) = step {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }
         let error = match outcome {
             Ok(response) => {
-                self.prefilling.retain(|id| !finals.contains(id));
                 self.gauges.record_grammar(response.grammar_ns);
-                self.on_generations(response.generations);
-                match response.batch {
-                    Some(batch) if batch.request_ids == finals => {
-                        if finals.is_empty() {
-                            return None;
-                        }
-                        return self.drop_finished(batch).await;
-                    }
-                    None if finals.is_empty() => return None,
-                    // A batch that lost requests would leave their blocks held for good.
-                    _ => protocol_error("Prefill did not return the batch of finished prompts"),
+                match self.accept_prefill(&plan, response) {
+                    Ok(Some(batch)) => return self.drop_finished(batch).await,
+                    Ok(None) => return None,
+                    Err(error) => error,
                 }
             }
             Err(error) => error,
         };
-        // What this step registered in the prefix cache was never computed.
-        for block in std::mem::take(&mut self.step_registered) {
-            self.resources.allocator.unregister(block);
-        }
-        self.prefilling.retain(|id| !ids.contains(id));
-        self.fail_batch(batch_id, &ids, &error).await;
+        self.forget_step_registered();
+        self.prefilling.retain(|id| !plan.ids.contains(id));
+        self.fail_batch(plan.batch_id, &plan.ids, &error).await;
         None
     }
 
-    /// Prompt tokens this step may compute (`batcher/pace.rs`). Waiting embeddings do not
-    /// lift the pacing: no stream waits on them, and a steady flow of them would otherwise
-    /// hold the full budget in every step and stall the decoding streams.
+    /// Takes a prefill's answer (on its own or from a mixed step): the prompts it completed
+    /// leave `prefilling`, the first tokens go out. Returns the batch of the finished prompts
+    /// (`None` when it completed none), or a protocol error when the shard did not keep
+    /// exactly those: a batch that lost requests would leave their blocks held for good.
+    pub(super) fn accept_prefill(
+        &mut self,
+        plan: &PlannedPrefill,
+        response: Step,
+    ) -> Result<Option<CachedBatch>, ShardError> {
+        let finals = &plan.finals;
+        self.prefilling.retain(|id| !finals.contains(id));
+        self.on_generations(response.generations);
+        match response.batch {
+            Some(batch) if batch.request_ids == *finals => {
+                Ok(Some(batch).filter(|_| !finals.is_empty()))
+            }
+            None if finals.is_empty() => Ok(None),
+            _ => Err(protocol_error(
+                "Prefill did not return the batch of finished prompts",
+            )),
+        }
+    }
+
+    /// After a failed step: what it registered in the prefix cache was never computed.
+    pub(super) fn forget_step_registered(&mut self) {
+        for block in std::mem::take(&mut self.step_registered) {
+            self.resources.allocator.unregister(block);
+        }
+    }
+
+    /// Prompt tokens this step may compute (`batcher/pace.rs`): paced while requests decode.
     fn step_budget(&self) -> u32 {
-        let decoding = self.running.as_ref().map_or(0, |b| b.request_ids.len());
-        let waiting = self.queue.decoding_len() + self.prefilling.len();
+        let decoding = self.running.is_some();
         let cap = self.config.max_batch_prefill_tokens.max(1);
         self.pace
-            .budget(cap, self.config.block_size.max(1), decoding, waiting)
+            .budget(cap, self.config.block_size.max(1), decoding)
     }
 
     /// This step's budget shared between the prompts under way (in `prefilling` order) and

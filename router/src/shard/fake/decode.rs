@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 
 use super::kv_content::next_digest;
-use super::{distinct_adapters, invalid, release, FakeRpc, FakeShard};
+use super::{distinct_adapters, invalid, release, FakeRpc, FakeShard, State};
 use crate::shard::{CachedBatch, ShardResult, Step};
 
 impl FakeShard {
@@ -12,36 +12,14 @@ impl FakeShard {
         let mut guard = self.begin(FakeRpc::Decode)?;
         let state = &mut *guard;
         state.stats.decode_calls += 1;
-        let Some(first) = batches.first() else {
-            return Err(invalid("decode of no batches".to_string()));
-        };
-        let merged_id = first.id;
-        let mut seen = HashSet::new();
-        for batch in &batches {
-            if !seen.insert(batch.id) {
-                return Err(invalid(format!("batch {} listed twice", batch.id)));
-            }
-            let Some(held) = state.batches.get(&batch.id) else {
-                return Err(invalid(format!("unknown batch {}", batch.id)));
-            };
-            if *held != batch.request_ids {
-                return Err(invalid(format!(
-                    "batch {} holds requests {held:?}, the router sent {:?}",
-                    batch.id, batch.request_ids
-                )));
-            }
-            for id in held {
-                let Some(r) = state.requests.get(id) else {
-                    continue;
-                };
-                if r.generated >= r.max_new_tokens {
-                    return Err(invalid(format!(
-                        "request {id} already has its {} new tokens",
-                        r.max_new_tokens
-                    )));
-                }
-            }
-        }
+        check_decode(state, &batches)?;
+        Ok(self.apply_decode(state, batches))
+    }
+
+    /// A Decode's effect on `state`, once `check_decode` passed: the batches merged into the
+    /// first one's id, each request's next token.
+    pub(super) fn apply_decode(&self, state: &mut State, batches: Vec<CachedBatch>) -> Step {
+        let merged_id = batches.first().map_or(0, |first| first.id);
         let mut merged = Vec::new();
         for batch in &batches {
             if let Some(ids) = state.batches.remove(&batch.id) {
@@ -68,7 +46,7 @@ impl FakeShard {
             distinct_adapters(merged.iter().filter_map(|id| state.requests.get(id)));
         state.stats.max_decode_adapters = state.stats.max_decode_adapters.max(decode_adapters);
         state.batches.insert(merged_id, merged.clone());
-        Ok(Step {
+        Step {
             generations,
             batch: Some(CachedBatch {
                 id: merged_id,
@@ -76,7 +54,7 @@ impl FakeShard {
             }),
             forward_ns: 0,
             grammar_ns: 0,
-        })
+        }
     }
 
     pub(super) fn filter_now(
@@ -135,4 +113,39 @@ impl FakeShard {
         }
         Ok(())
     }
+}
+
+/// A Decode's checks, which change nothing: every batch live, listed once and holding exactly
+/// the requests the router sent, none of them past its `max_new_tokens`.
+pub(super) fn check_decode(state: &State, batches: &[CachedBatch]) -> ShardResult<()> {
+    if batches.is_empty() {
+        return Err(invalid("decode of no batches".to_string()));
+    }
+    let mut seen = HashSet::new();
+    for batch in batches {
+        if !seen.insert(batch.id) {
+            return Err(invalid(format!("batch {} listed twice", batch.id)));
+        }
+        let Some(held) = state.batches.get(&batch.id) else {
+            return Err(invalid(format!("unknown batch {}", batch.id)));
+        };
+        if *held != batch.request_ids {
+            return Err(invalid(format!(
+                "batch {} holds requests {held:?}, the router sent {:?}",
+                batch.id, batch.request_ids
+            )));
+        }
+        for id in held {
+            let Some(r) = state.requests.get(id) else {
+                continue;
+            };
+            if r.generated >= r.max_new_tokens {
+                return Err(invalid(format!(
+                    "request {id} already has its {} new tokens",
+                    r.max_new_tokens
+                )));
+            }
+        }
+    }
+    Ok(())
 }

@@ -92,7 +92,17 @@ impl FakeShard {
         requests: Vec<PrefillEntry>,
     ) -> ShardResult<Step> {
         let mut guard = self.begin(FakeRpc::Prefill)?;
-        let state = &mut *guard;
+        self.prefill_in(&mut guard, batch_id, requests)
+    }
+
+    /// A Prefill's checks and effect on `state` (alone, or in a mixed step): a rejected one
+    /// changes nothing but the counters.
+    pub(super) fn prefill_in(
+        &self,
+        state: &mut State,
+        batch_id: u64,
+        requests: Vec<PrefillEntry>,
+    ) -> ShardResult<Step> {
         state.stats.prefill_calls += 1;
         state.stats.prefill_tokens.push(computed_tokens(&requests));
         let mut grammars = Vec::with_capacity(requests.len());
