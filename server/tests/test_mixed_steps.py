@@ -173,6 +173,10 @@ def test_a_mixed_step_with_a_used_batch_id_is_refused_and_the_engine_goes_on(set
     engine.prefill(40, [setup.request(40, "c")])
     with pytest.raises(ValueError, match="already in use"):
         engine.mixed_step([40], 40, [setup.request(41, "e")])
+    bad = dataclasses.replace(setup.request(41, "e"), input_ids=[3, 10**6])
+    with pytest.raises(ValueError, match="out of range"):
+        engine.mixed_step([40], 41, [setup.request(42, "e"), bad])
+    assert engine.batches[40].request_ids == [40] and engine.batches[40].requests[0].length == len(PROMPTS["c"])
     decoded, prefilled = engine.mixed_step([40], 41, [setup.request(41, "e")])
     assert (decoded.request_ids, prefilled.request_ids) == ([40, 41], [41])
     assert list(engine.batches) == [40]

@@ -381,6 +381,35 @@ async fn prefill_failure_fails_only_the_new_requests_unless_it_rode_in_the_decod
 }
 
 #[tokio::test]
+async fn a_prompt_the_shard_refuses_fails_alone_in_either_mode() {
+    // The shard checks a step's requests before it runs anything: a refused mixed step is taken
+    // again as a Prefill, which fails only the bad request, and a Decode.
+    for mixed_prefill in [false, true] {
+        let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
+        let scheduler = start(
+            &shard,
+            SchedulerConfig {
+                mixed_prefill,
+                ..config(16, 64)
+            },
+        );
+        let mut running = scheduler.submit(request(&[7], 30)).unwrap();
+        let mut tokens = vec![running.recv().await.unwrap().unwrap().token_id];
+        let bad = collect(scheduler.submit(request(&[VOCAB + 5], 5)).unwrap()).await;
+        assert!(
+            matches!(&bad.finish, Err(GenerationError::Shard(m)) if m.contains("outside the vocabulary")),
+            "{bad:?}"
+        );
+        assert!(bad.tokens.is_empty());
+        let rest = collect(running).await;
+        tokens.extend(rest.tokens);
+        assert_eq!(tokens, reference_tokens(&[7], 30));
+        assert_eq!(rest.finish, Ok(FinishReason::Length));
+        assert_all_released(&shard, &scheduler).await;
+    }
+}
+
+#[tokio::test]
 async fn filter_failure_fails_the_remaining_requests() {
     let shard = Arc::new(FakeShard::new(VOCAB));
     let scheduler = start(&shard, config(16, 64));

@@ -51,6 +51,7 @@ from quiver_server.engine.pooling import pool, read_pooling
 from quiver_server.engine.request_checks import RequestLimits, check_decode, check_prefill
 from quiver_server.engine.step_plan import (
     ForwardPlan,
+    PrefillPlan,
     StepPlan,
     plan_decode,
     plan_embedding,
@@ -220,8 +221,13 @@ class Engine:
 
     def _prefill_generating(self, batch_id: int, requests: list[tuple[RequestSpec, int]], kv_cache: PagedKVCache,
                             start: int) -> StepResult:
-        plan = plan_prefill([r for r, _ in requests], [slot for _, slot in requests], self.grammars,
+        return self._run_prefill(batch_id, self._plan_prefill(requests), kv_cache, start)
+
+    def _plan_prefill(self, requests: list[tuple[RequestSpec, int]]) -> PrefillPlan:
+        return plan_prefill([r for r, _ in requests], [slot for _, slot in requests], self.grammars,
                             self.lora.ranks, self.vocab_size, self.device)
+
+    def _run_prefill(self, batch_id: int, plan: PrefillPlan, kv_cache: PagedKVCache, start: int) -> StepResult:
         forward = plan.forward
         if plan.step is None:
             self._forward(forward, kv_cache)
@@ -287,14 +293,17 @@ class Engine:
         start = time.perf_counter_ns()
         generating = [(r, slot) for r, slot in zip(requests, slots, strict=True) if not r.embed]
         embeds = [(r, slot) for r, slot in zip(requests, slots, strict=True) if r.embed]
+        # Planned before anything changes: a refusal (ValueError) leaves every batch as it was,
+        # so the router may take the step again as a Prefill and a Decode.
+        prefill = self._plan_prefill(generating) if generating else None
         batch = self._merged(batch_ids)
         self._ahead = None  # the batch changes now: a forward launched for it is void
-        if generating and batch.requests:
-            decoded, prefilled, new = self._run_mixed(batch_ids[0], batch, prefill_batch_id, generating, kv_cache,
+        if prefill is not None and batch.requests:
+            decoded, prefilled, new = self._run_mixed(batch_ids[0], batch, prefill_batch_id, prefill, kv_cache,
                                                       start)
         else:  # nothing to share a pass with
             decoded = self._decode_batch(batch_ids[0], batch, start)
-            prefilled = (self._prefill_generating(prefill_batch_id, generating, kv_cache, start) if generating
+            prefilled = (self._run_prefill(prefill_batch_id, prefill, kv_cache, start) if prefill is not None
                          else StepResult(generations=[], batch_id=prefill_batch_id, request_ids=[]))
             new = self.batches.pop(prefill_batch_id, None)
         joined = CachedBatch.joined([batch, new]) if new is not None else batch
@@ -308,12 +317,9 @@ class Engine:
                                       grammar_ns=decoded.grammar_ns + prefilled.grammar_ns)
         return decoded, dataclasses.replace(prefilled, forward_ns=0, grammar_ns=0)
 
-    def _run_mixed(self, batch_id: int, batch: CachedBatch, prefill_batch_id: int,
-                   requests: list[tuple[RequestSpec, int]], kv_cache: PagedKVCache,
-                   start: int) -> tuple[StepResult, StepResult, CachedBatch | None]:
+    def _run_mixed(self, batch_id: int, batch: CachedBatch, prefill_batch_id: int, prefill: PrefillPlan,
+                   kv_cache: PagedKVCache, start: int) -> tuple[StepResult, StepResult, CachedBatch | None]:
         """`mixed_step`'s shared pass: (the decode's result, the prefill's, its new batch)."""
-        prefill = plan_prefill([r for r, _ in requests], [slot for _, slot in requests], self.grammars,
-                               self.lora.ranks, self.vocab_size, self.device)
         plan = plan_mixed(prefill, batch, self.lora.ranks, self.vocab_size, self.device)
         logits: list[torch.Tensor] = []
 

@@ -2,8 +2,11 @@
 //! the shard runs the running requests' next tokens and the prompt chunks in one forward pass
 //! and reads its weights once for both (`--mixed-prefill`). The requests whose prompt it
 //! completes join the running batch on the shard; the running batch afterwards is the decoded
-//! batch it returns. A failure fails every request the call touched and clears the shard, as a
-//! failed Decode does, and takes back what the prefill registered in the prefix cache.
+//! batch it returns. A refusal (InvalidArgument: the shard checks every request and batch
+//! before it runs or changes anything) takes the step again as a Prefill and a Decode, so a
+//! request the shard will not take fails alone and the running streams go on. Any other failure
+//! fails every request the call touched and clears the shard, as a failed Decode does, and
+//! takes back what the prefill registered in the prefix cache.
 
 use std::sync::atomic::Ordering;
 
@@ -16,7 +19,7 @@ use crate::telemetry::{within_step, StepSpan};
 
 impl Batcher {
     /// Runs `plan` inside the Decode of the running batch (which must exist).
-    pub(super) async fn mixed_step(&mut self, mut plan: PlannedPrefill) {
+    pub(super) async fn mixed_step(&mut self, plan: PlannedPrefill) {
         let Some(running) = self.running.take() else {
             debug_assert!(false, "a mixed step needs a running batch");
             return;
@@ -33,7 +36,8 @@ impl Batcher {
                 .filter_map(|(id, running)| Some((*id, running.trace.as_ref()?))),
         );
         let started = Instant::now();
-        let requests = std::mem::take(&mut plan.requests);
+        // Kept for a refused call's second try as two calls.
+        let requests = plan.requests.clone();
         let sent = running.clone();
         let call = self
             .shard
@@ -47,6 +51,15 @@ impl Batcher {
             step.end(outcome.as_ref().err().map(|e| e as _));
         }
         let error = match outcome {
+            Err(ShardError::InvalidArgument(message)) => {
+                // Nothing ran and nothing changed on the shard: a Prefill alone fails only its
+                // own requests if one of them is the reason, and the Decode goes on.
+                tracing::warn!(%message, "mixed step refused: taken again as a Prefill and a Decode");
+                self.running = Some(sent);
+                let new_batch = self.prefill(plan).await;
+                self.decode(new_batch).await;
+                return;
+            }
             Ok(answer) => match self.accept_mixed(&plan, &sent, answer) {
                 Ok(batch) => {
                     self.running = self.drop_finished(batch).await;
