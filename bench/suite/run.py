@@ -49,6 +49,13 @@ alone, chat streams alone, and both at once: embedding throughput beside chat ag
 the chat streams' inter-token p99 beside embeddings against alone (`--embed-repeats 0` leaves it
 out).
 
+The step-breakdown block (step_breakdown.py, issue 50; CPU only) runs the demo model in-process
+on the shard's Engine in float32, bfloat16, int8 and int4: 1, 8 and 32 streams decoding on the
+base and on the adapter, and prefill chunks of 256 and 1,024 tokens, each step split into
+projections, LoRA, attention, small ops, LM head, sampling and host time, with the bytes it moves
+against the measured stream bandwidth (the byte floor; `--step-breakdown-repeats 0` leaves it
+out).
+
 The tensor-parallel block (tensor_parallel.py, issue 29) serves the bench model and the demo with
 `--num-shard 1` and `--num-shard 2` side by side (1 and 32 streams) and measures the collectives'
 share of a decode step on rank 0 (`--tp-repeats 0` leaves it out).
@@ -83,6 +90,7 @@ from bench.suite import embeddings as embeddings_bench
 from bench.suite import families as families_bench
 from bench.suite import fleet as fleet_bench
 from bench.suite import quant as quant_bench
+from bench.suite import step_breakdown
 from bench.suite import report as reports
 from bench.suite import tensor_parallel as tp_bench
 
@@ -162,6 +170,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quant-repeats", type=int, default=3,
                    help="alternating repeats of the quantization block (the demo model in float32, bfloat16, "
                         "int8 and int4, with perplexity, quant.py; CPU only); 0: no such block")
+    p.add_argument("--step-breakdown-repeats", type=int, default=2,
+                   help="rounds of (timed, plain) decode steps per configuration of the step breakdown (the demo "
+                        "model's decode steps and prefill chunks split into components against the byte floor, "
+                        "step_breakdown.py; CPU only); 0: no such block")
+    p.add_argument("--step-breakdown-dtypes", default=step_breakdown.DTYPES,
+                   help="settings of the step breakdown (float32, bfloat16, int8, int4, bfloat16-int8, ...)")
+    p.add_argument("--step-breakdown-streams", default="1,8,32", help="decode stream counts of the step breakdown")
+    p.add_argument("--step-breakdown-prefill-chunks", default="256,1024",
+                   help="prefill lengths the step breakdown times ('' for none)")
     p.add_argument("--tp-repeats", type=int, default=3,
                    help="repeats of the tensor-parallel block (--num-shard 1 against 2, tensor_parallel.py; CPU only); "
                         "0: no such block")
@@ -206,6 +223,10 @@ def parse_args() -> argparse.Namespace:
         args.real_model_max_tokens = min(args.real_model_max_tokens, 16)
         args.families_repeats = min(args.families_repeats, 1)
         args.quant_repeats = min(args.quant_repeats, 1)
+        args.step_breakdown_repeats = min(args.step_breakdown_repeats, 1)
+        args.step_breakdown_dtypes = "float32"
+        args.step_breakdown_streams = "1,8"
+        args.step_breakdown_prefill_chunks = "256"
         args.tp_repeats = min(args.tp_repeats, 1)
         args.embed_repeats = min(args.embed_repeats, 1)
         args.embed_requests = min(args.embed_requests, 1)
@@ -447,6 +468,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="quiver-bench-quant-") as tmp:
             report["quantization"] = quant_bench.run(args.model_root, args.quant_repeats, args.real_model_max_tokens,
                                                      args.requests_per_client, Path(tmp))
+    if args.step_breakdown_repeats and args.device == "cpu":
+        log(f"step breakdown: the demo model's steps by component, {args.step_breakdown_dtypes}, "
+            f"streams {args.step_breakdown_streams}")
+        report["step_breakdown"] = step_breakdown.run(
+            args.model_root, args.step_breakdown_repeats, args.step_breakdown_dtypes, args.step_breakdown_streams,
+            prefill_chunks=args.step_breakdown_prefill_chunks)
     if args.tp_repeats and args.device == "cpu":
         log(f"tensor parallel: --num-shard 1 against 2, bench model and demo ({args.tp_repeats} repeats)")
         with tempfile.TemporaryDirectory(prefix="quiver-bench-tp-") as tmp:
