@@ -98,6 +98,9 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
             extra_args=["--adapter-source", "local", "--adapter-root", str(real.demo_dir / "adapters"),
                         "--preload-adapters", ADAPTER, "--prefix-caching", "false"])
         servers.append((quiver_server(f"quiver-real-{dtype}", config), [base, adapter]))
+        if group == "f32":  # the two-calls-per-step scheduler beside the mixed steps (issue 50)
+            separate = dataclasses.replace(config, extra_args=[*config.extra_args, "--mixed-prefill", "false"])
+            servers.append((quiver_server(f"quiver-real-{dtype}-separate-steps", separate), [base, adapter]))
         if group == "lp":  # the quantized bases beside llama.cpp's quantized files (issue 28)
             for method in ("int8", "int4"):
                 quantized = dataclasses.replace(config, extra_args=[*config.extra_args, "--quantize", method])

@@ -50,11 +50,11 @@ pub struct ServingFlags {
           action = clap::ArgAction::Set)]
     pub chunked_prefill: bool,
 
-    /// While requests decode, however many wait, size each step's prefill (prompt chunks and
-    /// new prompts) to take about this many times a decode step (both measured as the server
-    /// runs; between a block and --max-batch-prefill-tokens tokens), so that long prompts or a
-    /// wave of new ones slow the running streams by a bounded factor (about 1 + pace) instead
-    /// of stalling them; 0 always fills --max-batch-prefill-tokens.
+    /// While requests decode and fewer than a quarter as many wait for their first token, size
+    /// each step's prefill (prompt chunks and new prompts) to take about this many times a
+    /// decode step (both measured as the server runs), so that a long prompt slows the running
+    /// streams by a bounded factor instead of stalling them; 0 always fills
+    /// --max-batch-prefill-tokens.
     #[arg(long, env = "QUIVER_PREFILL_PACE", default_value_t = 1.0,
           value_parser = parse_pace)]
     pub prefill_pace: f64,

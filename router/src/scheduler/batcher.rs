@@ -117,6 +117,10 @@ impl Keyed for Entry {
     fn tenant(&self) -> &str {
         &self.request.scope.tenant
     }
+
+    fn decodes(&self) -> bool {
+        !self.request.embed
+    }
 }
 
 /// What a request taken from the queue holds before its prefill.

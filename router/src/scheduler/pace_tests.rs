@@ -1,8 +1,8 @@
 //! Prefill pacing against a fake shard whose Decode takes 32 ms and whose Prefill takes 1 ms
 //! per computed prompt token (a mixed step: both), on tokio's paused clock: the step times the
 //! batcher measures are exact, so the chunk sizes and the running streams' inter-token times
-//! are too. A wave of prompts among decoding streams is checked in both step shapes (mixed,
-//! and a Prefill call then a Decode call).
+//! are too. A few prompts among many decoding streams are checked in both step shapes (mixed,
+//! and a Prefill call then a Decode call), and a burst that outnumbers the streams.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -134,10 +134,10 @@ struct Wave {
     decode_steps: u64,
 }
 
-/// Four streams decode; 32 prompts of 100 distinct tokens arrive at once, more than a whole
-/// step's budget. Every one of them must get its first token and finish, with the fake's
-/// tokens, while the streams decode.
-async fn wave_among_decoding(mixed_prefill: bool) -> Wave {
+/// `streams` streams decode; `arrivals` prompts of 100 distinct tokens arrive at once. Every
+/// one of them must get its first token and finish, with the fake's tokens, while the streams
+/// decode.
+async fn wave_among_decoding(mixed_prefill: bool, streams: u32, arrivals: u32) -> Wave {
     let shard = Arc::new(
         FakeShard::new(super::test_support::VOCAB)
             .with_cache(BLOCK, 512)
@@ -152,14 +152,14 @@ async fn wave_among_decoding(mixed_prefill: bool) -> Wave {
             ..paced_with_cache(1.0, 512)
         },
     );
-    let mut streams: Vec<_> = (0..4)
-        .map(|n| scheduler.submit(request(&[1, 2, 3, n + 4], 400)).unwrap())
+    let mut streams: Vec<_> = (0..streams)
+        .map(|n| scheduler.submit(request(&[1, 2, 3, n + 4], 200)).unwrap())
         .collect();
     for events in &mut streams {
         next_token(events).await;
     }
     let (shard_before, router_before) = (shard.stats(), scheduler.stats());
-    let prompts: Vec<Vec<u32>> = (0..32u32)
+    let prompts: Vec<Vec<u32>> = (0..arrivals)
         .map(|n| (0..100).map(|i| 10 + (n * 7 + i) % 240).collect())
         .collect();
     let wave: Vec<_> = prompts
@@ -200,8 +200,9 @@ async fn wave_among_decoding(mixed_prefill: bool) -> Wave {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_wave_of_prompts_goes_in_mixed_steps_of_one_paced_budget() {
-    let wave = wave_among_decoding(true).await;
+async fn a_few_prompts_go_in_mixed_steps_of_one_paced_budget() {
+    // Four arrivals among twenty streams: fewer than a quarter as many wait as decode.
+    let wave = wave_among_decoding(true, 20, 4).await;
     let bound = paced_gap_bound(1.0, 1);
     assert!(
         wave.longest_gap <= bound,
@@ -216,8 +217,8 @@ async fn a_wave_of_prompts_goes_in_mixed_steps_of_one_paced_budget() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn without_mixed_steps_a_wave_is_paced_over_two_calls_a_step() {
-    let wave = wave_among_decoding(false).await;
+async fn without_mixed_steps_a_few_prompts_are_paced_over_two_calls_a_step() {
+    let wave = wave_among_decoding(false, 20, 4).await;
     let bound = paced_gap_bound(1.0, 2);
     assert!(
         wave.longest_gap <= bound,
@@ -228,6 +229,19 @@ async fn without_mixed_steps_a_wave_is_paced_over_two_calls_a_step() {
     // A Prefill call, then a Decode call.
     assert_eq!(wave.mixed, 0);
     assert!(wave.decode_calls.abs_diff(wave.decode_steps) <= 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_burst_of_new_requests_gets_the_whole_budget_in_one_mixed_step() {
+    // 32 arrivals among four streams: at least a quarter as many wait as decode, so the burst
+    // is not held back (module docs of batcher/pace.rs); it rides in one Decode.
+    let wave = wave_among_decoding(true, 4, 32).await;
+    assert_eq!((wave.prefills, wave.mixed), (1, 1));
+    assert!(
+        wave.longest_gap >= PER_TOKEN * 3200,
+        "{:?}",
+        wave.longest_gap
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -14,13 +14,19 @@
 
 use std::collections::{HashMap, VecDeque};
 
-/// What a queued entry must tell the queue: the adapter it runs on and its tenant.
+/// What a queued entry must tell the queue: the adapter it runs on, its tenant, and whether it
+/// will decode once prefilled (an embedding does not: prefill pacing does not hold back for
+/// it).
 pub trait Keyed {
     fn key(&self) -> &str;
 
     /// Whose turn it takes inside its adapter's queue ("" without API keys).
     fn tenant(&self) -> &str {
         ""
+    }
+
+    fn decodes(&self) -> bool {
+        true
     }
 }
 
@@ -114,6 +120,8 @@ pub struct Queue<T> {
     /// Adapters with waiting entries, in service order (front = offered first).
     ring: VecDeque<String>,
     len: usize,
+    /// Entries that will decode (`Keyed::decodes`).
+    decoding_len: usize,
 }
 
 impl<T> Default for Queue<T> {
@@ -122,6 +130,7 @@ impl<T> Default for Queue<T> {
             queues: HashMap::new(),
             ring: VecDeque::new(),
             len: 0,
+            decoding_len: 0,
         }
     }
 }
@@ -132,6 +141,7 @@ impl<T: Keyed> Queue<T> {
     }
 
     pub fn push(&mut self, entry: T) {
+        self.decoding_len += usize::from(entry.decodes());
         if let Some(queue) = self.queues.get_mut(entry.key()) {
             queue.push(entry);
         } else {
@@ -146,6 +156,11 @@ impl<T: Keyed> Queue<T> {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Waiting entries that will decode once prefilled.
+    pub fn decoding_len(&self) -> usize {
+        self.decoding_len
     }
 
     pub fn is_empty(&self) -> bool {
@@ -178,7 +193,9 @@ impl<T: Keyed> Queue<T> {
         self.queues.retain(|_, queue| !queue.is_empty());
         let queues = &self.queues;
         self.ring.retain(|key| queues.contains_key(key));
-        self.len = self.queues.values().flat_map(TenantQueues::entries).count();
+        let entries = || self.queues.values().flat_map(TenantQueues::entries);
+        self.len = entries().count();
+        self.decoding_len = entries().filter(|e| e.decodes()).count();
     }
 
     /// Removes and returns every entry of `key`, in the order they would have been offered.
@@ -189,6 +206,7 @@ impl<T: Keyed> Queue<T> {
         self.ring.retain(|k| k != key);
         let entries = queue.drain();
         self.len -= entries.len();
+        self.decoding_len -= entries.iter().filter(|e| e.decodes()).count();
         entries
     }
 
@@ -214,6 +232,7 @@ impl<T: Keyed> Queue<T> {
                 Admit::Take(admitted) => {
                     if let Some(entry) = queue.pop_head() {
                         self.len -= 1;
+                        self.decoding_len -= usize::from(entry.decodes());
                         batch.push((entry, admitted));
                     }
                     let served = self.ring.remove(position);
@@ -477,23 +496,33 @@ mod tests {
         );
     }
 
-    /// An entry of adapter `.0`.
-    struct Job(&'static str);
+    /// (adapter, decodes)
+    struct Job(&'static str, bool);
 
     impl Keyed for Job {
         fn key(&self) -> &str {
             self.0
         }
+
+        fn decodes(&self) -> bool {
+            self.1
+        }
     }
 
     #[test]
-    fn entries_are_counted_through_every_change() {
+    fn entries_that_decode_are_counted_through_every_change() {
         let mut queue = Queue::new();
-        for job in [Job("a"), Job("a"), Job("b"), Job("b"), Job("c")] {
+        for job in [
+            Job("a", true),
+            Job("a", false),
+            Job("b", false),
+            Job("b", true),
+            Job("c", true),
+        ] {
             queue.push(job);
         }
-        assert_eq!(queue.len(), 5);
-        // Round robin: a's head, then b's head.
+        assert_eq!((queue.len(), queue.decoding_len()), (5, 3));
+        // Round robin: a's head (decodes), then b's head (does not).
         let taken = queue.next_batch(|job| {
             if job.0 == "c" {
                 Admit::Stop
@@ -502,10 +531,10 @@ mod tests {
             }
         });
         assert_eq!(taken.len(), 2);
-        assert_eq!(queue.len(), 3);
+        assert_eq!((queue.len(), queue.decoding_len()), (3, 2));
         queue.retain(|job| job.0 != "c");
-        assert_eq!(queue.len(), 2);
+        assert_eq!((queue.len(), queue.decoding_len()), (2, 1));
         assert_eq!(queue.take_all("b").len(), 1);
-        assert_eq!(queue.len(), 1);
+        assert_eq!((queue.len(), queue.decoding_len()), (1, 0));
     }
 }

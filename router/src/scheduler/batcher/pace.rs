@@ -3,15 +3,21 @@
 //! Every prompt token computed in a step delays the next token of every decoding request,
 //! whether the step's prefill runs in the Decode's forward pass (a mixed step,
 //! `batcher/mixed.rs`) or as a Prefill call before it. With a fixed budget, a 2,048-token
-//! prompt, or a wave of 32 short ones, arriving while streams decode stalls them for as long
-//! as two thousand tokens of prefill take, then they run at full pace again: their
-//! inter-token p99 is dozens of times their p50. Pacing sizes each step's prefill from what
-//! steps are measured to cost instead, so that it takes about `pace` times a decode step: the
-//! running streams slow down by a bounded factor (about `1 + pace`) while prompts go in, on
-//! any CPU, GPU and model. It applies whenever a request decodes, however many wait: a wave of
-//! new requests goes in over several steps, a budget each, oldest first, while the streams
-//! keep their pace. When nothing decodes no stream can stall, and the whole
-//! `--max-batch-prefill-tokens` applies.
+//! prompt arriving while 28 streams decode stalls them for as long as two thousand tokens
+//! of prefill take, then they run at full pace again: their inter-token p99 is dozens of
+//! times their p50. Pacing sizes each step's prefill from what steps are measured to cost
+//! instead, so that it takes about `pace` times a decode step: the running streams slow down
+//! by a bounded factor (about `1 + pace`) while the prompt goes in, on any CPU, GPU and model.
+//!
+//! Pacing holds back a few requests for the sake of many: it applies only while fewer than a
+//! quarter as many requests wait for their first token (queued, or with their prefill under
+//! way) as decode. Otherwise the full `--max-batch-prefill-tokens` applies: a burst of new
+//! requests, the first steps after start-up, or a wave of requests that finished together and
+//! come back. Holding those back costs them far more than it saves the running streams: with
+//! pacing on whatever waits, a wave of 32 real prompts on a 2-core CPU took 28 s to its median
+//! first token instead of a few, as it trickled in beside ever longer decode steps (and the
+//! decode average, measured before the wave, no longer described them). The price is that
+//! the streams started by a wave's first step wait while its later steps go in.
 //!
 //! The budget is `pace × decode step ÷ prefill seconds per token`, at least `floor` (a block,
 //! so prompts always go on) and at most `cap`; until both costs are measured, `cap`. Both are
@@ -30,6 +36,9 @@
 //! prefill cost: the budget errs small, on the side of the running streams.
 
 use std::time::Duration;
+
+/// Pacing applies while `waiting * WAITING_SHARE < decoding`.
+const WAITING_SHARE: usize = 4;
 
 /// Weight of the newest measurement in the running averages: recent enough to follow the
 /// batch as it grows and shrinks, smooth enough that one slow step does not swing the chunks.
@@ -84,10 +93,10 @@ impl PrefillPace {
     }
 
     /// The prompt tokens the next step may compute: `cap` (`--max-batch-prefill-tokens`)
-    /// unless requests decode; then what takes about `pace` decode steps, at least `floor` so
-    /// that prompts always go on.
-    pub(super) fn budget(&self, cap: u32, floor: u32, decoding: bool) -> u32 {
-        if self.pace <= 0.0 || !decoding {
+    /// unless requests decode and fewer than a quarter as many wait; then what takes about
+    /// `pace` decode steps, at least `floor` so that prompts always go on.
+    pub(super) fn budget(&self, cap: u32, floor: u32, decoding: usize, waiting: usize) -> u32 {
+        if self.pace <= 0.0 || decoding == 0 || waiting * WAITING_SHARE >= decoding {
             return cap;
         }
         let (Some(decode), Some(per_token)) = (self.decode_secs, self.prefill_secs_per_token)
@@ -126,42 +135,43 @@ mod tests {
     #[test]
     fn full_budget_until_both_costs_are_known() {
         let mut pace = PrefillPace::new(1.0);
-        assert_eq!(pace.budget(4096, 16, true), 4096);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 4096);
         pace.record_decode(ms(50));
-        assert_eq!(pace.budget(4096, 16, true), 4096);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 4096);
         pace.record_prefill(ms(400), 1000);
         // 50 ms of decode at 0.4 ms a prompt token.
-        assert_eq!(pace.budget(4096, 16, true), 125);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 125);
     }
 
     #[test]
     fn pace_scales_the_chunk() {
         let pace = measured(0.5, ms(50), ms(400), 1000);
-        assert_eq!(pace.budget(4096, 16, true), 62);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 62);
     }
 
     #[test]
-    fn full_budget_only_when_nothing_decodes() {
+    fn full_budget_when_nothing_decodes_or_a_quarter_as_many_wait() {
         let pace = measured(1.0, ms(50), ms(400), 1000);
-        assert_eq!(pace.budget(4096, 16, false), 4096);
-        // However many wait: the decoding streams are held to one step of prefill.
-        assert_eq!(pace.budget(4096, 16, true), 125);
+        assert_eq!(pace.budget(4096, 16, 0, 0), 4096);
+        assert_eq!(pace.budget(4096, 16, 8, 1), 125);
+        assert_eq!(pace.budget(4096, 16, 8, 2), 4096);
+        assert_eq!(pace.budget(4096, 16, 9, 2), 125);
     }
 
     #[test]
     fn off_at_zero() {
         let pace = measured(0.0, ms(50), ms(400), 1000);
-        assert_eq!(pace.budget(4096, 16, true), 4096);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 4096);
     }
 
     #[test]
     fn bounded_by_floor_and_cap() {
         let pace = measured(1.0, ms(1), ms(1000), 100);
-        assert_eq!(pace.budget(4096, 16, true), 16);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 16);
         // A floor above the cap gives the cap.
-        assert_eq!(pace.budget(8, 16, true), 8);
+        assert_eq!(pace.budget(8, 16, 8, 0), 8);
         let fast = measured(1.0, ms(1000), Duration::from_nanos(1), 1);
-        assert_eq!(fast.budget(4096, 16, true), 4096);
+        assert_eq!(fast.budget(4096, 16, 8, 0), 4096);
     }
 
     #[test]
@@ -172,7 +182,7 @@ mod tests {
         pace.record_decode(ms(50));
         pace.record_decode(ms(90));
         // decode: 50 + 0.25 × 40 = 60 ms; per token still 0.4 ms.
-        assert_eq!(pace.budget(4096, 16, true), 150);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 150);
     }
 
     #[test]
@@ -181,10 +191,10 @@ mod tests {
         pace.record_decode(ms(40));
         // 40 ms of decode and 100 tokens at 0.2 ms.
         pace.record_mixed(ms(60), 100);
-        assert_eq!(pace.budget(4096, 16, true), 200);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 200);
         // The decode average is untouched by it.
         pace.record_mixed(ms(60), 100);
-        assert_eq!(pace.budget(4096, 16, true), 200);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 200);
     }
 
     #[test]
@@ -192,7 +202,7 @@ mod tests {
         let mut pace = measured(1.0, ms(40), ms(40), 100);
         pace.record_mixed(ms(20), 100);
         // decode: 40 − 0.25 × 20 = 35 ms; per token still 0.4 ms.
-        assert_eq!(pace.budget(4096, 16, true), 87);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 87);
     }
 
     #[test]
@@ -200,6 +210,6 @@ mod tests {
         let mut pace = PrefillPace::new(1.0);
         pace.record_mixed(ms(60), 100);
         pace.record_decode(ms(40));
-        assert_eq!(pace.budget(4096, 16, true), 4096);
+        assert_eq!(pace.budget(4096, 16, 8, 0), 4096);
     }
 }

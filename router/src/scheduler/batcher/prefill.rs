@@ -180,12 +180,15 @@ impl Batcher {
         }
     }
 
-    /// Prompt tokens this step may compute (`batcher/pace.rs`): paced while requests decode.
+    /// Prompt tokens this step may compute (`batcher/pace.rs`). Waiting embeddings do not
+    /// lift the pacing: no stream waits on them, and a steady flow of them would otherwise
+    /// hold the full budget in every step and stall the decoding streams.
     fn step_budget(&self) -> u32 {
-        let decoding = self.running.is_some();
+        let decoding = self.running.as_ref().map_or(0, |b| b.request_ids.len());
+        let waiting = self.queue.decoding_len() + self.prefilling.len();
         let cap = self.config.max_batch_prefill_tokens.max(1);
         self.pace
-            .budget(cap, self.config.block_size.max(1), decoding)
+            .budget(cap, self.config.block_size.max(1), decoding, waiting)
     }
 
     /// This step's budget shared between the prompts under way (in `prefilling` order) and
