@@ -19,7 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 from block_tables import Blocks
-from tiny_adapters import ADAPTER_KINDS, Reference, assert_greedy_matches, build_adapter, peft_reference
+from tiny_adapters import (
+    ADAPTER_KINDS,
+    Reference,
+    assert_greedy_matches,
+    build_adapter,
+    full_forward_greedy,
+    peft_reference,
+)
 from tiny_models import build_tiny_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -60,18 +67,9 @@ class Setup:
         return self._models[kind]
 
     def reference(self, kind: str | None, prompt: str) -> Reference:
-        """Greedy continuation by a full forward pass over the whole sequence at every step (no
-        KV cache on the reference side, so its sliding window is transformers' mask itself)."""
+        """Greedy continuation by a full forward pass over the whole sequence at every step."""
         if (kind, prompt) not in self._runs:
-            model, sequence = self.model(kind), list(PROMPTS[prompt])
-            tokens, logits = [], []
-            with torch.no_grad():
-                for _ in range(NEW_TOKENS):
-                    last = model(torch.tensor([sequence])).logits[0, -1]
-                    tokens.append(int(last.argmax()))
-                    logits.append(last)
-                    sequence.append(tokens[-1])
-            self._runs[(kind, prompt)] = Reference(tokens, logits)
+            self._runs[(kind, prompt)] = full_forward_greedy(self.model(kind), PROMPTS[prompt], NEW_TOKENS)
         return self._runs[(kind, prompt)]
 
     def request(self, rid: int, prompt: str, kind: str | None = None, **kwargs: object) -> RequestSpec:

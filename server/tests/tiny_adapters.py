@@ -124,6 +124,19 @@ def reference_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int)
     return Reference(out.sequences[0, len(prompt) :].tolist(), [step[0] for step in out.logits])
 
 
+@torch.no_grad()
+def full_forward_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> Reference:
+    """Greedy continuation by a full forward pass over the whole sequence at every step (no KV
+    cache on the reference side, so a sliding window is transformers' mask itself)."""
+    sequence, tokens, logits = list(prompt), [], []
+    for _ in range(new_tokens):
+        last = model(torch.tensor([sequence])).logits[0, -1]
+        tokens.append(int(last.argmax()))
+        logits.append(last)
+        sequence.append(tokens[-1])
+    return Reference(tokens, logits)
+
+
 def assert_greedy_matches(got: list[int], ref: Reference, what: str) -> None:
     """Token-for-token equality, except after a position where the reference itself is a tie."""
     assert len(got) == len(ref.tokens), what

@@ -217,7 +217,7 @@ impl Metrics {
                 s(
                     "quiver_prefill_steps_total",
                     "counter",
-                    "Prefill calls to the shards.",
+                    "Steps with a prefill (a Prefill call, or a prefill carried in a Decode).",
                 ),
                 &self.prefill_steps_total,
             ),
@@ -225,7 +225,7 @@ impl Metrics {
                 s(
                     "quiver_decode_steps_total",
                     "counter",
-                    "Decode calls to the shards.",
+                    "Decode calls to the shards (mixed steps included).",
                 ),
                 &self.decode_steps_total,
             ),
