@@ -210,6 +210,45 @@ def test_free_rows_of_a_mixed_batch_get_their_tokens_alone(engine: Engine) -> No
     assert mixed[9] == grammar_alone
 
 
+def test_grammar_rows_of_a_mixed_step_get_the_tokens_they_get_alone(
+    engine: Engine, model: tuple[Path, Tokenizer]
+) -> None:
+    """A constrained request decodes while a mixed step carries another constrained request's
+    prompt: both masks are filled beside the one forward pass, and each request's output is
+    the one it gets alone, valid under its schema."""
+    names = {1: "nested", 2: "ref_defs"}
+    sampling = {1: {}, 2: {"temperature": 1.0, "seed": 11}}
+    alone = {rid: generate(engine, [request(rid, PROMPT, Blocks(), grammar=json_grammar(SCHEMAS[name]),
+                                            **sampling[rid])])[rid]
+             for rid, name in names.items()}
+    blocks = Blocks()
+    first, second = (pin(engine, [request(rid, PROMPT, blocks, grammar=json_grammar(SCHEMAS[names[rid]]),
+                                          **sampling[rid])])[0] for rid in names)
+    out: dict[int, list[int]] = {1: [], 2: []}
+
+    def record(generations) -> None:  # noqa: ANN001
+        for g in generations:
+            out[g.request_id].append(g.token_id)
+
+    record(engine.prefill(1, [first]).generations)
+    decoded, prefilled = engine.mixed_step([1], 2, [second])
+    assert decoded.grammar_ns > 0
+    record(decoded.generations)
+    record(prefilled.generations)
+    while True:
+        running = [rid for rid in engine.batches[1].request_ids
+                   if out[rid][-1] != EOS and len(out[rid]) < first.max_new_tokens]
+        if not running:
+            break
+        engine.filter_batch(1, running)
+        record(engine.decode([1]).generations)
+    engine.clear_cache(1)
+    engine.grammars.release([first.grammar_id, second.grammar_id])
+    assert out == alone
+    for rid, name in names.items():
+        jsonschema.validate(json.loads(text(model[1], out[rid])), SCHEMAS[name])
+
+
 def test_a_resumed_request_goes_on_with_the_same_tokens(engine: Engine, model: tuple[Path, Tokenizer]) -> None:
     grammar = json_grammar(SCHEMAS["array_of_objects"])
     for sampling in ({}, {"temperature": 1.0, "seed": 5, "frequency_penalty": 0.4}):

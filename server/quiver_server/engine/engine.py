@@ -29,6 +29,7 @@ background, before the next step's fill.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -60,6 +61,7 @@ from quiver_server.engine.step_plan import (
 )
 from quiver_server.engine.warmup import WarmupLimits, allocate_cache
 from quiver_server.grammar import Grammars
+from quiver_server.grammar.masks import PendingMask
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
 from quiver_server.kernels.ops import select_ops
 from quiver_server.layers.grouped_linear import host_sync_free
@@ -329,11 +331,19 @@ class Engine:
             return logits[0]
 
         prefilled = StepResult(generations=[], batch_id=prefill_batch_id, request_ids=[])
+        # The decode rows' grammar mask fills beside the shared pass too, not after it.
+        decode_mask = self._start_mask(plan.decode)
         if plan.prefill is not None:
-            prefilled = self._run(prefill_batch_id, plan.prefill, lambda: forward_once()[: plan.prefill_rows], start,
-                                  launch_ahead=False)
+            try:
+                prefilled = self._run(prefill_batch_id, plan.prefill, lambda: forward_once()[: plan.prefill_rows],
+                                      start, launch_ahead=False)
+            except BaseException:
+                if decode_mask is not None:  # its matchers are the fill's until it ends
+                    with contextlib.suppress(Exception):  # the pass's own error is the one to report
+                        decode_mask.wait(self.device)
+                raise
         decoded = self._run(batch_id, plan.decode, lambda: forward_once()[plan.prefill_rows :], start,
-                            launch_ahead=False)
+                            launch_ahead=False, started_mask=decode_mask)
         return decoded, prefilled, plan.prefill.batch if plan.prefill is not None else None
 
     def _merged(self, batch_ids: list[int]) -> CachedBatch:
@@ -346,15 +356,21 @@ class Engine:
             self.batches[batch_ids[0]] = batch
         return batch
 
+    def _start_mask(self, plan: StepPlan) -> PendingMask | None:
+        """Starts filling the step's grammar rows' mask on its own thread (None: no such row)."""
+        inputs = plan.inputs
+        return self.grammars.masks.start(inputs.matchers, self.device.type == "cuda") if inputs.has_grammar \
+            else None
+
     def _run(self, batch_id: int, plan: StepPlan, run_forward: Callable[[], torch.Tensor], start: int,
-             launch_ahead: bool = True) -> StepResult:
+             launch_ahead: bool = True, started_mask: PendingMask | None = None) -> StepResult:
         """A planned step: forward pass -> sample -> record. run_forward: the step's forward pass
         (the model eagerly, a decode graph, or the logits launched ahead) -> logits.
-        launch_ahead: False where the batch changes after this step (a mixed step)."""
+        launch_ahead: False where the batch changes after this step (a mixed step).
+        started_mask: the step's mask fill, where the caller started it (`_start_mask`)."""
         batch, inputs = plan.batch, plan.inputs
         # The grammar rows' mask is filled on its own thread while the forward pass runs.
-        pending = self.grammars.masks.start(inputs.matchers, self.device.type == "cuda") if inputs.has_grammar \
-            else None
+        pending = started_mask if started_mask is not None else self._start_mask(plan)
         try:
             logits = run_forward()
         finally:  # the matchers are the fill's until it ends, even when the forward pass failed
