@@ -14,19 +14,11 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 from block_tables import Blocks
-from tiny_adapters import (
-    ADAPTER_KINDS,
-    Reference,
-    assert_greedy_matches,
-    build_adapter,
-    full_forward_greedy,
-    peft_reference,
-)
+from tiny_adapters import ADAPTER_KINDS, Reference, References, assert_greedy_matches, build_adapter
 from tiny_models import build_tiny_model
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -53,24 +45,9 @@ CHUNK_ENDS = (7, 19, 30)  # "a" in four passes; none on a block boundary
 
 
 @dataclasses.dataclass
-class Setup:
-    base_dir: Path
-    adapters: dict[str, Path]
+class Setup(References):
     engine: Engine
     blocks: Blocks
-    _models: dict[str | None, torch.nn.Module] = dataclasses.field(default_factory=dict)
-    _runs: dict[tuple[str | None, str], Reference] = dataclasses.field(default_factory=dict)
-
-    def model(self, kind: str | None) -> torch.nn.Module:
-        if kind not in self._models:
-            self._models[kind] = peft_reference(self.base_dir, None if kind is None else self.adapters[kind])
-        return self._models[kind]
-
-    def reference(self, kind: str | None, prompt: str) -> Reference:
-        """Greedy continuation by a full forward pass over the whole sequence at every step."""
-        if (kind, prompt) not in self._runs:
-            self._runs[(kind, prompt)] = full_forward_greedy(self.model(kind), PROMPTS[prompt], NEW_TOKENS)
-        return self._runs[(kind, prompt)]
 
     def request(self, rid: int, prompt: str, kind: str | None = None, **kwargs: object) -> RequestSpec:
         """A request on fresh blocks (or on `blocks` given in kwargs)."""
@@ -93,7 +70,7 @@ def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     for slot, (kind, path) in enumerate(adapters.items()):
         engine.lora.load(kind, "local", str(path))
         engine.activate_adapter(kind, slot)
-    yield Setup(base_dir, adapters, engine, Blocks())
+    yield Setup(base_dir, adapters, PROMPTS, NEW_TOKENS, engine, Blocks())
     engine.clear_cache()
 
 

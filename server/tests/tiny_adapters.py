@@ -12,7 +12,7 @@ scaling, a missed module or a swapped slot then changes greedy tokens, not just 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +135,30 @@ def full_forward_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: i
         logits.append(last)
         sequence.append(tokens[-1])
     return Reference(tokens, logits)
+
+
+@dataclass
+class References:
+    """transformers' and peft's side of a test on one tiny model and its adapters, each computed
+    once: the model with adapter `kind` (None: the base) and its full-forward greedy run of a
+    named prompt."""
+
+    base_dir: Path
+    adapters: dict[str, Path]
+    prompts: dict[str, list[int]]
+    new_tokens: int
+    _models: dict[str | None, torch.nn.Module] = field(default_factory=dict, init=False)
+    _runs: dict[tuple[str | None, str], Reference] = field(default_factory=dict, init=False)
+
+    def model(self, kind: str | None) -> torch.nn.Module:
+        if kind not in self._models:
+            self._models[kind] = peft_reference(self.base_dir, None if kind is None else self.adapters[kind])
+        return self._models[kind]
+
+    def reference(self, kind: str | None, prompt: str) -> Reference:
+        if (kind, prompt) not in self._runs:
+            self._runs[(kind, prompt)] = full_forward_greedy(self.model(kind), self.prompts[prompt], self.new_tokens)
+        return self._runs[(kind, prompt)]
 
 
 def assert_greedy_matches(got: list[int], ref: Reference, what: str) -> None:

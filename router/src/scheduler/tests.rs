@@ -344,19 +344,28 @@ async fn decode_failure_fails_the_batch_and_serving_continues() {
     assert_all_released(&shard, &scheduler).await;
 }
 
+/// A shard taking a millisecond a step, and a 30-token stream of prompt [7] under way in either
+/// step shape: (shard, scheduler, the stream, its first token).
+async fn one_stream_running(
+    mixed_prefill: bool,
+) -> (Arc<FakeShard>, Scheduler, EventReceiver, Vec<u32>) {
+    let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
+    let scheduler = start(
+        &shard,
+        SchedulerConfig {
+            mixed_prefill,
+            ..config(16, 64)
+        },
+    );
+    let mut running = scheduler.submit(request(&[7], 30)).unwrap();
+    let first = running.recv().await.unwrap().unwrap().token_id;
+    (shard, scheduler, running, vec![first])
+}
+
 #[tokio::test]
 async fn prefill_failure_fails_only_the_new_requests_unless_it_rode_in_the_decode() {
     for mixed_prefill in [false, true] {
-        let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
-        let scheduler = start(
-            &shard,
-            SchedulerConfig {
-                mixed_prefill,
-                ..config(16, 64)
-            },
-        );
-        let mut running = scheduler.submit(request(&[7], 30)).unwrap();
-        let mut tokens = vec![running.recv().await.unwrap().unwrap().token_id];
+        let (shard, scheduler, running, mut tokens) = one_stream_running(mixed_prefill).await;
         shard.fail_next(FakeRpc::Prefill);
         let failed = collect(scheduler.submit(request(&[8], 5)).unwrap()).await;
         assert!(matches!(failed.finish, Err(GenerationError::Shard(_))));
@@ -385,16 +394,7 @@ async fn a_prompt_the_shard_refuses_fails_alone_in_either_mode() {
     // The shard checks a step's requests before it runs anything: a refused mixed step is taken
     // again as a Prefill, which fails only the bad request, and a Decode.
     for mixed_prefill in [false, true] {
-        let shard = Arc::new(FakeShard::new(VOCAB).with_step_delay(Duration::from_millis(1)));
-        let scheduler = start(
-            &shard,
-            SchedulerConfig {
-                mixed_prefill,
-                ..config(16, 64)
-            },
-        );
-        let mut running = scheduler.submit(request(&[7], 30)).unwrap();
-        let mut tokens = vec![running.recv().await.unwrap().unwrap().token_id];
+        let (shard, scheduler, running, mut tokens) = one_stream_running(mixed_prefill).await;
         let bad = collect(scheduler.submit(request(&[VOCAB + 5], 5)).unwrap()).await;
         assert!(
             matches!(&bad.finish, Err(GenerationError::Shard(m)) if m.contains("outside the vocabulary")),
