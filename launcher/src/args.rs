@@ -60,6 +60,12 @@ pub struct LauncherArgs {
           value_parser = clap::builder::BoolishValueParser::new())]
     pub quantize_lm_head: bool,
 
+    /// int8: the quantized projections' inputs are rounded to int8 in blocks of 32 and multiplied
+    /// in 8-bit integers (VNNI, or AVX2 byte multiply-adds; CPU shards only, with --quantize or a
+    /// quantized checkpoint) (shard default: none, float activations).
+    #[arg(long, env = "QUIVER_QUANTIZE_ACTIVATIONS", value_enum)]
+    pub quantize_activations: Option<QuantizeActivations>,
+
     /// The KV cache's storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or fp8_e5m2;
     /// values stored unscaled, float8 clamped to its range (shard default: auto).
     #[arg(long, env = "QUIVER_KV_CACHE_DTYPE", value_enum)]
@@ -156,6 +162,12 @@ pub enum Dtype {
 pub enum Quantize {
     Int8,
     Int4,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum QuantizeActivations {
+    None,
+    Int8,
 }
 
 /// vLLM's spellings, underscores included.

@@ -74,6 +74,10 @@ pub fn shard_command(
         .flag("--device", flag_value(args.device))
         .flag_if_set("--quantize", args.quantize.map(flag_value))
         .flag_if_set("--quantize-group-size", args.quantize_group_size)
+        .flag_if_set(
+            "--quantize-activations",
+            args.quantize_activations.map(flag_value),
+        )
         .flag_if_set("--kv-cache-dtype", args.kv_cache_dtype.map(flag_value))
         .flag_if_set("--cpu-kv-cache-gib", args.cpu_kv_cache_gib)
         .flag_if_set("--gpu-memory-fraction", args.gpu_memory_fraction)
@@ -313,6 +317,13 @@ mod tests {
         let head = parse(&["--quantize", "int8", "--quantize-lm-head"]);
         let shard = shard_command(&head, Path::new("s"), &model, 0, Path::new("/s"), None);
         assert!(strings(&shard).contains(&"--quantize-lm-head".to_owned()));
+        assert!(value_of(&shard, "--quantize-activations").is_none());
+        let int8_inputs = parse(&["--quantize", "int4", "--quantize-activations", "int8"]);
+        let shard = shard_command(&int8_inputs, Path::new("s"), &model, 0, Path::new("/s"), None);
+        assert_eq!(
+            value_of(&shard, "--quantize-activations").as_deref(),
+            Some("int8")
+        );
         assert!(LauncherArgs::try_parse_from(["quiver-launcher", "--quantize", "int3"]).is_err());
     }
 

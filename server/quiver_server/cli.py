@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
                             f"default {DEFAULT_INT4_GROUP}, llama.cpp's Q4 block)"),
     serve.add_argument("--quantize-lm-head", action="store_true",
                        help="with --quantize, the LM head too (a quantized copy where it is tied to the embeddings)"),
+    serve.add_argument("--quantize-activations", choices=["none", "int8"], default="none",
+                       help="int8: the quantized projections' inputs rounded to int8 in blocks of 32 and "
+                            "multiplied in 8-bit integers (VNNI, or AVX2 byte multiply-adds; CPU only)")
     serve.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                        help="the KV cache's storage: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "
                             "fp8_e5m2; values stored unscaled, float8 clamped to its range")
@@ -234,6 +237,7 @@ def _serve_model(args: argparse.Namespace, provider: TracerProvider | None) -> i
             quantize=args.quantize,
             quantize_group_size=args.quantize_group_size,
             quantize_lm_head=args.quantize_lm_head,
+            quantize_activations=args.quantize_activations,
             kv_cache_dtype=args.kv_cache_dtype,
             max_cpu_adapters=args.max_cpu_adapters,
             adapter_root=args.adapter_root,

@@ -64,6 +64,7 @@ from quiver_server.grammar import Grammars
 from quiver_server.grammar.masks import PendingMask
 from quiver_server.grammar.compiler import DEFAULT_BUDGET_S, DEFAULT_CACHE_SIZE
 from quiver_server.kernels.ops import select_ops
+from quiver_server.kernels.quant_gemm import check_int8_activations
 from quiver_server.layers.grouped_linear import host_sync_free
 from quiver_server.models import family_for, load_model
 from quiver_server.models.checkpoint_layout import no_lm_head_refusal
@@ -102,6 +103,7 @@ class Engine:
         quantize: str | None = None,
         quantize_group_size: int = DEFAULT_INT4_GROUP,
         quantize_lm_head: bool = False,
+        quantize_activations: str = "none",
         kv_cache_dtype: str = "auto",
         tp: TensorParallel = SINGLE,
     ) -> None:
@@ -112,6 +114,8 @@ class Engine:
         host waits; on the CPU the two would only take turns).
         quantize: "int8" or "int4" quantizes the projections at load (`quant.quantize`), int4 in
         groups of `quantize_group_size` inputs; `quantize_lm_head` quantizes the LM head too.
+        quantize_activations: "int8" rounds the quantized projections' inputs to int8 in blocks of
+        32 and multiplies in 8-bit integers (CPU kernels only; needs quantized projections).
         kv_cache_dtype: the KV cache's storage (`kv_cache_dtype.CHOICES`; "auto": the model's dtype).
         s3_adapter_buckets: the buckets `s3://bucket/prefix` adapters may come from (none: S3 is off).
         adapter_disk_cache_gib: the S3 adapter download cache's budget (0: no limit; `disk_budget`).
@@ -126,11 +130,13 @@ class Engine:
         self.gpu_memory_fraction = gpu_memory_fraction
         # The one choice of kernels and LoRA backend: the model's layers, the sampler and the
         # adapter slots all run what it picked.
-        self.ops = select_ops(self.device)
+        self.ops = select_ops(self.device, quantize_activations)
         if quantize_lm_head and not quantize:
             raise ValueError("--quantize-lm-head needs --quantize")
         spec = QuantizeSpec(quantize, quantize_group_size, quantize_lm_head) if quantize else None
         self.model = load_model(path, config, self.dtype, self.device, self.ops, spec, tp)
+        if quantize_activations != "none":
+            check_int8_activations(self.model.quantized_weights())
         shape = self.model.config
         self.vocab_size = shape.vocab_size
         self.max_position_embeddings = shape.max_position_embeddings

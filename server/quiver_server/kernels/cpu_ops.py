@@ -15,7 +15,9 @@ Ops registered as `torch.ops.quiver_cpu.*`:
 - `write_kv`: a layer's k and v into their cache slots in the cache's dtype, one call where the
   torch path makes two to ten (kv_write.cpp);
 - `linear_quant`: weight-only int8/int4 projections, dequantized in registers (linear_quant.cpp,
-  driven by `quant_gemm`).
+  driven by `quant_gemm`);
+- `linear_int8_dot`: the same weights times activations rounded to int8 in blocks of 32, in
+  8-bit integer dot products (linear_int8_dot.cpp: `--quantize-activations int8`).
 
 The build (torch's cpp_extension with ninja, about 20 s on 2 cores) lands in
 $QUIVER_KERNEL_DIR, by default `.cache/cpu-kernels` of a source checkout (`make install` builds
@@ -43,8 +45,8 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "cpu" / name
            for name in ("paged_attention.cpp", "lora_bgmv.cpp", "lora_sgmv.cpp", "linear.cpp", "linear_quant.cpp",
-                        "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp", "greedy.cpp",
-                        "kv_float8.cpp", "kv_write.cpp", "build_info.cpp")]
+                        "linear_int8_dot.cpp", "linear_quant_amx.cpp", "linear_bf16_amx.cpp", "elementwise.cpp",
+                        "greedy.cpp", "kv_float8.cpp", "kv_write.cpp", "build_info.cpp")]
 # -march=native: the kernels' loops are only worth it in the machine's full vector width (AVX2 or
 # AVX-512 with FMA, not the SSE2 of a portable build); builds are kept per CPU (`cpu_fingerprint`)
 # and ISA, so a checkout shared by different machines never loads code for another CPU. -fopenmp

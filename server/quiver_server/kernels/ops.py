@@ -31,6 +31,9 @@ if TYPE_CHECKING:  # forward_batch imports kernels (lora_meta): a runtime import
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "triton", "cpu", "torch", "reference")
+# `--quantize-activations`: none, or int8 (the quantized projections' inputs rounded to int8 in
+# blocks of 32 and multiplied in 8-bit integers: `quant_gemm`'s "cpu-int8-dot" kernel).
+ACTIVATION_QUANTIZATIONS = ("none", "int8")
 
 
 def lora_backend(device: torch.device, requested: str | None = None) -> str:
@@ -52,11 +55,13 @@ def lora_backend(device: torch.device, requested: str | None = None) -> str:
 @dataclass(frozen=True)
 class KernelOps:
     """The plain-torch ops. `lora_backend` is what `Linear` passes to the LoRA kernels;
-    `packed_matmul` ("quiver", "onednn" or None) what float32 CPU weights are packed for."""
+    `packed_matmul` ("quiver", "onednn" or None) what float32 CPU weights are packed for;
+    `quantized_activations` ("none" or "int8") how quantized projections take their inputs."""
 
     device: torch.device
     lora_backend: str
     packed_matmul: str | None
+    quantized_activations: str = "none"
     name: ClassVar[str] = "torch"
     # Whether decode attention copies every sequence's K/V blocks into new tensors (the torch
     # path does, padded to the longest sequence): the KV budget on a GPU must leave room for it.
@@ -175,6 +180,13 @@ class CpuKernelOps(KernelOps):
     decode_gathers: ClassVar[bool] = False
     quant_kernel: ClassVar[str] = "cpu"
 
+    def pack_quantized(self, weight: QuantizedWeight) -> quant_gemm.PackedQuantWeight:
+        """Under `--quantize-activations int8`, for the 8-bit dot-product kernel where the weight
+        comes in whole blocks of 32 inputs (others keep float activations: `quant_gemm`)."""
+        if self.quantized_activations == "int8" and quant_gemm.int8_dot_fits(weight):
+            return quant_gemm.pack(weight, self.device, "cpu-int8-dot")
+        return quant_gemm.pack(weight, self.device, self.quant_kernel)
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
             return torch_ops.rms_norm(x, weight, eps)
@@ -225,6 +237,13 @@ class TritonKernelOps(KernelOps):
     name: ClassVar[str] = "triton"
     decode_gathers: ClassVar[bool] = False
     quant_kernel: ClassVar[str] = "triton"
+
+    def pack_quantized(self, weight: QuantizedWeight) -> quant_gemm.PackedQuantWeight:
+        """Under `--quantize-activations int8`, for the 8-bit dot-product kernel where the weight
+        comes in whole blocks of 32 inputs (others keep float activations: `quant_gemm`)."""
+        if self.quantized_activations == "int8" and quant_gemm.int8_dot_fits(weight):
+            return quant_gemm.pack(weight, self.device, "cpu-int8-dot")
+        return quant_gemm.pack(weight, self.device, self.quant_kernel)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
@@ -311,17 +330,26 @@ class TritonKernelOps(KernelOps):
                                        batch.context_lens_host, scale, sliding_window, softcap, tiles=tiles)
 
 
-def select_ops(device: torch.device) -> KernelOps:
+def select_ops(device: torch.device, quantized_activations: str = "none") -> KernelOps:
     """The ops for a shard on `device`, from what is built here and the QUIVER_* switches
-    (QUIVER_CPU_KERNELS, QUIVER_LORA_BACKEND; QUIVER_CPU_PACKED_WEIGHTS is read per weight)."""
+    (QUIVER_CPU_KERNELS, QUIVER_LORA_BACKEND; QUIVER_CPU_PACKED_WEIGHTS is read per weight).
+    quantized_activations "int8" needs the C++ CPU kernels: refused anywhere else."""
+    if quantized_activations not in ACTIVATION_QUANTIZATIONS:
+        raise ValueError(f"unknown activation quantization {quantized_activations!r}, expected one of "
+                         f"{', '.join(ACTIVATION_QUANTIZATIONS)}")
     backend = lora_backend(device)
     ops: KernelOps
     if device.type == "cpu" and cpu_ops.available():
-        ops = CpuKernelOps(device, backend, packed_matmul="quiver")
+        ops = CpuKernelOps(device, backend, packed_matmul="quiver", quantized_activations=quantized_activations)
+    elif quantized_activations != "none":
+        raise ValueError(f"--quantize-activations {quantized_activations} runs on the C++ CPU kernels only; this "
+                         f"shard runs on {device.type}" + (" without them (QUIVER_CPU_KERNELS=0, or no compiler: see "
+                                                           "the log)" if device.type == "cpu" else ""))
     elif device.type == "cuda":
         ops = TritonKernelOps(device, backend, packed_matmul=None)
     else:
         # oneDNN's packing where quiver's C++ matmul is not built (cpu_gemm checks it exists).
         ops = KernelOps(device, backend, packed_matmul="onednn" if device.type == "cpu" else None)
-    log.info("ops: %s, LoRA backend %s, packed matmul %s", ops.name, ops.lora_backend, ops.packed_matmul)
+    log.info("ops: %s, LoRA backend %s, packed matmul %s, quantized activations %s", ops.name, ops.lora_backend,
+             ops.packed_matmul, ops.quantized_activations)
     return ops

@@ -9,6 +9,10 @@ packed once at load for the device's kernel.
 - CUDA: Triton, two kernels on one packed layout (`quant_triton_layout`), chosen per call by the
   row count (`triton_linear`): multiply-adds on the CUDA cores for 1 to 4 rows where an H100
   sweep found them faster (`quant_gemv_triton`), tensor-core dots otherwise (`quant_matmul_triton`).
+- CPU with `--quantize-activations int8` (`cpu/linear_int8_dot.cpp`, kernel "cpu-int8-dot"): x
+  is rounded to int8 in blocks of 32 inputs per call, and the products run in 8-bit integer dot
+  products (VNNI, or AVX2's byte multiply-adds) on a weight packed in 4-byte lanes. Weights whose
+  inputs or groups are not whole blocks of 32 keep the "cpu" kernel (`int8_dot_fits`).
 - Elsewhere (QUIVER_CPU_KERNELS=0, no compiler): the weight is kept quantized and dequantized
   into a temporary for each product: slow, but the memory stays small and the numbers are the
   same products (a fallback for correctness, not for speed).
@@ -17,6 +21,8 @@ packed once at load for the device's kernel.
 from __future__ import annotations
 
 import functools
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,8 @@ import torch.nn.functional as F
 
 from quiver_server.kernels import cpu_ops
 from quiver_server.quant.weights import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # triton is imported only when the Triton kernels are chosen
     from quiver_server.kernels.quant_gemv_triton import GemvConfig
@@ -54,6 +62,8 @@ def pack(weight: QuantizedWeight, device: torch.device, kernel: str | None = Non
     kernel = kernel or default_kernel(device)
     if kernel == "cpu":
         data: Any = _pack_cpu(weight)
+    elif kernel == "cpu-int8-dot":
+        data = _pack_int8_dot(weight)
     elif kernel == "triton":
         from quiver_server.kernels.quant_triton_layout import pack_for_triton  # imports triton
 
@@ -89,6 +99,58 @@ def _pack_cpu(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torc
     return packed, scales, offsets
 
 
+INT8_DOT_BLOCK = 32  # inputs per activation scale of the "cpu-int8-dot" kernel
+
+
+def int8_dot_fits(weight: QuantizedWeight) -> bool:
+    """Whether the 8-bit-activation kernel takes this weight: its inputs and groups in whole blocks
+    of 32, and 8-bit values in [-127, 127] (AVX2's sign trick cannot negate -128)."""
+    if weight.in_features % INT8_DOT_BLOCK or weight.group_size % INT8_DOT_BLOCK:
+        return False
+    return weight.bits == 4 or bool((weight.q != -128).all())
+
+
+def _pack_int8_dot(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Values in the 4-byte lanes of `cpu/linear_int8_dot.cpp`, [P, K / 4 (8-bit) or K / 8 (4-bit),
+    panel * 4] uint8: 8-bit q + 128, four inputs a lane; 4-bit q, eight inputs a lane, byte t
+    holding inputs t (low nibble) and t + 4 (high) of the lane's eight."""
+    if not int8_dot_fits(weight):
+        raise ValueError(f"8-bit activations need a weight in whole blocks of {INT8_DOT_BLOCK} inputs "
+                         f"(this one: {weight.in_features} inputs, groups of {weight.group_size})")
+    if not cpu_ops.available():
+        raise ValueError("8-bit activations run on the C++ CPU kernels, which are not built here")
+    panel = int(torch.ops.quiver_cpu.quant_panel_width())
+    q = weight.q.cpu()
+    n, k = q.shape
+    if weight.bits == 8:
+        lanes = (q.to(torch.int16) + 128).to(torch.uint8).view(n, k // 4, 4)
+    else:
+        octets = q.view(n, k // 8, 2, 4)
+        lanes = octets[:, :, 0] | (octets[:, :, 1] << 4)
+    panels = -(-n // panel)
+    padded = lanes.new_zeros((panels * panel, lanes.shape[1], 4))
+    padded[:n] = lanes
+    packed = padded.view(panels, panel, lanes.shape[1], 4).transpose(1, 2).reshape(panels, lanes.shape[1], panel * 4)
+    scales = _panels(weight.scales.cpu(), panel)
+    offsets = None if weight.offsets is None else _panels(weight.offsets.cpu(), panel)
+    return packed.contiguous(), scales, offsets
+
+
+def check_int8_activations(weights: Iterable[PackedQuantWeight]) -> None:
+    """After load under `--quantize-activations int8`: refuses a model with no projection the
+    8-bit kernel took (nothing quantized, or no weight in whole blocks of 32), and logs how many
+    keep float activations."""
+    kernels = [weight.kernel for weight in weights]
+    dot = kernels.count("cpu-int8-dot")
+    if not dot:
+        raise ValueError("--quantize-activations int8 needs quantized projections (--quantize int8|int4, or a "
+                         f"quantized checkpoint) with inputs and groups in whole blocks of {INT8_DOT_BLOCK}; "
+                         "this model has none")
+    if dot < len(kernels):
+        log.warning("--quantize-activations int8: %d of %d quantized projections keep float activations (inputs "
+                    "or groups not in whole blocks of %d)", len(kernels) - dot, len(kernels), INT8_DOT_BLOCK)
+
+
 # Row counts at which bfloat16 x keeps the float32 FMA kernel; any other takes the AMX one. The AMX
 # kernel dequantizes every weight to bf16 once per call whatever the rows; the FMA kernel does so
 # once per micro-kernel block of rows (AVX-512: 6, 4, 2, 1) and adds 2 FMAs per row and weight.
@@ -120,6 +182,11 @@ def linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None
         return F.linear(x, weight.dequantize(x.dtype), bias)
     q, scales, offsets = packed.data
     x2 = x.reshape(-1, packed.in_features)
+    if packed.kernel == "cpu-int8-dot":
+        fbias = None if bias is None else bias.to(torch.float32).contiguous()
+        y = torch.ops.quiver_cpu.linear_int8_dot(x2.to(torch.float32).contiguous(), q, scales, offsets, fbias,
+                                                 packed.out_features, packed.bits, packed.group_size)
+        return y.to(x.dtype).reshape(*x.shape[:-1], packed.out_features)
     if x.dtype == torch.bfloat16 and x2.shape[0] not in FMA_ROWS and amx_available():
         x2 = x2.contiguous()
         y = torch.ops.quiver_cpu.linear_quant_amx(x2, q, scales, offsets, bias, packed.out_features, packed.bits,

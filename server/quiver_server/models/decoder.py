@@ -355,6 +355,11 @@ class DecoderForCausalLM(nn.Module):
         if (self.lm_head_packed is not None or self.lm_head_quant is not None) and not self.config.tie_word_embeddings:
             self.lm_head.register_parameter("weight", None)
 
+    def quantized_weights(self) -> list[quant_gemm.PackedQuantWeight]:
+        """The packed quantized weights: every quantized projection's, and the LM head's."""
+        weights = [m.quant_weight for m in self.modules() if isinstance(m, Linear) and m.quant_weight is not None]
+        return weights + ([self.lm_head_quant] if self.lm_head_quant is not None else [])
+
     def checkpoint_loaders(self) -> dict[str, Loader]:
         """Every tensor name a transformers checkpoint of this config must contain (in this
         model's naming, see `checkpoint_name`) -> what stores it."""

@@ -15,6 +15,7 @@ from torch import nn
 
 from quiver_server.engine.forward_batch import ForwardBatch
 from quiver_server.kernels.ops import KernelOps
+from quiver_server.kernels.quant_gemm import PackedQuantWeight
 from quiver_server.engine.kv_cache import PagedKVCache
 from quiver_server.parallel import SINGLE, TensorParallel
 from quiver_server.quant.quantize import QuantizeSpec
@@ -152,6 +153,10 @@ class ModelFamily(Protocol):
         ...
 
     def get_submodule(self, target: str) -> nn.Module: ...
+
+    def quantized_weights(self) -> list[PackedQuantWeight]:
+        """The packed quantized weights: every quantized projection's, and the LM head's."""
+        ...
 
     def named_modules(self) -> Iterator[tuple[str, nn.Module]]: ...
 
