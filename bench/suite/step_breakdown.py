@@ -4,9 +4,10 @@ move and the host's measured stream bandwidth.
 
 The shard's own `Engine` runs in this process, per dtype (float32, bfloat16, and the projections
 quantized to int8 and int4 with float32 activations; "bfloat16-int8" etc. for 16-bit
-activations). The chat prompts (bench/fixtures/real_prompts.py) are prefilled once; then 1, 8
-and 32 streams decode on the base and on the adapter (every row on it), and one prompt of 256
-and of 1,024 tokens is prefilled alone (bench/fixtures/step_runs.py says how). Per step:
+activations; an "-a8" suffix, e.g. "int8-a8", adds `--quantize-activations int8`). The chat
+prompts (bench/fixtures/real_prompts.py) are prefilled once; then 1, 8 and 32 streams decode
+on the base and on the adapter (every row on it), and one prompt of 256 and of 1,024 tokens is
+prefilled alone (bench/fixtures/step_runs.py says how). Per step:
 
 - the components' times, measured by wrapping the engine's layers and ops at run time
   (bench/fixtures/step_timer.py): projections, LoRA deltas, attention, small ops (norms,
@@ -53,16 +54,21 @@ class Setting:
     name: str
     dtype: str  # activations and unquantized weights
     quantize: str | None = None
+    activations: str = "none"  # --quantize-activations
 
     @classmethod
     def parse(cls, name: str) -> Setting:
-        """"float32", "bfloat16", "int8"/"int4" (float32 activations), "bfloat16-int8" etc."""
-        dtype, _, quantize = name.partition("-")
+        """"float32", "bfloat16", "int8"/"int4" (float32 activations), "bfloat16-int8" etc.; a
+        quantized one with "-a8" after it rounds the projections' inputs to int8."""
+        base, a8, rest = name.partition("-a8")
+        activations = "int8" if a8 else "none"
+        dtype, _, quantize = base.partition("-")
         if dtype in ("int8", "int4") and not quantize:
-            return cls(name, "float32", dtype)
-        if dtype not in ("float32", "bfloat16") or quantize not in ("", "int8", "int4"):
-            raise ValueError(f"unknown setting {name!r}: float32, bfloat16, int8, int4, bfloat16-int8, ...")
-        return cls(name, dtype, quantize or None)
+            dtype, quantize = "float32", dtype
+        known = dtype in ("float32", "bfloat16") and quantize in ("", "int8", "int4")
+        if not known or rest or (a8 and not quantize):
+            raise ValueError(f"unknown setting {name!r}: float32, bfloat16, int8, int4, bfloat16-int8, int8-a8, ...")
+        return cls(name, dtype, quantize or None, activations)
 
 
 def log(message: str) -> None:
@@ -79,7 +85,8 @@ def build_engine(model_dir: Path, setting: Setting, prompts: list[list[int]], pl
     loaded and active when given) and a KV cache just large enough for `EngineSteps`."""
     from quiver_server.engine.engine import Engine
 
-    engine = Engine(str(model_dir), ENGINE_MODEL_ID, dtype=setting.dtype, device="cpu", quantize=setting.quantize)
+    engine = Engine(str(model_dir), ENGINE_MODEL_ID, dtype=setting.dtype, device="cpu", quantize=setting.quantize,
+                    quantize_activations=setting.activations)
     blocks = EngineSteps.blocks_for(prompts, plan, engine.kv_spec.block_size)
     engine.cpu_kv_cache_gib = (blocks + 1) * engine.kv_spec.bytes_per_block() / 2**30
     longest = max([len(p) for p in prompts] + list(plan.prefill_chunks))
@@ -190,12 +197,14 @@ def run(model_root: Path, repeats: int, dtypes: str = DTYPES, streams: str = "1,
     }
     for setting in settings:
         stream_gb_s = best_bandwidth()
-        log(f"step breakdown: {setting.name} (dtype {setting.dtype}, quantize {setting.quantize})")
+        log(f"step breakdown: {setting.name} (dtype {setting.dtype}, quantize {setting.quantize}, activations "
+            f"{setting.activations})")
         started = time.perf_counter()
         engine = build_engine(demo, setting, prompts, plan, adapter_dir, real_model.ADAPTER)
         result = breakdown(engine, prompts, plan, real_model.ADAPTER if adapter_dir else "", stream_gb_s,
                            setting.name, out)
-        block["settings"][setting.name] = {"dtype": setting.dtype, "quantize": setting.quantize, **result,
+        block["settings"][setting.name] = {"dtype": setting.dtype, "quantize": setting.quantize,
+                                           "activations": setting.activations, **result,
                                            "wall_s": round(time.perf_counter() - started, 1)}
         del engine
     stream_gb_s = best_bandwidth()
@@ -226,7 +235,8 @@ def floor_table(block: dict) -> str:
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtypes", default=DTYPES, help="comma-separated settings: float32, bfloat16, int8, int4, "
-                                                    "bfloat16-int8, bfloat16-int4")
+                                                    "bfloat16-int8, bfloat16-int4; -a8 after a quantized one: "
+                                                    "int8 activations (int8-a8)")
     p.add_argument("--streams", default="1,8,32", help="comma-separated decode stream counts")
     p.add_argument("--repeats", type=int, default=2, help="rounds of (timed, plain) decode steps per configuration")
     p.add_argument("--steps", type=int, default=8, help="decode steps per round, timed and plain each")
