@@ -3,7 +3,7 @@ output channel; int4 in groups of 32 with offsets). Through a prefill and decode
 projection must compute the documented definition in float64 on its inputs, with the weight
 re-derived here from the float checkpoint (not from quiver's quantizer or kernel):
 
-    y = sum over blocks of 32 inputs of  s * d * (q . a)  +  o * sum(x)  (+ bias),
+    y = sum over blocks of 32 inputs of  d * (s * (q . a)  +  o * sum(a))  (+ bias),
     a = round(x * (127 / max|x|)), d = max|x| / 127 (per row and block)."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def quantized(w: torch.Tensor, method: str) -> tuple[torch.Tensor, torch.Tensor,
 def definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
                group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The formula above in float64 for rows x, and a bound on a float32 evaluation's error (the
-    integer sums exact; a block's s * d, its product, the sums over blocks and of x rounded)."""
+    integer sums exact; a block's s * d or d * sum(a), its product and the sums over blocks rounded)."""
     blocks = x.float().view(x.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(dim=2, keepdim=True)
     inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
@@ -58,8 +58,8 @@ def definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, offset: to
     y, magnitude = terms.sum(2), terms.abs().sum(2)
     if offset is not None:
         offsets = offset.double().repeat_interleave(group // BLOCK, dim=1)
-        y = y + (blocks.double().sum(2)[:, None, :] * offsets[None]).sum(2)
-        magnitude = magnitude + (blocks.double().abs().sum(2)[:, None, :] * offsets.abs()[None]).sum(2)
+        offset_terms = (a.sum(2) * d)[:, None, :] * offsets[None]
+        y, magnitude = y + offset_terms.sum(2), magnitude + offset_terms.abs().sum(2)
     u = 2.0**-24
     n = 2 * blocks.shape[1] + BLOCK + 4
     return y, (n * u / (1 - n * u) + u) * magnitude + u * y.abs()

@@ -3,14 +3,15 @@
 re-derived here: each row of x rounded in blocks of 32 inputs to a = round(x * (127 / max|x|))
 (both float32 operations, ties to even), d = max|x| / 127, and
 
-    y = sum over blocks of  s * d * (q . a)  +  o * sum(x)   (+ bias)
+    y = sum over blocks of  d * (s * (q . a)  +  o * sum(a))   (+ bias)
 
-with the weight's q, scale s and offset o of the block's group. The integer dot products are
-exact, so any wrong byte of `a` (a rounding off by one) shows as an error of about s * d * |q|,
-hundreds of times the float32 bound the test allows. Every row block (AVX-512: 4, 2, 1; AVX2: 2,
-1), prefill chunks, last panels of a few columns, per-row and grouped scales, offsets, bias, 16-bit
-activations. `make test` runs this file once per vector ISA the host has (the AVX-512 build with
-VNNI where the CPU has it; the AVX2 build multiplies with vpmaddubsw instead)."""
+with the weight's q, scale s and offset o of the block's group: the rounded x times the weight.
+The integer dot products are exact, so any wrong byte of `a` (a rounding off by one) shows as an
+error of about s * d * |q|, hundreds of times the float32 bound the test allows. Every row block
+(AVX-512: 4, 2, 1; AVX2: 2, 1), prefill chunks, last panels of a few columns, per-row and grouped
+scales, offsets, bias, 16-bit activations. `make test` runs this file once per vector ISA the
+host has (the AVX-512 build with VNNI where the CPU has it; the AVX2 build multiplies with
+vpmaddubsw instead)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,15 @@ def expected(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
     y = terms.sum(2)
     magnitude = terms.abs().sum(2)
     if weight.offsets is not None:
-        sums = blocks.double().sum(2)  # [rows, blocks]
+        sums = a.sum(2) * d  # [rows, blocks]: d * sum(a), rounded once to float32 by the kernel
         offset_terms = sums[:, None, :] * per_block(weight.offsets)[None]
         y = y + offset_terms.sum(2)
-        # Each block's sum of x in float32 (32 terms), then its product and the running sum.
-        abs_sums = blocks.double().abs().sum(2)
-        magnitude = magnitude + (abs_sums[:, None, :] * per_block(weight.offsets).abs()[None]).sum(2)
+        magnitude = magnitude + offset_terms.abs().sum(2)
     if bias is not None:
         y = y + bias.double()
         magnitude = magnitude + bias.double().abs()
-    # float32: a block's s * d, its product with the exact sum, the sum over blocks (+ offsets,
-    # bias) in any order, each block's sum of x; then the result stored in x's dtype.
+    # float32: a block's s * d (or d * sum(a)), its product with the exact sum, the sum over
+    # blocks (+ offsets, bias) in any order; then the result stored in x's dtype.
     u_out = UNIT_ROUNDOFF[x.dtype]
     bound = (gamma(2 * (k // BLOCK) + BLOCK + 4) + FLOAT32_UNIT_ROUNDOFF) * magnitude + u_out * y.abs()
     return y, bound
