@@ -173,8 +173,19 @@ def amx_available() -> bool:
     return cpu_ops.available() and bool(torch.ops.quiver_cpu.quant_amx_available())
 
 
+# The C++ op of each CPU kernel, looked up when first called (the library loads on first use).
+_CPU_OPS = {"cpu": lambda: torch.ops.quiver_cpu.linear_quant,
+            "cpu-int8-dot": lambda: torch.ops.quiver_cpu.linear_int8_dot}
+
+
 def linear(x: torch.Tensor, packed: PackedQuantWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, dequant(W), bias); x [..., in] -> [..., out] in x's dtype."""
+    if x.dtype == torch.float32 and x.dim() == 2 and packed.kernel in _CPU_OPS:
+        # Float32 rows as a step has them (the ops take the bias in any dtype): the general path's
+        # Python glue below cost about as much as a one-row product itself (~8 us a call).
+        q, scales, offsets = packed.data
+        return _CPU_OPS[packed.kernel]()(x.contiguous(), q, scales, offsets, bias, packed.out_features, packed.bits,
+                                         packed.group_size)
     if packed.kernel == "triton":
         return triton_linear(x, packed.data, bias)
     if packed.kernel == "torch":
