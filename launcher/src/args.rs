@@ -39,7 +39,8 @@ pub struct LauncherArgs {
           value_parser = clap::value_parser!(u32).range(1..))]
     pub num_shard: u32,
 
-    /// Weight and activation dtype; auto = 16-bit on CUDA (a half checkpoint's own, else bfloat16), float32 on CPU.
+    /// Weight and activation dtype; auto = 16-bit on CUDA (a half checkpoint's own, else bfloat16);
+    /// on CPU bfloat16 for a bfloat16 checkpoint where the CPU has AMX or AVX512-BF16, else float32.
     #[arg(long, env = "QUIVER_DTYPE", value_enum, default_value_t = Dtype::Auto)]
     pub dtype: Dtype,
 

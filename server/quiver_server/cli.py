@@ -56,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uds-path", required=True, help="unix socket to listen on")
     serve.add_argument("--revision", help="hub revision (branch, tag or commit)")
     serve.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                       help="auto: 16-bit on CUDA (a half checkpoint's own, else bfloat16), float32 on CPU")
+                       help="auto: 16-bit on CUDA (a half checkpoint's own, else bfloat16); on CPU bfloat16 for a "
+                            "bfloat16 checkpoint where the CPU has AMX or AVX512-BF16, else float32")
     serve.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                        help="auto: cuda if available")
     serve.add_argument("--quantize", choices=["int8", "int4"],

@@ -1,12 +1,15 @@
 """Which device and dtype a shard serves in, decided without a GPU: `--dtype auto` on CUDA is a
-16-bit dtype whatever the checkpoint states, and a CUDA device without an index is the rank's."""
+16-bit dtype whatever the checkpoint states; on CPU bfloat16 only for a bfloat16 checkpoint on a
+CPU that multiplies bfloat16 in hardware; a CUDA device without an index is the rank's."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 
-from quiver_server.device_choice import resolve_device, resolve_dtype
+from quiver_server.device_choice import cpu_multiplies_bfloat16, resolve_device, resolve_dtype
 
 CUDA = torch.device("cuda", 0)
 
@@ -27,8 +30,29 @@ def test_auto_on_cuda_is_sixteen_bit(stated: str | None, bf16: bool, expected: t
     assert resolve_dtype("auto", config, CUDA, bf16_supported=lambda: bf16) == expected
 
 
-def test_auto_on_cpu_is_float32_and_names_are_kept() -> None:
-    assert resolve_dtype("auto", {"dtype": "bfloat16"}, torch.device("cpu")) == torch.float32
+@pytest.mark.parametrize(
+    "stated,hardware_bf16,expected",
+    [
+        ("bfloat16", True, torch.bfloat16),  # AMX or AVX512-BF16: the checkpoint's own
+        ("bfloat16", False, torch.float32),  # AVX2: bfloat16 arithmetic is emulated, ~5x slower
+        ("float16", True, torch.float32),  # bfloat16 would round float16's mantissa
+        ("float32", True, torch.float32),
+        (None, True, torch.float32),
+    ],
+)
+def test_auto_on_cpu_is_bfloat16_only_for_a_bfloat16_checkpoint_on_bfloat16_hardware(
+        stated: str | None, hardware_bf16: bool, expected: torch.dtype) -> None:
+    config = {"model_type": "llama"} | ({"dtype": stated} if stated else {})
+    assert resolve_dtype("auto", config, torch.device("cpu"), cpu_bf16=lambda: hardware_bf16) == expected
+
+
+def test_this_hosts_bfloat16_hardware_is_read_from_its_cpu_flags() -> None:
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    assert cpu_multiplies_bfloat16() == bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def test_names_are_kept() -> None:
+    assert resolve_dtype("float32", {"dtype": "bfloat16"}, torch.device("cpu"), cpu_bf16=lambda: True) == torch.float32
     assert resolve_dtype("float16", {}, CUDA, bf16_supported=lambda: True) == torch.float16
     with pytest.raises(ValueError, match="not one of auto"):
         resolve_dtype("float64", {}, CUDA)
