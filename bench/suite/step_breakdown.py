@@ -45,7 +45,7 @@ from bench.fixtures.step_timer import COMPONENTS, HOST
 from bench.suite import real_model
 from bench.suite import report as reports
 
-DTYPES = "float32,bfloat16,int8,int4"
+DTYPES = "float32,bfloat16,int8,int4,int8-a8,int4-a8"
 ENGINE_MODEL_ID = "quiver-demo"
 
 
