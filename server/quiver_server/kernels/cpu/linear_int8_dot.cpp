@@ -269,13 +269,8 @@ at::Tensor linear_int8_dot(const at::Tensor& x, const at::Tensor& q, const at::T
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && q.dim() == 3 && q.size(0) == panels &&
                   q.size(1) == k_len / (bits == 8 ? 4 : 8) && q.size(2) == kPanelBytes,
               "packed values ", q.sizes(), " do not fit ", k_len, " inputs and ", n, " outputs");
-  const std::vector<int64_t> params{panels, k_len / group, PANEL};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
-              "scales must be a contiguous float32 ", at::IntArrayRef(params));
+  quiver_quant::check_params(scales, offsets, k_len / group, panels, PANEL);
   const bool has_offsets = offsets.has_value();
-  if (has_offsets)
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
-                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
   const Activations acts(x.data_ptr<float>(), m, k_len);

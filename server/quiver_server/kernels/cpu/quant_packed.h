@@ -1,6 +1,7 @@
-// Checks shared by the quantized-matmul ops (linear_quant.cpp, linear_quant_amx.cpp), which read
-// the same packed weight: values [P, K or K / 2, panel] (int8, or two 4-bit values a byte),
-// scales and offsets [P, K / group, panel] float32, and a bias of the outputs padded to panels.
+// Checks shared by the quantized-matmul ops (linear_quant.cpp, linear_quant_amx.cpp; the scales
+// and offsets also linear_int8_dot.cpp's), which read the same packed weight: values
+// [P, K or K / 2, panel] (int8, or two 4-bit values a byte), scales and offsets
+// [P, K / group, panel] float32, and a bias of the outputs padded to panels.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -10,6 +11,17 @@
 #include <vector>
 
 namespace quiver_quant {
+
+// Scales and offsets (if any) as the panels hold them: contiguous float32 [panels, groups, panel].
+inline void check_params(const at::Tensor& scales, const c10::optional<at::Tensor>& offsets, int64_t groups,
+                         int64_t panels, int64_t panel) {
+  const std::vector<int64_t> params{panels, groups, panel};
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
+              "scales must be a contiguous float32 ", at::IntArrayRef(params));
+  if (offsets.has_value())
+    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
+                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
+}
 
 // The number of panels, once q, scales and offsets are checked against k_len inputs and n outputs.
 inline int64_t check_packed(const at::Tensor& q, const at::Tensor& scales, const c10::optional<at::Tensor>& offsets,
@@ -22,12 +34,7 @@ inline int64_t check_packed(const at::Tensor& q, const at::Tensor& scales, const
   TORCH_CHECK(q.scalar_type() == (bits == 8 ? at::kChar : at::kByte) && q.is_contiguous() && q.dim() == 3 &&
                   q.size(0) == panels && q.size(1) == (bits == 8 ? k_len : k_len / 2) && q.size(2) == panel,
               "packed values ", q.sizes(), " do not fit ", k_len, " inputs and ", n, " outputs");
-  const std::vector<int64_t> params{panels, k_len / group, panel};
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.sizes() == params,
-              "scales must be a contiguous float32 ", at::IntArrayRef(params));
-  if (offsets.has_value())
-    TORCH_CHECK(offsets->scalar_type() == at::kFloat && offsets->is_contiguous() && offsets->sizes() == params,
-                "offsets must be a contiguous float32 ", at::IntArrayRef(params));
+  check_params(scales, offsets, k_len / group, panels, panel);
   return panels;
 }
 
