@@ -12,6 +12,8 @@ import pytest
 import reference
 from adapter_models import (
     COMPLETION_PROMPTS,
+    SERVED_NAME,
+    SHARD_ENV,
     adapter_set,
     completion_ids,
     greedy_completion_burst,
@@ -20,6 +22,7 @@ from adapter_models import (
 )
 from quantized_reference import write_dequantized
 from served import token_ids
+from stack import Stack, StackConfig, StackError
 
 MAX_TOKENS = 12
 ADAPTERS = ["kinds/rank8", "kinds/qv-only", "kinds/every-linear"]
@@ -50,3 +53,14 @@ def test_base_and_adapters_on_a_quantized_base_equal_peft_on_the_dequantized_bas
         moved += served_ids != greedy_with(adapters.base_dir, adapter_dir, prompt_ids, MAX_TOKENS).token_ids
     # Quantization moves some greedy tokens of the float model: the reference is not the float base.
     assert moved > 0
+
+
+def test_int8_activations_without_quantized_projections_stop_start_up_naming_why(tmp_path_factory) -> None:
+    adapters = adapter_set(tmp_path_factory)
+    config = StackConfig(model_id=str(adapters.base_dir), served_model_name=SERVED_NAME, max_input_tokens=256,
+                         max_total_tokens=512, extra_args=["--quantize-activations", "int8"], extra_env=SHARD_ENV)
+    stack = Stack(config, tmp_path_factory.mktemp("logs") / "int8-activations-refused.log")
+    with pytest.raises(StackError, match="launcher exited"):
+        stack.start()
+    assert stack.process.returncode != 0
+    assert "--quantize-activations int8 needs quantized projections" in stack.log(), stack.log()
