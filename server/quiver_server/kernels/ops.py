@@ -238,13 +238,6 @@ class TritonKernelOps(KernelOps):
     decode_gathers: ClassVar[bool] = False
     quant_kernel: ClassVar[str] = "triton"
 
-    def pack_quantized(self, weight: QuantizedWeight) -> quant_gemm.PackedQuantWeight:
-        """Under `--quantize-activations int8`, for the 8-bit dot-product kernel where the weight
-        comes in whole blocks of 32 inputs (others keep float activations: `quant_gemm`)."""
-        if self.quantized_activations == "int8" and quant_gemm.int8_dot_fits(weight):
-            return quant_gemm.pack(weight, self.device, "cpu-int8-dot")
-        return quant_gemm.pack(weight, self.device, self.quant_kernel)
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dim() != 2:  # the kernel takes rows of a matrix
             return torch_ops.rms_norm(x, weight, eps)
